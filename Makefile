@@ -1,0 +1,42 @@
+# jpaged: the two set-up commands are `make demo` and `make test`.
+# Each creates .venv (Python >= 3.12, pinned to the GPU machine's versions) if it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
+
+.PHONY: demo test test-gpu test-tpu lint format bench-decode goldens venv clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(PY) || "$$(tools/python312.sh)" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 -q
+
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -m gpu -q
+
+test-tpu: $(VENV)/.installed
+	$(PY) -m pytest -m tpu -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench-decode: $(VENV)/.installed
+	$(PY) benchmarks/decode_attention.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,0 +1,193 @@
+"""Public attention entry points: validate, pick an implementation, call it.
+
+Implementations live in ``pallas_kernels/<op>/<impl>.py``; each exposes a
+function named ``<op>_<impl>`` and ``unsupported_reason(...)`` (``None`` when it
+can run the given arguments). Auto dispatch consults ``unsupported_reason`` and
+falls back to ``"xla"``; an explicitly requested implementation that cannot run
+raises ``ValueError`` with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Literal
+
+import jax
+
+from jpaged import _backend
+
+Implementation = Literal["xla", "pallas_gpu", "pallas_tpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu")
+_MODULE = {"xla": "xla", "pallas_gpu": "kernel_gpu", "pallas_tpu": "kernel_tpu"}
+
+
+def _impl_module(op: str, impl: str):
+    return importlib.import_module(f"pallas_kernels.{op}.{_MODULE[impl]}")
+
+
+def _resolve(op: str, implementation: str | None, interpret: bool | None, args, kwargs) -> str:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be None (auto) or one of {IMPLEMENTATIONS}")
+    if interpret and implementation not in ("pallas_gpu", "pallas_tpu"):
+        raise ValueError(
+            f"interpret=True runs a Pallas kernel in its interpreter: pass "
+            f"implementation='pallas_gpu' or 'pallas_tpu' (got {implementation=})"
+        )
+    if implementation is not None:
+        if not interpret:
+            mod = _impl_module(op, implementation)
+            reason = mod.unsupported_reason(*args, **kwargs)
+            if reason is not None:
+                raise ValueError(
+                    f"implementation={implementation!r} cannot run this call: {reason}"
+                )
+        return implementation
+    platform = _backend.default_platform()
+    candidates: list[str] = []
+    if platform == "tpu":
+        candidates.append("pallas_tpu")
+    elif platform == "gpu" and _backend.has_mosaic_gpu():
+        candidates.append("pallas_gpu")
+    for impl in candidates:
+        try:
+            mod = _impl_module(op, impl)
+        except ImportError:  # kernel not shipped for this op yet
+            continue
+        if mod.unsupported_reason(*args, **kwargs) is None:
+            return impl
+    return "xla"
+
+
+def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: Any = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    **tuning: Any,
+) -> jax.Array:
+    """Decode attention over a paged KV cache: one query token per sequence.
+
+    Args:
+      q: [B, N, H] queries; the query of sequence b sits at position ``lengths[b] - 1``.
+      k_pages: [K, P, C, H] key pages, or [L, K, P, C, H] with ``layer``.
+      v_pages: like ``k_pages``.
+      block_tables: i32[B, W]; entry (b, i) is the page holding tokens [i*C, (i+1)*C) of b.
+      lengths: i32[B] tokens in the cache per sequence (the query's own included).
+      sm_scale: logit scale, default ``1 / sqrt(H)``.
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+      sliding_window: if set, only the last ``sliding_window`` keys are seen.
+      layer: layer index (int or i32[]) into a 5-D pool.
+      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      interpret: run the Pallas kernel in its interpreter (any backend).
+      **tuning: implementation-specific knobs (block sizes, splits).
+
+    Returns:
+      [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
+
+    Raises:
+      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+
+    >>> import jax.numpy as jnp, jpaged
+    >>> q = jnp.ones((1, 2, 4)); kv = jnp.ones((1, 3, 2, 4))
+    >>> jpaged.paged_attention(q, kv, kv, jnp.array([[2, 0]]), jnp.array([3])).shape
+    (1, 2, 4)
+    """
+    from pallas_kernels.paged_attention import validate
+
+    validate.validate_static(
+        q, k_pages, v_pages, block_tables, lengths,
+        logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
+    )  # fmt: skip
+    args = (q, k_pages, v_pages, block_tables, lengths)
+    kwargs = dict(
+        sm_scale=_sm_scale(sm_scale, q.shape[-1]),
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    impl = _resolve("paged_attention", implementation, interpret, args, kwargs)
+    fn = getattr(_impl_module("paged_attention", impl), f"paged_attention_{impl}")
+    if impl == "xla":
+        return fn(*args, **kwargs, **tuning)
+    return fn(*args, **kwargs, interpret=bool(interpret), **tuning)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: Any = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    **tuning: Any,
+) -> jax.Array:
+    """Attention of a ragged batch of query tokens over a paged KV cache.
+
+    Serves prefill, chunked prefill, multi-token decode and mixed batches in one call.
+
+    Args:
+      q: [T, N, H]; the tokens of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      v_pages: like ``k_pages``.
+      block_tables: i32[B, W].
+      kv_lens: i32[B] tokens in the cache per sequence, the new query tokens included.
+      cu_q_lens: i32[B + 1] cumulative query lengths, starting at 0.
+      num_seqs: i32[] (or i32[1]) number of live sequences; rows from
+        ``cu_q_lens[num_seqs]`` on are padding and come back as zeros.
+      sm_scale: logit scale, default ``1 / sqrt(H)``.
+      causal: token i of sequence b, at position ``kv_lens[b] - q_len_b + i``, sees keys
+        at positions <= its own. If False it sees all ``kv_lens[b]`` keys.
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+      sliding_window: if set, a query at position p sees keys j with ``p - j < sliding_window``.
+      layer: layer index into a 5-D pool.
+      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      interpret: run the Pallas kernel in its interpreter.
+      **tuning: implementation-specific knobs.
+
+    Returns:
+      [T, N, H] in ``q.dtype``.
+
+    Raises:
+      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+    """
+    from pallas_kernels.ragged_paged_attention import validate
+
+    validate.validate_static(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+        logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
+    )  # fmt: skip
+    args = (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+    kwargs = dict(
+        sm_scale=_sm_scale(sm_scale, q.shape[-1]),
+        causal=causal,
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    impl = _resolve("ragged_paged_attention", implementation, interpret, args, kwargs)
+    fn = getattr(_impl_module("ragged_paged_attention", impl), f"ragged_paged_attention_{impl}")
+    if impl == "xla":
+        return fn(*args, **kwargs, **tuning)
+    return fn(*args, **kwargs, interpret=bool(interpret), **tuning)

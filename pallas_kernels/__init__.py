@@ -1,0 +1,1 @@
+"""Pallas paged-attention kernels (Mosaic GPU, Mosaic TPU) with plain-jnp references."""

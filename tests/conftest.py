@@ -1,0 +1,26 @@
+"""Test configuration shared by the whole suite.
+
+Strict dtype promotion everywhere (no silent f32 upcasts); warnings are errors
+(pyproject.toml). Tests marked ``gpu``/``tpu`` are skipped unless that backend
+is present.
+"""
+
+import jax
+import pytest
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = _backend()
+    skip_gpu = pytest.mark.skip(reason="needs a GPU backend (run with `pytest -m gpu` on a GPU)")
+    skip_tpu = pytest.mark.skip(reason="needs a TPU backend (run with `pytest -m tpu` on a TPU)")
+    for item in items:
+        if "gpu" in item.keywords and backend != "gpu":
+            item.add_marker(skip_gpu)
+        if "tpu" in item.keywords and backend != "tpu":
+            item.add_marker(skip_tpu)
