@@ -9,5 +9,7 @@ from jpaged._errors import OutOfPagesError as OutOfPagesError
 # --- host allocator (foundation) ---
 # --- models ---
 # --- engine ---
+from jpaged._sampling import BeamSearchParams as BeamSearchParams
+from jpaged._sampling import SamplingParams as SamplingParams
 
 __version__ = "0.1.0"

@@ -1,0 +1,131 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, per-request seeds; parameter checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jpaged
+from jpaged._sampling import sample, top_logprobs
+
+V = 12
+_sample = jax.jit(sample)
+
+
+def _rows(logits, *, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):
+    logits = np.asarray(logits, np.float32)
+    B = logits.shape[0]
+    seeds = np.arange(B) if seeds is None else seeds
+    positions = np.zeros(B) if positions is None else positions
+    tok, lp = _sample(
+        jnp.asarray(logits),
+        jnp.full((B,), temperature, jnp.float32),
+        jnp.full((B,), top_k, jnp.int32),
+        jnp.full((B,), top_p, jnp.float32),
+        jnp.asarray(seeds, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+    )
+    return np.asarray(tok), np.asarray(lp)
+
+
+def test_greedy_is_argmax_with_its_logprob():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, V)).astype(np.float32) * 3
+    tok, lp = _rows(logits, temperature=0.0)
+    np.testing.assert_array_equal(tok, logits.argmax(-1))
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(64), tok], atol=1e-5, rtol=1e-5)
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(64, V)).astype(np.float32)
+    tok, _ = _rows(logits, temperature=5.0, top_k=1)
+    np.testing.assert_array_equal(tok, logits.argmax(-1))
+
+
+def test_same_seed_same_token_whatever_the_batch():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(64, V)).astype(np.float32)
+    seeds = rng.integers(0, 2**31 - 1, size=64)
+    positions = rng.integers(0, 1000, size=64)
+    batch, _ = _rows(logits, seeds=seeds, positions=positions)
+    perm = rng.permutation(64)
+    shuffled, _ = _rows(logits[perm], seeds=seeds[perm], positions=positions[perm])
+    np.testing.assert_array_equal(shuffled, batch[perm])
+    # Row 5 with other rows replaced by different logits, seeds and positions.
+    other = rng.normal(size=(64, V)).astype(np.float32)
+    other[7] = logits[5]
+    s2 = rng.integers(0, 2**31 - 1, size=64)
+    p2 = rng.integers(0, 1000, size=64)
+    s2[7], p2[7] = seeds[5], positions[5]
+    again, _ = _rows(other, seeds=s2, positions=p2)
+    assert again[7] == batch[5]
+    # A different position draws differently somewhere.
+    moved, _ = _rows(logits, seeds=seeds, positions=positions + 1)
+    assert (moved != batch).any()
+
+
+def _empirical(logits_row, n, **kw):
+    logits = np.repeat(np.asarray(logits_row, np.float32)[None], n, axis=0)
+    tok, _ = _rows(logits, seeds=np.arange(n), **kw)
+    return np.bincount(tok, minlength=V) / n
+
+
+def test_temperature_top_k_top_p_distribution():
+    n = 4096
+    logits = np.linspace(2.0, -2.0, V).astype(np.float32)  # token 0 most likely
+    # Temperature 2: frequencies match softmax(logits / 2).
+    p = np.exp(logits / 2) / np.exp(logits / 2).sum()
+    freq = _empirical(logits, n, temperature=2.0)
+    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(p.max() / n))
+    # Top-k 3: only tokens 0..2, in proportion.
+    freq = _empirical(logits, n, top_k=3)
+    p3 = np.exp(logits[:3]) / np.exp(logits[:3]).sum()
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(freq[:3], p3, atol=4 * np.sqrt(0.25 / n))
+    # Top-p: the nucleus is the shortest prefix reaching top_p.
+    probs = np.exp(logits) / np.exp(logits).sum()
+    top_p = float(probs[:2].sum() + 1e-3)  # needs tokens 0, 1, 2
+    freq = _empirical(logits, n, top_p=top_p)
+    assert freq[3:].sum() == 0 and (freq[:3] > 0).all()
+
+
+def test_top_logprobs_matches_numpy():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, V)).astype(np.float32)
+    vals, ids = jax.jit(top_logprobs, static_argnums=1)(jnp.asarray(logits), 3)
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-ref, -1)[:, :3])
+    np.testing.assert_allclose(np.asarray(vals), -np.sort(-ref, -1)[:, :3], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"n": 0}, "n=0"),
+        ({"seed": -1}, "seed=-1"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens=5"),
+    ],
+)
+def test_invalid_sampling_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jpaged.SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"beam_width": 0}, "beam_width=0"),
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+    ],
+)
+def test_invalid_beam_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jpaged.BeamSearchParams(**kwargs)
