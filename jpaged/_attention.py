@@ -22,8 +22,20 @@ IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu")
 _MODULE = {"xla": "xla", "pallas_gpu": "kernel_gpu", "pallas_tpu": "kernel_tpu"}
 
 
+class _NotShipped(ValueError):
+    """The implementation's module does not exist (yet) for this op."""
+
+
 def _impl_module(op: str, impl: str):
-    return importlib.import_module(f"pallas_kernels.{op}.{_MODULE[impl]}")
+    name = f"pallas_kernels.{op}.{_MODULE[impl]}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # a real import error inside the module: let it surface
+            raise
+        raise _NotShipped(
+            f"implementation={impl!r} is not available for {op}: {name} does not exist"
+        ) from None
 
 
 def _resolve(op: str, implementation: str | None, interpret: bool | None, args, kwargs) -> str:
@@ -35,8 +47,8 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
             f"implementation='pallas_gpu' or 'pallas_tpu' (got {implementation=})"
         )
     if implementation is not None:
+        mod = _impl_module(op, implementation)  # raises ValueError if not shipped
         if not interpret:
-            mod = _impl_module(op, implementation)
             reason = mod.unsupported_reason(*args, **kwargs)
             if reason is not None:
                 raise ValueError(
@@ -52,7 +64,7 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
     for impl in candidates:
         try:
             mod = _impl_module(op, impl)
-        except ImportError:  # kernel not shipped for this op yet
+        except _NotShipped:  # kernel not shipped for this op yet
             continue
         if mod.unsupported_reason(*args, **kwargs) is None:
             return impl
