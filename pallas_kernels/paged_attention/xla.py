@@ -109,6 +109,45 @@ def paged_attention_xla(
     )
 
 
+def chunk_schedule(
+    lengths_B: jax.Array,
+    *,
+    page_size: int,
+    width: int,
+    pages_per_chunk: int,
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Which pages each sequence walks, and how many loop steps the batch needs.
+
+    Sequence b reads table columns ``[first_page_B[b], pages_used_B[b])``, in steps of
+    ``pages_per_chunk`` columns; the loop runs ``num_chunks`` steps, the most any
+    sequence needs. With a sliding window, ``first_page_B`` is the page of the first
+    visible key, so pages before the window cost nothing.
+
+    Args:
+      lengths_B: i32[B] sequence lengths (clipped to [0, W * C]).
+      page_size: C.
+      width: W, the block-table width.
+      pages_per_chunk: table columns gathered per step.
+      sliding_window: None or the window w.
+
+    Returns:
+      ``(lengths_B, lo_B, first_page_B, pages_used_B, num_chunks)``: clipped lengths,
+      first visible position, first table column read, columns in use, i32[] steps.
+    """
+    C, R = page_size, pages_per_chunk
+    lengths_B = jnp.clip(lengths_B, 0, width * C)
+    pages_used_B = (lengths_B + C - 1) // C
+    if sliding_window is None:
+        lo_B = jnp.zeros_like(lengths_B)
+    else:
+        lo_B = jnp.maximum(lengths_B - sliding_window, 0)
+    first_page_B = jnp.minimum(lo_B // C, pages_used_B)
+    chunks_B = (pages_used_B - first_page_B + R - 1) // R
+    num_chunks = jnp.max(chunks_B, initial=0)
+    return lengths_B, lo_B, first_page_B, pages_used_B, num_chunks
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "logits_soft_cap", "sliding_window", "pages_per_chunk"),
@@ -127,16 +166,9 @@ def _paged_attention_xla(
     dot_dtype = kv_dtype if q_BNH.dtype == kv_dtype else jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
 
-    lengths_B = jnp.clip(lengths_B, 0, W * C)
-    pages_used_B = (lengths_B + C - 1) // C
-    if sliding_window is None:
-        first_page_B = jnp.zeros_like(lengths_B)
-        lo_B = jnp.zeros_like(lengths_B)
-    else:
-        lo_B = jnp.maximum(lengths_B - sliding_window, 0)  # first visible position
-        first_page_B = jnp.minimum(lo_B // C, pages_used_B)
-    chunks_B = (pages_used_B - first_page_B + R - 1) // R
-    num_chunks = jnp.max(chunks_B, initial=0)
+    lengths_B, lo_B, first_page_B, pages_used_B, num_chunks = chunk_schedule(
+        lengths_B, page_size=C, width=W, pages_per_chunk=R, sliding_window=sliding_window
+    )
 
     q_BKGH = q_BNH.reshape(B, K, G, H).astype(dot_dtype)
     page_R = jnp.arange(R, dtype=jnp.int32)
