@@ -1,0 +1,77 @@
+"""Shared timing helpers for the benchmarks (GPU first; they also run, slowly, on CPU).
+
+- ``wall_us``: many back-to-back calls, one sync, median over rounds (what a serving loop sees,
+  launch gaps and epilogue kernels included).
+- ``cupti_us``: kernel-only device time through ``jax.experimental.mosaic.gpu.profiler``
+  (CUPTI), median over iterations; None where CUPTI is unavailable.
+- ``read_roofline_tbs``: HBM read bandwidth of a large reduction measured in the same process,
+  the ceiling every memory-bound figure is compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def wall_us(fn: Callable, *args, calls: int = 50, rounds: int = 5, warmup: int = 2) -> float:
+    """Median over ``rounds`` of (time for ``calls`` back-to-back calls, one sync) / calls, in us.
+
+    ``fn`` should be jitted; its first call (compile) is excluded by the warm-up.
+    """
+    for _ in range(warmup):
+        _block(fn(*args))
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        _block(out)
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per_call)
+
+
+def cupti_us(fn: Callable, *args, iterations: int = 20) -> float | None:
+    """Median kernel-only time in us over ``iterations`` (sum of the kernels of one call).
+
+    Returns None where CUPTI cannot run (no GPU, or another CUPTI subscriber is attached).
+    """
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
+    except Exception as e:  # CUPTI unavailable: report, do not fail the benchmark
+        print(f"cupti unavailable: {type(e).__name__}: {e}")
+        return None
+    if times_ms is None:
+        return None
+    if not isinstance(times_ms, list):
+        times_ms = [times_ms]
+    return statistics.median(times_ms) * 1e3
+
+
+def read_roofline_tbs(num_bytes: int = 4 << 30, dtype=jnp.bfloat16) -> tuple[float, float]:
+    """HBM read bandwidth of ``jnp.sum`` over ``num_bytes`` of random data.
+
+    Returns:
+      (TB/s from wall-clock, TB/s from CUPTI or NaN).
+    """
+    n = num_bytes // jnp.dtype(dtype).itemsize
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), dtype)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    wall = wall_us(f, x, calls=20, rounds=5)
+    kern = cupti_us(f, x)
+    del x
+    to_tbs = lambda us: num_bytes / (us * 1e-6) / 1e12
+    return to_tbs(wall), (to_tbs(kern) if kern else float("nan"))

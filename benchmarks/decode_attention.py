@@ -1,0 +1,338 @@
+"""Decode attention benchmark: jpaged's Mosaic GPU kernel against its anchors, on one GPU.
+
+In ONE process it measures the HBM read roofline (``jnp.sum`` over 4 GiB), then per case:
+jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
+``key_value_seq_lengths`` on the same lengths), JAX's deprecated Pallas-Triton paged kernel and
+the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
+a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
+median of ``--rounds`` rounds) and CUPTI kernel-only side by side. Effective TB/s = live K/V
+bytes / time.
+
+    python benchmarks/decode_attention.py --quick            # the issue's 9-row table
+    python benchmarks/decode_attention.py                    # the full sweep
+    python benchmarks/decode_attention.py --quick --out r.json
+
+Prints a table and writes JSON (to ``--out``, default ``$OUT/decode_<tag>.json`` or
+``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import sys
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _timing
+
+from pallas_kernels.paged_attention import kernel_gpu
+
+N_HEADS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int
+    ctx: int
+    K: int
+    C: int = 16
+    H: int = 128
+    N: int = N_HEADS
+
+    @property
+    def label(self) -> str:
+        s = f"B={self.B} ctx={self.ctx} K={self.K}"
+        if self.C != 16:
+            s += f" C={self.C}"
+        if self.H != 128:
+            s += f" H={self.H}"
+        return s
+
+
+QUICK = [
+    Case(1, 32768, 8),
+    Case(8, 32768, 8),
+    Case(32, 2048, 8),
+    Case(128, 2048, 8),
+    Case(64, 4096, 8),
+    Case(64, 2048, 32),
+    Case(256, 1024, 8),
+    Case(128, 2048, 8, C=64),
+    Case(128, 2048, 4, H=64),
+]
+
+# The issue's anchors (TB/s, H200, JAX 0.11.2): cuDNN non-paged and deprecated Pallas-Triton.
+ISSUE_ANCHORS = {
+    Case(1, 32768, 8): (2.19, 1.55),
+    Case(8, 32768, 8): (3.73, 1.89),
+    Case(32, 2048, 8): (2.91, 1.74),
+    Case(128, 2048, 8): (4.08, 1.98),
+    Case(64, 4096, 8): (3.96, 2.13),
+    Case(64, 2048, 32): (4.42, 1.98),
+    Case(256, 1024, 8): (4.13, 1.73),
+    Case(128, 2048, 8, C=64): (4.04, None),
+    Case(128, 2048, 4, H=64): (3.09, 1.59),
+}
+
+
+def full_sweep(max_live_gb: float) -> list[Case]:
+    cases = []
+    for B, ctx, K, C in itertools.product(
+        (1, 8, 32, 128, 256), (512, 2048, 8192, 32768), (8, 32), (16, 64)
+    ):
+        c = Case(B, ctx, K, C=C)
+        if B * ctx * K * c.H * 4 / 1e9 <= max_live_gb:
+            cases.append(c)
+    return cases
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+    lengths_np: np.ndarray
+    width: int
+
+
+def make_inputs(case: Case, rng: np.random.Generator, *, width_multiple: int = 1) -> Inputs:
+    B, K, C, H = case.B, case.K, case.C, case.H
+    lengths = rng.integers(case.ctx // 2, case.ctx * 3 // 2 + 1, size=B).astype(np.int32)
+    pages = -(-lengths // C)
+    W = int(pages.max())
+    W = -(-W // width_multiple) * width_multiple
+    P = int(pages.sum()) + 16
+    perm = rng.permutation(P).astype(np.int32)
+    tables = np.empty((B, W), np.int32)
+    cur = 0
+    for b in range(B):
+        n = int(pages[b])
+        tables[b, :n] = perm[cur : cur + n]
+        tables[b, n:] = perm[rng.integers(0, P, W - n)]  # unused slots: valid random ids
+        cur += n
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k1, k2, k3 = jax.random.split(key, 3)
+    dt = jnp.bfloat16
+    return Inputs(
+        q=jax.random.normal(k1, (B, case.N, H), dt),
+        k_pages=jax.random.normal(k2, (K, P, C, H), dt),
+        v_pages=jax.random.normal(k3, (K, P, C, H), dt),
+        block_tables=jnp.asarray(tables),
+        lengths=jnp.asarray(lengths),
+        lengths_np=lengths,
+        width=W,
+    )
+
+
+def live_bytes(case: Case, lengths: np.ndarray) -> int:
+    return int(lengths.astype(np.int64).sum()) * case.K * case.H * 2 * 2
+
+
+def _ours(inp: Inputs, case: Case, **tuning):
+    scale = 1.0 / math.sqrt(case.H)
+    f = jax.jit(
+        lambda q, k, v, bt, ln: kernel_gpu.paged_attention_pallas_gpu(
+            q, k, v, bt, ln, sm_scale=scale, **tuning
+        )
+    )
+    return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
+def _xla(inp: Inputs, case: Case):
+    from pallas_kernels.paged_attention import xla
+
+    scale = 1.0 / math.sqrt(case.H)
+    f = jax.jit(
+        lambda q, k, v, bt, ln: xla.paged_attention_xla(q, k, v, bt, ln, sm_scale=scale)
+    )
+    return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
+def _dense_kv(inp: Inputs, case: Case):
+    """Contiguous [B, S, K, H] K/V holding the same tokens (for cuDNN)."""
+    S = inp.width * case.C
+    gather = jax.jit(
+        lambda pages, bt: pages[:, bt].reshape(case.K, case.B, S, case.H).transpose(1, 2, 0, 3)
+    )
+    return gather(inp.k_pages, inp.block_tables), gather(inp.v_pages, inp.block_tables)
+
+
+def _cudnn(inp: Inputs, case: Case, k_dense, v_dense):
+    scale = 1.0 / math.sqrt(case.H)
+
+    def f(q, k, v, ln):
+        o = jax.nn.dot_product_attention(
+            q[:, None],
+            k,
+            v,
+            scale=scale,
+            key_value_seq_lengths=ln,
+            implementation="cudnn",
+        )
+        return o[:, 0]
+
+    return jax.jit(f), (inp.q, k_dense, v_dense, inp.lengths)
+
+
+def _triton(inp: Inputs, case: Case, k_splits: int = 16, ppcb: int = 4):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as pa_triton
+    scale = jnp.asarray(1.0 / math.sqrt(case.H), inp.q.dtype)
+
+    def f(q, k, v, bt, ln):
+        return pa_triton.paged_attention(
+            q * scale, k, v, bt, ln, k_splits=k_splits, pages_per_compute_block=ppcb
+        )
+
+    return jax.jit(f), (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
+def _measure(name, builder, nbytes, args_ns, results, ref=None):
+    try:
+        f, args = builder()
+        out = jax.block_until_ready(f(*args))
+        err = None
+        if ref is not None:
+            a = np.asarray(out.astype(jnp.float32))
+            err = float(np.max(np.abs(a - ref)))
+        w = _timing.wall_us(f, *args, calls=args_ns.calls, rounds=args_ns.rounds)
+        k = _timing.cupti_us(f, *args)
+        results[name] = {
+            "wall_us": w,
+            "cupti_us": k,
+            "wall_tbs": nbytes / (w * 1e-6) / 1e12,
+            "cupti_tbs": (nbytes / (k * 1e-6) / 1e12) if k else None,
+            "max_abs_err_vs_xla": err,
+        }
+        return out
+    except Exception as e:
+        results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        traceback.print_exc(limit=2)
+        return None
+
+
+def run_case(case: Case, rng, ns, roofline) -> dict:
+    inp = make_inputs(case, rng, width_multiple=64)
+    nbytes = live_bytes(case, inp.lengths_np)
+    res: dict = {}
+    row = {"case": dataclasses.asdict(case), "label": case.label, "live_bytes": nbytes}
+    ref = None
+    if not ns.skip_xla:
+        out = _measure("xla", lambda: _xla(inp, case), nbytes, ns, res)
+        ref = None if out is None else np.asarray(out.astype(jnp.float32))
+    _measure("pallas_gpu", lambda: _ours(inp, case), nbytes, ns, res, ref)
+    for S in ns.splits:
+        _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
+    if not ns.skip_cudnn:
+        kd, vd = _dense_kv(inp, case)
+        _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), nbytes, ns, res, ref)
+        del kd, vd
+    if not ns.skip_triton and case.H >= 64:
+        _measure("triton_deprecated", lambda: _triton(inp, case), nbytes, ns, res, ref)
+    row["results"] = res
+    ours = res.get("pallas_gpu", {})
+    for anchor in ("cudnn", "triton_deprecated"):
+        a = res.get(anchor, {})
+        if "wall_us" in ours and "wall_us" in a:
+            row[f"vs_{anchor}"] = a["wall_us"] / ours["wall_us"]
+    if "wall_tbs" in ours:
+        row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
+    row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, 64)
+    return row
+
+
+def _fmt(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def print_table(rows, roofline):
+    print(f"\nHBM read roofline (wall): {roofline:.2f} TB/s")
+    hdr = (
+        f"{'case':<26} {'us':>7} {'cupti':>7} {'TB/s':>5} {'%roof':>5} "
+        f"{'cuDNN':>5} {'xla':>5} {'trit':>5} {'vsCuDNN':>7} {'vsTrit':>6} S"
+    )
+    print(hdr)
+    for r in rows:
+        res = r["results"]
+        o = res.get("pallas_gpu", {})
+        tb = lambda k: _fmt(res.get(k, {}).get("wall_tbs"), ".2f")
+        print(
+            f"{r['label']:<26} {_fmt(o.get('wall_us'), '7.1f')} {_fmt(o.get('cupti_us'), '7.1f')} "
+            f"{tb('pallas_gpu'):>5} {_fmt(r.get('pct_roofline'), '5.0f')} {tb('cudnn'):>5} "
+            f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
+            f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
+        )
+        for k, v in res.items():
+            if k.startswith("pallas_gpu_S") and "wall_tbs" in v:
+                print(f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
+                      f"{v['wall_tbs']:5.2f}")
+            if "error" in v:
+                print(f"    {k}: {v['error'][:160]}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the issue's 9-row table only")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--splits", type=int, nargs="*", default=[], help="extra split counts")
+    p.add_argument("--max-live-gb", type=float, default=4.0)
+    p.add_argument("--skip-xla", action="store_true")
+    p.add_argument("--skip-cudnn", action="store_true")
+    p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--only", type=int, nargs="*", help="indices of cases to run")
+    p.add_argument("--out", default=None)
+    ns = p.parse_args(argv)
+    cases = QUICK if ns.quick else full_sweep(ns.max_live_gb)
+    if ns.only:
+        cases = [cases[i] for i in ns.only]
+    dev = jax.devices()[0]
+    roof_wall, roof_cupti = _timing.read_roofline_tbs()
+    print(f"device {dev.device_kind}, jax {jax.__version__}, roofline {roof_wall:.2f} TB/s wall, "
+          f"{roof_cupti:.2f} TB/s cupti", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in cases:
+        print(f"-- {c.label}", flush=True)
+        rows.append(run_case(c, rng, ns, roof_wall))
+        r = rows[-1]["results"].get("pallas_gpu", {})
+        print(f"   ours {r.get('wall_tbs', r.get('error'))}", flush=True)
+    print_table(rows, roof_wall)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": dev.device_kind,
+        "jax": jax.__version__,
+        "roofline_wall_tbs": roof_wall,
+        "roofline_cupti_tbs": roof_cupti,
+        "calls": ns.calls,
+        "rounds": ns.rounds,
+        "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
+    }
+    tag = "quick" if ns.quick else "sweep"
+    out = ns.out or os.path.join(
+        os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
+        f"decode_{tag}.json",
+    )
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""Paged decode attention on Mosaic GPU (Hopper sm90 and newer).
+
+One CTA (one warpgroup) per (KV head, split, sequence). It reads each K/V byte once: the G query
+heads of a KV head are one 64-row wgmma tile (rows past G hold neighbouring heads' queries and are
+computed and dropped). K/V tiles of ``T = block_kv`` tokens are gathered page by page with TMA
+(``copy_gmem_to_smem``) into a multi-stage SMEM ring; each barrier slot expects one arrival per
+page copy. The compute tile is independent of the page size: a tile holds ``T / C`` whole pages
+when ``C <= T`` and a ``T``-row slice of one page when ``C > T``.
+
+Scores and the online softmax run in f32 in base 2 (``log2(e)`` folded into the scale). Q and P
+are wgmma operands in SMEM (the variant the Mosaic GPU interpreter can run, and as fast as
+registers on the H200 per ``research/mosaic_gpu.md``). Rows of the last tile past the sequence
+end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach the output.
+
+Long sequences are split across ``num_splits`` CTAs (split-KV); each writes its normalised f32
+partial output and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is
+chosen from static shapes only (no host sync; jit- and CUDA-graph safe).
+
+Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): f32,
+page sizes below 8 or not dividing / divided by the tile, head dims other than 64/128/256,
+groups G > 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
+_LOG2E = math.log2(math.e)
+_LSE_COLS = 16  # lse is written as [.., 16] f32 rows (64 B, a legal TMA box)
+_SMEM_BYTES = 227 * 1024
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static description of one kernel instance (hashable: a jit static argument)."""
+
+    num_seqs: int  # B
+    num_q_heads: int  # N
+    num_kv_heads: int  # K
+    num_pages: int  # P (per layer and head)
+    page_size: int  # C
+    head_dim: int  # H
+    dtype: Any
+    sm_scale: float
+    logits_soft_cap: float | None
+    sliding_window: int | None
+    block_kv: int  # T
+    num_stages: int
+    num_splits: int
+    longest_first: bool
+    interpret: bool
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def copies_per_tile(self) -> int:
+        return max(1, self.block_kv // self.page_size)
+
+    @property
+    def rows_per_copy(self) -> int:
+        return min(self.page_size, self.block_kv)
+
+
+def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
+    q = _ROWS * head_dim * itemsize
+    kv = 2 * num_stages * block_kv * head_dim * itemsize
+    p = _ROWS * block_kv * itemsize
+    return q + kv + p + 1024  # barriers and alignment
+
+
+def default_num_stages(head_dim: int, block_kv: int = 64) -> int:
+    """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2."""
+    for stages in (4, 3):
+        if _smem_bytes(head_dim, block_kv, stages) <= 113 * 1024:
+            return stages
+    return 2
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
+    """Split-KV factor from static shapes: fill ~4 CTAs per SM, keep >= 4 tiles per split."""
+    programs = num_seqs * num_kv_heads
+    if programs >= 512:
+        return 1
+    max_tiles = -(-max_tokens // block_kv)
+    splits = min(-(-512 // programs), max(1, max_tiles // 4), 64)
+    return max(1, splits)
+
+
+def unsupported_reason(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    sm_scale=None,
+    logits_soft_cap=None,
+    sliding_window=None,
+    layer=None,
+    block_kv: int = 64,
+    check_backend: bool = True,
+) -> str | None:
+    """Why this kernel cannot run these arguments, or None if it can.
+
+    Args:
+      q: [B, N, H]; k_pages, v_pages: [K, P, C, H] or [L, K, P, C, H]; block_tables: i32[B, W];
+        lengths: i32[B]. Only shapes and dtypes are read.
+      sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
+      block_kv: the token tile T the kernel would use.
+      check_backend: also require an sm90+ GPU as the default backend.
+    """
+    del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
+    reasons = []
+    if check_backend:
+        from jpaged import _backend
+
+        if not _backend.has_mosaic_gpu():
+            reasons.append("Mosaic GPU needs an NVIDIA GPU with compute capability >= 9.0")
+    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        reasons.append(
+            f"q/k_pages/v_pages dtypes ({q.dtype}, {k_pages.dtype}, {v_pages.dtype}) must all be "
+            "bfloat16 or all float16"
+        )
+    *_, C, H = k_pages.shape
+    if H not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
+    if C < 8 or (block_kv % C and C % block_kv):
+        reasons.append(
+            f"page_size={C} must be >= 8 and divide or be a multiple of the tile {block_kv=}"
+        )
+    N = q.shape[1]
+    K = k_pages.shape[-4]
+    G = N // K if K else 0
+    if G > _ROWS or (G % 8 and G > _ROWS - 7):
+        reasons.append(f"group size G={G} must be <= 56 (or a multiple of 8 up to 64)")
+    rows = math.prod(k_pages.shape[:-1])
+    if rows >= 2**31:
+        reasons.append(f"the pool has {rows} rows; the kernel indexes rows with int32")
+    return "; ".join(reasons) if reasons else None
+
+
+def _smem_transforms():
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
+    """Body of one CTA: (KV head h, split s, sequence slot b)."""
+    if cfg.longest_first:
+        order_ref, *outs = rest
+    else:
+        order_ref, outs = None, list(rest)
+    T, H, C, G = cfg.block_kv, cfg.head_dim, cfg.page_size, cfg.group
+    S, stages, dtype = cfg.num_splits, cfg.num_stages, cfg.dtype
+    n_cp, r = cfg.copies_per_tile, cfg.rows_per_copy
+
+    h = lax.axis_index("h")
+    s = lax.axis_index("s")
+    b = lax.axis_index("b")
+    if order_ref is not None:
+        b = order_ref[b]
+    length = len_ref[b]
+    lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
+    t_lo = lo // T
+    t_hi = (length + T - 1) // T
+    per_split = (t_hi - t_lo + S - 1) // S
+    start = t_lo + s * per_split
+    n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
+    last_page = jnp.maximum((length + C - 1) // C - 1, 0)
+    head_base = base_ref[0] + h * (cfg.num_pages * C)
+
+    qrow = b * cfg.num_q_heads + h * G
+    qrow8 = pl.multiple_of((qrow // 8) * 8, 8)
+    qoff = qrow - qrow8
+
+    def scoped(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar):
+        def issue(i, slot):
+            tile_tok = (start + i) * T
+            for j in range(n_cp):
+                tok = tile_tok + j * r
+                page = bt_ref[b, jnp.minimum(tok // C, last_page)]
+                row = pl.multiple_of(head_base + page * C + tok % C, 8)
+                dst = pl.ds(j * r, r)
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[pl.ds(row, r)], k_smem.at[slot, dst], k_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[pl.ds(row, r)], v_smem.at[slot, dst], v_bar.at[slot]
+                )
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qrow8, _ROWS)], q_smem, q_bar)
+        for i in range(stages):
+            pl.when(i < n)(functools.partial(issue, i, i))
+        plgpu.barrier_wait(q_bar)
+
+        acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(
+            jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+        def step(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, jnp.int32(stages))
+            tile_tok = (start + i) * T
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+            if cfg.logits_soft_cap:
+                cap = cfg.logits_soft_cap
+                sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+            else:
+                sc = sc * (cfg.sm_scale * _LOG2E)
+            col = tile_tok + plgpu.broadcasted_iota(
+                jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA
+            )
+            visible = (col < length) & (col >= lo)
+            sc = jnp.where(visible, sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            @pl.when(tile_tok + T > length)
+            def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+                tile = v_smem.at[slot]
+                rows = tile_tok + plgpu.broadcasted_iota(
+                    jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
+                )
+                vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+                tile[...] = jnp.where(rows < length, vals, jnp.zeros_like(vals))
+                plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+            pl.when(i + stages < n)(lambda: issue(i + stages, slot))
+            return acc, m_new, l
+
+        return lax.fori_loop(0, n, step, (acc, m, l))
+
+    tr = _smem_transforms()
+    acc, m, l = pl.run_scoped(
+        scoped,
+        plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+    )
+    empty = l == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+
+    if S == 1:
+        (o_ref,) = outs
+
+        def write(o_smem):
+            o_smem[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[pl.ds(qrow, G)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(write, plgpu.SMEM((_ROWS, H), dtype))
+    else:
+        o_ref, lse_ref = outs
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+        def write_split(o_smem, lse_smem):
+            o_smem[...] = out
+            lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[s, pl.ds(qrow, G)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(qoff, G)], lse_ref.at[s, pl.ds(qrow, G)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            write_split,
+            plgpu.SMEM((_ROWS, H), jnp.float32),
+            plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
+        )
+
+
+def _merge_splits(o_SRH, lse_SRL, dtype):
+    """Log-sum-exp merge of split partials: o f32[S, R, H], lse f32[S, R, 16] (base 2)."""
+    lse_SR = lse_SRL[..., 0]
+    mx_R = jnp.max(lse_SR, axis=0)
+    mx_R = jnp.where(jnp.isfinite(mx_R), mx_R, 0.0)
+    w_SR = jnp.exp2(lse_SR - mx_R)
+    den_R = jnp.sum(w_SR, axis=0)
+    num_RH = jnp.einsum("sr,srh->rh", w_SR, o_SRH)
+    return (num_RH / jnp.where(den_R == 0.0, 1.0, den_R)[:, None]).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, lengths_B, layer):
+    B, N, H = q_BNH.shape
+    K, P, C = cfg.num_kv_heads, cfg.num_pages, cfg.page_size
+    q_RH = q_BNH.reshape(B * N, H)
+    if cfg.interpret:  # hardware TMA zero-fills rows past the end; the interpreter raises
+        q_RH = jnp.pad(q_RH, ((0, _ROWS), (0, 0)))
+    k_RH = k_pages.reshape(-1, H)
+    v_RH = v_pages.reshape(-1, H)
+    base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
+    lengths_B = lengths_B.astype(jnp.int32)
+    block_tables_BW = block_tables_BW.astype(jnp.int32)
+    args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
+    if cfg.longest_first:
+        args.append(jnp.argsort(-lengths_B).astype(jnp.int32))
+    S = cfg.num_splits
+    if S == 1:
+        out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((S, B * N, H), jnp.float32),
+            jax.ShapeDtypeStruct((S, B * N, _LSE_COLS), jnp.float32),
+        )
+    name = f"paged_decode_mgpu_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    body = functools.partial(_kernel_body, cfg)
+    body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(K, S, B),
+        grid_names=("h", "s", "b"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )
+    out = kernel(*args)
+    if S == 1:
+        return out.reshape(B, N, H)
+    o_SRH, lse_SRL = out
+    return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H)
+
+
+def paged_attention_pallas_gpu(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer=None,
+    interpret: bool = False,
+    block_kv: int = 64,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    longest_first: bool | None = None,
+) -> jax.Array:
+    """Decode attention over a paged KV cache with the Mosaic GPU kernel.
+
+    Args:
+      q: [B, N, H] bf16 or f16; the query of sequence b sits at position ``lengths[b] - 1``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      v_pages: like ``k_pages``.
+      block_tables: i32[B, W]; entry (b, i) is the page of tokens [i*C, (i+1)*C) of b.
+      lengths: i32[B] tokens per sequence (the query's own included); 0 gives zeros.
+      sm_scale: logit scale (already resolved).
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+      sliding_window: if set, only the last ``sliding_window`` keys are seen; whole tiles
+        before the window are never read.
+      layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
+      block_kv: tokens per K/V tile T (64 or 128).
+      num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM).
+      num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
+      longest_first: schedule sequences longest first (an on-device argsort); default B >= 16.
+
+    Returns:
+      [B, N, H] in ``q.dtype``.
+
+    Raises:
+      ValueError: if the kernel cannot run these shapes/dtypes (``unsupported_reason``) or a
+        tuning knob is out of range.
+    """
+    reason = unsupported_reason(
+        q, k_pages, v_pages, block_tables, lengths, block_kv=block_kv, check_backend=False
+    )
+    if reason is not None:
+        raise ValueError(f"paged_attention_pallas_gpu cannot run this call: {reason}")
+    if block_kv not in (64, 128):
+        raise ValueError(f"{block_kv=} must be 64 or 128")
+    B, N, H = q.shape
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError("layer must be given with a 5-D [L, K, P, C, H] pool")
+        _, K, P, C, _ = k_pages.shape
+    else:
+        K, P, C, _ = k_pages.shape
+        layer = 0
+    W = block_tables.shape[1]
+    stages = default_num_stages(H, block_kv) if num_stages is None else int(num_stages)
+    if stages < 1 or _smem_bytes(H, block_kv, stages) > _SMEM_BYTES:
+        raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    splits = default_num_splits(B, K, W * C, block_kv) if num_splits is None else int(num_splits)
+    if splits < 1:
+        raise ValueError(f"num_splits={splits} must be >= 1")
+    cfg = _Config(
+        num_seqs=B,
+        num_q_heads=N,
+        num_kv_heads=K,
+        num_pages=P,
+        page_size=C,
+        head_dim=H,
+        dtype=jnp.dtype(q.dtype),
+        sm_scale=float(sm_scale),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        block_kv=block_kv,
+        num_stages=stages,
+        num_splits=splits,
+        longest_first=(B >= 16) if longest_first is None else bool(longest_first),
+        interpret=bool(interpret),
+    )
+    return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
