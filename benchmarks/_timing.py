@@ -73,5 +73,5 @@ def read_roofline_tbs(num_bytes: int = 4 << 30, dtype=jnp.bfloat16) -> tuple[flo
     wall = wall_us(f, x, calls=20, rounds=5)
     kern = cupti_us(f, x)
     del x
-    to_tbs = lambda us: num_bytes / (us * 1e-6) / 1e12
-    return to_tbs(wall), (to_tbs(kern) if kern else float("nan"))
+    wall_tbs = num_bytes / (wall * 1e-6) / 1e12
+    return wall_tbs, (num_bytes / (kern * 1e-6) / 1e12 if kern else float("nan"))

@@ -157,9 +157,7 @@ def _xla(inp: Inputs, case: Case):
     from pallas_kernels.paged_attention import xla
 
     scale = 1.0 / math.sqrt(case.H)
-    f = jax.jit(
-        lambda q, k, v, bt, ln: xla.paged_attention_xla(q, k, v, bt, ln, sm_scale=scale)
-    )
+    f = jax.jit(lambda q, k, v, bt, ln: xla.paged_attention_xla(q, k, v, bt, ln, sm_scale=scale))
     return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
 
 
@@ -271,7 +269,10 @@ def print_table(rows, roofline):
     for r in rows:
         res = r["results"]
         o = res.get("pallas_gpu", {})
-        tb = lambda k: _fmt(res.get(k, {}).get("wall_tbs"), ".2f")
+
+        def tb(k, res=res):
+            return _fmt(res.get(k, {}).get("wall_tbs"), ".2f")
+
         print(
             f"{r['label']:<26} {_fmt(o.get('wall_us'), '7.1f')} {_fmt(o.get('cupti_us'), '7.1f')} "
             f"{tb('pallas_gpu'):>5} {_fmt(r.get('pct_roofline'), '5.0f')} {tb('cudnn'):>5} "
@@ -280,8 +281,10 @@ def print_table(rows, roofline):
         )
         for k, v in res.items():
             if k.startswith("pallas_gpu_S") and "wall_tbs" in v:
-                print(f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
-                      f"{v['wall_tbs']:5.2f}")
+                print(
+                    f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
+                    f"{v['wall_tbs']:5.2f}"
+                )
             if "error" in v:
                 print(f"    {k}: {v['error'][:160]}")
 
@@ -304,8 +307,11 @@ def main(argv=None):
         cases = [cases[i] for i in ns.only]
     dev = jax.devices()[0]
     roof_wall, roof_cupti = _timing.read_roofline_tbs()
-    print(f"device {dev.device_kind}, jax {jax.__version__}, roofline {roof_wall:.2f} TB/s wall, "
-          f"{roof_cupti:.2f} TB/s cupti", flush=True)
+    print(
+        f"device {dev.device_kind}, jax {jax.__version__}, roofline {roof_wall:.2f} TB/s wall, "
+        f"{roof_cupti:.2f} TB/s cupti",
+        flush=True,
+    )
     rng = np.random.default_rng(0)
     rows = []
     for c in cases:

@@ -90,9 +90,7 @@ def _run_case(
 def test_interpret_matches_reference(C, splits, extra):
     rng = np.random.default_rng(C)
     lengths = [0, 1, C - 1, C, C + 1, 150]
-    _run_case(
-        rng, lengths, K=2, G=2, H=64, C=C, interpret=True, num_splits=splits, **extra
-    )
+    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, num_splits=splits, **extra)
 
 
 # --------------------------------------------------------------------------- CPU: cross-lowering
