@@ -1,0 +1,254 @@
+"""The Mosaic TPU decode kernel: in the strict TPU interpreter on CPU, compiled on a TPU.
+
+Inputs follow the suite's rules (``_paged_inputs``): randomly permuted page pools, free pages
+and last-page tails NaN, unused table entries pointing at NaN pages (or out of range), lengths
+0, 1, C-1, C, C+1 and longer. The interpreter runs with ``pltpu.InterpretParams()`` in its
+default DMA mode (a DMA takes effect only when awaited, scratch starts as NaN), so a missing
+wait, a read of an un-fetched page or of uninitialised scratch reaches the output as NaN, and
+an out-of-range page id raises. Grids stay at most 32 steps (B * K).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _paged_inputs import make_paged_kv
+from _tolerances import assert_close
+from jax.experimental.pallas import tpu as pltpu
+
+import jpaged
+from pallas_kernels.paged_attention import kernel_tpu, tuning_tpu
+from pallas_kernels.paged_attention.reference import paged_attention_reference
+
+
+def _lengths(C: int) -> list[int]:
+    return [0, 1, C - 1, C, C + 1, 3 * C + 2]
+
+
+def _case(seed, *, C, K, G, H, dtype, lengths=None, num_layers=None, **kw):
+    rng = np.random.default_rng(seed)
+    lengths = _lengths(C) if lengths is None else lengths
+    kv = make_paged_kv(
+        rng, lengths, num_kv_heads=K, head_dim=H, page_size=C, dtype=dtype,
+        num_layers=num_layers, **kw,
+    )  # fmt: skip
+    q = jnp.asarray(rng.standard_normal((len(lengths), K * G, H)), dtype)
+    return q, kv
+
+
+def _check(q, kv, dtype, *, interpret, layer=None, scale=1.0, **kw):
+    out = jpaged.paged_attention(
+        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, layer=layer,
+        implementation="pallas_tpu", interpret=interpret, **kw,
+    )  # fmt: skip
+    kw.pop("pages_per_compute_block", None)
+    ref = paged_attention_reference(
+        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, layer=layer, **kw
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, dtype, scale=scale)
+    n0 = np.asarray(kv.lengths) == 0
+    assert np.all(np.asarray(out, np.float32)[n0] == 0.0), "length-0 rows must be zeros"
+
+
+# (C, K, G, H, dtype, pages_per_compute_block): page sizes, GQA ratios, head dims, dtypes and
+# block sizes (1 page, several pages, a block wider than some sequences).
+SHAPES = [
+    (8, 2, 1, 64, jnp.float32, 1),
+    (8, 2, 4, 128, jnp.float32, 2),
+    (16, 1, 8, 64, jnp.float32, 3),
+    (16, 2, 2, 128, jnp.bfloat16, 2),
+    (16, 2, 1, 64, jnp.bfloat16, 4),
+    (4, 2, 3, 64, jnp.float32, 2),  # interpreter only: C=4 is below the f32 sublane tile
+]
+
+
+@pytest.mark.parametrize("C,K,G,H,dtype,ppcb", SHAPES)
+def test_matches_reference(C, K, G, H, dtype, ppcb):
+    q, kv = _case(C * 100 + G, C=C, K=K, G=G, H=H, dtype=dtype)
+    _check(q, kv, dtype, interpret=True, pages_per_compute_block=ppcb)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 9, 40])
+def test_sliding_window(window):
+    # Windows smaller than a page, crossing a page boundary, equal to a page, past it, and
+    # longer than every sequence.
+    q, kv = _case(window, C=8, K=1, G=2, H=64, dtype=jnp.float32)
+    _check(q, kv, jnp.float32, interpret=True, sliding_window=window, pages_per_compute_block=2)
+
+
+@pytest.mark.parametrize("cap,sm_scale", [(2.0, None), (30.0, 0.37)])
+def test_soft_cap_and_scale(cap, sm_scale):
+    q, kv = _case(7, C=8, K=2, G=2, H=64, dtype=jnp.float32)
+    q = q * 4  # large logits, so the cap matters
+    _check(
+        q, kv, jnp.float32, interpret=True, logits_soft_cap=cap, sm_scale=sm_scale,
+        pages_per_compute_block=2,
+    )  # fmt: skip
+
+
+def test_bf16_window_cap_head_dim_256():
+    q, kv = _case(11, C=16, K=1, G=4, H=256, dtype=jnp.bfloat16, lengths=[17, 0, 40])
+    _check(
+        q, kv, jnp.bfloat16, interpret=True, sliding_window=20, logits_soft_cap=5.0,
+        pages_per_compute_block=2,
+    )  # fmt: skip
+
+
+def test_layered_pool_with_traced_layer():
+    q, kv = _case(3, C=8, K=2, G=2, H=64, dtype=jnp.float32, num_layers=3)
+
+    @jax.jit
+    def run(q, k, v, t, lens, layer):
+        return kernel_tpu.paged_attention_pallas_tpu(
+            q, k, v, t, lens, sm_scale=0.125, layer=layer, interpret=True,
+            pages_per_compute_block=2,
+        )  # fmt: skip
+
+    for layer in (2, 0):
+        out = run(q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, jnp.int32(layer))
+        ref = paged_attention_reference(
+            q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=0.125, layer=layer
+        )
+        assert_close(out, ref, jnp.float32, err_msg=f"{layer=}")
+    # The static-int layer through the public API takes the same kernel.
+    _check(q, kv, jnp.float32, interpret=True, layer=1, pages_per_compute_block=2)
+
+
+def test_out_of_range_unused_entries_are_never_read():
+    # Unused table entries hold ids >= P or negative; the interpreter raises on any
+    # out-of-bounds DMA, so passing means they were never fetched.
+    q, kv = _case(5, C=8, K=2, G=2, H=64, dtype=jnp.float32, out_of_range_tail=True)
+    _check(q, kv, jnp.float32, interpret=True, pages_per_compute_block=2)
+
+
+def test_no_races_two_cores_random_order(capfd):
+    # Two simulated TensorCores, parallel grid points visited in random order, and the
+    # race detector on: the grid must be safe to split across cores (megacore).
+    q, kv = _case(9, C=8, K=2, G=2, H=64, dtype=jnp.float32, lengths=[9, 0, 30, 17])
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=3)
+    _check(q, kv, jnp.float32, interpret=params, sliding_window=12, pages_per_compute_block=2)
+    assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+def test_new_lengths_compile_nothing():
+    q, kv = _case(13, C=8, K=2, G=1, H=64, dtype=jnp.float32, lengths=[3, 12])
+    args = (q, kv.k_pages, kv.v_pages, kv.block_tables)
+    kw = dict(sm_scale=0.125, interpret=True, pages_per_compute_block=2)
+    kernel_tpu.paged_attention_pallas_tpu(*args, jnp.asarray(kv.lengths), **kw).block_until_ready()
+    before = kernel_tpu._paged_attention_tpu._cache_size()
+    kernel_tpu.paged_attention_pallas_tpu(*args, jnp.asarray([8, 1], jnp.int32), **kw)
+    assert kernel_tpu._paged_attention_tpu._cache_size() == before
+
+
+def test_bad_block_size_raises():
+    q, kv = _case(1, C=8, K=1, G=1, H=64, dtype=jnp.float32, lengths=[3])
+    with pytest.raises(ValueError, match="pages_per_compute_block"):
+        kernel_tpu.paged_attention_pallas_tpu(
+            q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=1.0,
+            interpret=True, pages_per_compute_block=0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype,C,H,match",
+    [
+        (jnp.float16, 16, 128, "float32 or bfloat16"),
+        (jnp.float32, 8, 96, "multiple of 64"),
+        (jnp.float32, 4, 128, "multiple of 8"),
+        (jnp.bfloat16, 8, 128, "multiple of 16"),
+    ],
+)
+def test_unsupported_reason(dtype, C, H, match):
+    q = jax.ShapeDtypeStruct((2, 4, H), dtype)
+    kv = jax.ShapeDtypeStruct((2, 5, C, H), dtype)
+    t = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+    n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    reason = kernel_tpu.unsupported_reason(q, kv, kv, t, n, sm_scale=1.0)
+    assert reason is not None and match in reason
+
+
+def test_supported_shapes_have_no_reason():
+    for dtype, C in ((jnp.float32, 8), (jnp.bfloat16, 16)):
+        for H in (64, 128, 256):
+            q = jax.ShapeDtypeStruct((2, 4, H), dtype)
+            kv = jax.ShapeDtypeStruct((3, 2, 5, C, H), dtype)
+            t = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+            n = jax.ShapeDtypeStruct((2,), jnp.int32)
+            assert kernel_tpu.unsupported_reason(q, kv, kv, t, n, sm_scale=1.0, layer=0) is None
+
+
+@pytest.mark.parametrize(
+    "dtype,C,K,G,H,window,cap",
+    [
+        (jnp.float32, 8, 2, 1, 64, None, None),
+        (jnp.bfloat16, 16, 2, 4, 128, 100, None),
+        (jnp.bfloat16, 32, 1, 8, 256, None, 30.0),
+    ],
+)
+def test_lowers_for_tpu(dtype, C, K, G, H, window, cap):
+    # Cross-lowers the compiled kernel to a Mosaic TPU custom call on the CPU: catches ops
+    # and shapes the Mosaic lowering rejects, without a TPU.
+    B, P, W, L = 4, 64, 16, 2
+    q = jax.ShapeDtypeStruct((B, K * G, H), dtype)
+    kv = jax.ShapeDtypeStruct((L, K, P, C, H), dtype)
+    t = jax.ShapeDtypeStruct((B, W), jnp.int32)
+    n = jax.ShapeDtypeStruct((B,), jnp.int32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def f(q, k, v, t, n, layer):
+        return kernel_tpu.paged_attention_pallas_tpu(
+            q, k, v, t, n, sm_scale=0.1, logits_soft_cap=cap, sliding_window=window,
+            layer=layer, pages_per_compute_block=4,
+        )  # fmt: skip
+
+    text = jax.jit(f).trace(q, kv, kv, t, n, layer).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+def test_tuning_heuristic():
+    for gen in (*tuning_tpu.GENERATIONS.values(), tuning_tpu.DEFAULT, tuning_tpu.INTERPRET):
+        for C, H, itemsize, W in ((16, 128, 2, 64), (8, 64, 4, 3), (256, 256, 4, 512)):
+            n = tuning_tpu.decode_block_sizes(
+                page_size=C, head_dim=H, itemsize=itemsize, width=W, gen=gen
+            )["pages_per_compute_block"]
+            assert 1 <= n <= W
+            # The double buffer of K and V fits a quarter of the VMEM budget (or is 1 page).
+            assert n == 1 or 4 * n * C * max(H, 128) * itemsize <= gen.vmem_bytes // 4
+    assert tuning_tpu._generation_from_kind("TPU v5 lite").name == "v5e"
+    assert tuning_tpu._generation_from_kind("TPU v6 lite").name == "v6e"
+    assert tuning_tpu._generation_from_kind("TPU v5p").name == "v5p"
+    assert tuning_tpu._generation_from_kind("TPU7x").name == "v7x"
+    assert tuning_tpu._generation_from_kind("TPU v4").name == "v4"
+    assert tuning_tpu._generation_from_kind("something new").name == "default"
+
+
+@pytest.mark.tpu
+class TestCompiledOnTpu:
+    """The same cases compiled by Mosaic TPU (run with ``pytest -m tpu`` on a TPU)."""
+
+    @pytest.mark.parametrize("C,K,G,H,dtype,ppcb", [s for s in SHAPES if s[0] >= 8])
+    def test_matches_reference(self, C, K, G, H, dtype, ppcb):
+        q, kv = _case(C * 100 + G, C=C, K=K, G=G, H=H, dtype=dtype)
+        _check(q, kv, dtype, interpret=False, pages_per_compute_block=ppcb)
+
+    @pytest.mark.parametrize("window", [1, 5, 8, 9, 40])
+    def test_sliding_window(self, window):
+        q, kv = _case(window, C=8, K=2, G=2, H=64, dtype=jnp.float32)
+        _check(q, kv, jnp.float32, interpret=False, sliding_window=window)
+
+    def test_cap_layer_bf16_long(self):
+        q, kv = _case(
+            21, C=16, K=2, G=4, H=128, dtype=jnp.bfloat16, num_layers=2,
+            lengths=[0, 1, 15, 16, 17, 1000, 4099],
+        )  # fmt: skip
+        _check(q, kv, jnp.bfloat16, interpret=False, layer=1, logits_soft_cap=20.0)
+
+    def test_auto_dispatch_picks_tpu_kernel(self):
+        q, kv = _case(2, C=16, K=2, G=2, H=128, dtype=jnp.bfloat16)
+        args = (q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
+        auto = jpaged.paged_attention(*args)
+        explicit = jpaged.paged_attention(*args, implementation="pallas_tpu")
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
