@@ -1,12 +1,31 @@
 """jpaged: paged KV cache, paged attention kernels and an LLM engine in pure JAX."""
 
+# Imports are grouped by area (the comments below), not sorted: one block per owner.
+# ruff: noqa: I001
+
 from jpaged._attention import paged_attention as paged_attention
 from jpaged._attention import ragged_paged_attention as ragged_paged_attention
 from jpaged._errors import AllocatorError as AllocatorError
 from jpaged._errors import OutOfPagesError as OutOfPagesError
 
 # --- device state (foundation) ---
+from jpaged._block_table import BlockTable as BlockTable
+from jpaged._block_table import BlockTableDelta as BlockTableDelta
+from jpaged._block_table import HostBlockTable as HostBlockTable
+from jpaged._block_table import apply_delta as apply_delta
+from jpaged._cache import PagedKVCache as PagedKVCache
+from jpaged._cache import copy_pages as copy_pages
+from jpaged._cache import gather_pages as gather_pages
+from jpaged._cache import pages_for_budget as pages_for_budget
+from jpaged._cache import scatter_pages as scatter_pages
+from jpaged._cache import write_kv as write_kv
+from jpaged._cache import write_kv_layer as write_kv_layer
+
 # --- host allocator (foundation) ---
+from jpaged._allocator import AllocatorInvariantError as AllocatorInvariantError
+from jpaged._allocator import AllocatorStats as AllocatorStats
+from jpaged._allocator import BlockAllocator as BlockAllocator
+
 # --- models ---
 # --- engine ---
 from jpaged._sampling import BeamSearchParams as BeamSearchParams

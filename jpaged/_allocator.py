@@ -1,0 +1,756 @@
+"""The host block allocator: the single authority over which page holds what.
+
+`BlockAllocator` is plain Python (never traced). It keeps, per sequence id (any hashable
+host id), a block table (page ids) and a token count, a refcount per page, a free list, a
+prefix cache of full pages (SHA-256 hash chain, LRU of evictable pages) and a host swap
+pool. Every call is all-or-nothing: a call that raises leaves the allocator unchanged.
+
+Sequences:
+
+- ``allocate(seq_id, num_tokens)``: a new sequence holding ``num_tokens`` slots.
+- ``allocate_with_prefix(seq_id, token_ids, salt=None) -> num_cached_tokens``: the same,
+  reusing cached full pages of the longest cached prefix (never the whole prompt: the last
+  token is always computed). The caller computes K/V for tokens ``[num_cached_tokens, n)``.
+- ``append_slots(seq_id, num_tokens=1) -> [(src, dst)]``: grows the sequence. If the page
+  to be written is shared (refcount > 1) or cached, a new page replaces it in this table
+  and ``(src, dst)`` is returned for the device to copy first (copy-on-write, of the last
+  partial page only).
+- ``reserve(seq_id, num_tokens) -> [(src, dst)]``: makes the pages of the next
+  ``num_tokens`` positions exist and private, without changing the length (lookahead: the
+  device may then run that many steps and write their slots; later ``append_slots`` within
+  the reservation allocate nothing and return no copies, unless the sequence was forked
+  in between).
+- ``truncate(seq_id, num_tokens)``: shrinks; pages past the new end (reserved ones
+  included) are released.
+- ``fork(parent_id, child_id)``: the child shares every page of the parent holding tokens
+  (refcount + 1); never allocates.
+- ``free(seq_id)``: releases the pages (tail first) and forgets the sequence.
+- ``commit_full_pages(seq_id, token_ids, salt=None)``: registers the hashes of the
+  sequence's full pages in the prefix cache (call it when pages fill up).
+- ``swap_out(seq_ids) -> [(device_page, host_slot)]`` / ``swap_in(seq_ids) ->
+  [(host_slot, device_page)]``: move a group of sequences to the host pool and back; a
+  page shared inside the group moves once. The device side is `jpaged.gather_pages` /
+  `jpaged.scatter_pages`; run the gather of a swap-out before any later write to the
+  pool, since the released device pages may be handed out again.
+
+Queries: ``block_table``, ``host_block_table`` (while swapped out), ``num_tokens``, ``slots(seq_id, start, count)`` (i32 slot ids
+``page * C + offset``, valid up to the allocated capacity), ``can_allocate`` (honours the
+watermark), ``can_append_slots``, ``can_swap_in``, ``can_swap_out``, ``match_prefix``,
+``num_free_pages``, ``stats()``, ``take_dirty()`` (ids whose table or length changed) and
+``check_invariants()``.
+
+Errors: `jpaged.OutOfPagesError` (with ``needed``, ``free``, ``total`` attributes) when pages
+run out; `jpaged.AllocatorError` for misuse (unknown or duplicate id, double free, fork of
+an unknown sequence, operations on a swapped-out sequence, bad counts);
+`AllocatorInvariantError` from ``check_invariants``.
+
+>>> alloc = BlockAllocator(num_pages=8, page_size=4)
+>>> alloc.allocate("a", 6)
+>>> alloc.block_table("a"), alloc.slots("a", 4, 2).tolist()
+([0, 1], [4, 5])
+>>> alloc.fork("a", "b")
+>>> alloc.append_slots("b")  # "b" writes position 6 of shared page 1: copy it first
+[(1, 2)]
+>>> alloc.block_table("b"), alloc.stats().shared_pages
+([0, 2], 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from jpaged._errors import AllocatorError, OutOfPagesError
+from jpaged._prefix_cache import PrefixCache, hash_chain
+
+__all__ = ["AllocatorInvariantError", "AllocatorStats", "BlockAllocator"]
+
+CopyPairs = list[tuple[int, int]]
+
+
+class AllocatorInvariantError(RuntimeError):
+    """`BlockAllocator.check_invariants` found inconsistent state; the message lists it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of the allocator.
+
+    Attributes:
+      total_pages: pages in the device pool.
+      free_pages: pages on the free list (no content worth keeping).
+      used_pages: pages referenced by at least one sequence.
+      shared_pages: pages referenced by more than one sequence.
+      cached_pages: pages registered in the prefix cache (referenced or evictable).
+      evictable_pages: cached pages with no reference (reusable on a hit, evicted on demand).
+      num_seqs: sequences known (swapped ones included).
+      live_tokens: distinct device slots holding a token of some sequence.
+      logical_tokens: sum of the sequences' lengths (shared tokens counted per sequence).
+      allocated_slots: ``used_pages * page_size``.
+      utilisation: ``live_tokens / allocated_slots`` (1.0 when nothing is allocated).
+      cow_copies: copy-on-write page copies emitted so far.
+      prefix_queries: prefix-cache lookups made by ``allocate_with_prefix``.
+      prefix_query_tokens: prompt tokens of those lookups.
+      prefix_hit_tokens: tokens served from the cache.
+      evictions: cached pages evicted so far.
+      host_pages: capacity of the host swap pool.
+      host_free_pages: free host slots.
+      swapped_seqs: sequences now swapped out.
+      swapped_out_pages, swapped_in_pages: pages moved so far each way.
+      swapped_out_bytes, swapped_in_bytes: the same times ``bytes_per_page``.
+    """
+
+    total_pages: int
+    free_pages: int
+    used_pages: int
+    shared_pages: int
+    cached_pages: int
+    evictable_pages: int
+    num_seqs: int
+    live_tokens: int
+    logical_tokens: int
+    allocated_slots: int
+    utilisation: float
+    cow_copies: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evictions: int
+    host_pages: int
+    host_free_pages: int
+    swapped_seqs: int
+    swapped_out_pages: int
+    swapped_in_pages: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+
+
+@dataclasses.dataclass
+class _Seq:
+    pages: list[int]  # device pages, or host slots while swapped
+    num_tokens: int
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its first full pages
+    salt: bytes | str | None = None
+    swapped: bool = False
+
+
+class BlockAllocator:
+    """Pages, refcounts, block tables, copy-on-write, lookahead, prefix cache and swap.
+
+    Args:
+      num_pages: P, pages in the device pool (page ids ``0 .. P-1``, all ordinary).
+      page_size: C, tokens per page.
+      watermark: fraction of the pool that `can_allocate` and `can_swap_in` keep free, so
+        running sequences can still grow (vLLM's 0.01).
+      num_host_pages: capacity of the host swap pool, in pages (0: no swapping).
+      bytes_per_page: bytes of one page (K and V, all layers), for the swap byte counters
+        (`jpaged.PagedKVCache.bytes_per_page`).
+
+    Raises:
+      ValueError: a size is not a positive int, or the watermark is outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        watermark: float = 0.01,
+        num_host_pages: int = 0,
+        bytes_per_page: int = 0,
+    ):
+        for name, v, lo in (
+            ("num_pages", num_pages, 1),
+            ("page_size", page_size, 1),
+            ("num_host_pages", num_host_pages, 0),
+            ("bytes_per_page", bytes_per_page, 0),
+        ):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"{watermark=} must lie in [0, 1)")
+        self.num_pages, self.page_size = int(num_pages), int(page_size)
+        self.watermark_pages = int(watermark * num_pages)
+        self.num_host_pages, self.bytes_per_page = int(num_host_pages), int(bytes_per_page)
+        self._refcount = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
+        self._cache = PrefixCache()
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._freed_ids: OrderedDict[Hashable, None] = OrderedDict()  # for "double free"
+        self._dirty: set[Hashable] = set()
+        self._host_refcount = [0] * self.num_host_pages
+        self._host_free = list(range(self.num_host_pages - 1, -1, -1))
+        self._cow_copies = 0
+        self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
+        self._swapped_out_pages = self._swapped_in_pages = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages available to new allocations: free plus evictable cached ones."""
+        return len(self._free) + len(self._cache.evictable)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The page ids of ``seq_id``, reserved lookahead pages included (a copy)."""
+        return list(self._get(seq_id, "block_table").pages)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """The length of ``seq_id`` (reserved slots not counted)."""
+        return self._seqs[seq_id].num_tokens if seq_id in self._seqs else self._unknown(seq_id)
+
+    def host_block_table(self, seq_id: Hashable) -> list[int]:
+        """The host swap slots holding a swapped-out ``seq_id``'s pages (a copy).
+
+        Raises:
+          AllocatorError: unknown sequence, or the sequence is not swapped out.
+        """
+        seq = self._get(seq_id, "host_block_table", allow_swapped=True)
+        if not seq.swapped:
+            raise AllocatorError(f"host_block_table({seq_id!r}): sequence is not swapped out")
+        return list(seq.pages)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._get(seq_id, "is_swapped", allow_swapped=True).swapped
+
+    def slots(self, seq_id: Hashable, start: int, count: int) -> np.ndarray:
+        """i32[count] slot ids ``page * C + offset`` of positions ``[start, start + count)``.
+
+        Raises:
+          AllocatorError: the range is negative or past the allocated (reserved) capacity.
+        """
+        seq = self._get(seq_id, "slots")
+        capacity = len(seq.pages) * self.page_size
+        if start < 0 or count < 0 or start + count > capacity:
+            raise AllocatorError(
+                f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [0, {capacity}) "
+                f"(the pages allocated or reserved)"
+            )
+        pos = np.arange(start, start + count)
+        pages = np.asarray(seq.pages, np.int32)
+        return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(
+            np.int32
+        )
+
+    def can_allocate(
+        self,
+        num_tokens: int,
+        *,
+        token_ids: Sequence[int] | None = None,
+        salt: bytes | str | None = None,
+    ) -> bool:
+        """Whether a new sequence of ``num_tokens`` fits while keeping the watermark free.
+
+        With ``token_ids`` (the prompt), pages that `allocate_with_prefix` would take from
+        the prefix cache are accounted for.
+        """
+        needed = self._pages_for(num_tokens)
+        if token_ids is not None:
+            needed = self._prefix_plan(token_ids, salt)[2]
+        return needed <= self.num_free_pages - self.watermark_pages
+
+    def can_append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether ``append_slots(seq_id, num_tokens)`` (or ``reserve``) would succeed."""
+        seq = self._get(seq_id, "can_append_slots")
+        return self._growth_pages(seq, seq.num_tokens + num_tokens) <= self.num_free_pages
+
+    def stats(self) -> AllocatorStats:
+        """A snapshot of the pool, the sharing and the counters (O(pages held))."""
+        occupancy: dict[int, int] = {}
+        logical = 0
+        for seq in self._seqs.values():
+            if seq.swapped:
+                continue
+            logical += seq.num_tokens
+            for i, page in enumerate(seq.pages):
+                held = min(max(seq.num_tokens - i * self.page_size, 0), self.page_size)
+                occupancy[page] = max(occupancy.get(page, 0), held)
+        used = sum(1 for r in self._refcount if r > 0)
+        live = sum(occupancy.values())
+        allocated = used * self.page_size
+        swapped_seqs = sum(1 for s in self._seqs.values() if s.swapped)
+        return AllocatorStats(
+            total_pages=self.num_pages,
+            free_pages=len(self._free),
+            used_pages=used,
+            shared_pages=sum(1 for r in self._refcount if r > 1),
+            cached_pages=len(self._cache),
+            evictable_pages=len(self._cache.evictable),
+            num_seqs=len(self._seqs),
+            live_tokens=live,
+            logical_tokens=logical,
+            allocated_slots=allocated,
+            utilisation=live / allocated if allocated else 1.0,
+            cow_copies=self._cow_copies,
+            prefix_queries=self._prefix_queries,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            evictions=self._cache.evictions,
+            host_pages=self.num_host_pages,
+            host_free_pages=len(self._host_free),
+            swapped_seqs=swapped_seqs,
+            swapped_out_pages=self._swapped_out_pages,
+            swapped_in_pages=self._swapped_in_pages,
+            swapped_out_bytes=self._swapped_out_pages * self.bytes_per_page,
+            swapped_in_bytes=self._swapped_in_pages * self.bytes_per_page,
+        )
+
+    def take_dirty(self) -> set[Hashable]:
+        """Ids whose block table or length changed since the last call (freed ones too)."""
+        dirty, self._dirty = self._dirty, set()
+        return dirty
+
+    # ------------------------------------------------------------------ sequences
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Creates ``seq_id`` holding ``num_tokens`` slots on fresh private pages.
+
+        Raises:
+          AllocatorError: ``seq_id`` exists or ``num_tokens`` is negative.
+          OutOfPagesError: not enough pages (the watermark is not applied here).
+        """
+        self._check_new(seq_id, "allocate")
+        needed = self._pages_for(self._count(num_tokens, "allocate"))
+        self._ensure_available(needed, f"allocate({seq_id!r}, {num_tokens})")
+        pages = [self._take_page() for _ in range(needed)]
+        self._add_seq(seq_id, _Seq(pages=pages, num_tokens=num_tokens))
+
+    def allocate_with_prefix(
+        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
+    ) -> int:
+        """Creates ``seq_id`` for the prompt ``token_ids``, reusing cached full pages.
+
+        Args:
+          seq_id: a new id.
+          token_ids: the prompt (its length is the sequence's length).
+          salt: isolates caches (e.g. per tenant): pages are shared only under equal salts.
+
+        Returns:
+          The number of leading tokens whose K/V are already in the pages (a multiple of
+          C, at most ``len(token_ids) - 1``); the caller computes the rest.
+
+        Raises:
+          AllocatorError: ``seq_id`` exists.
+          OutOfPagesError: not enough pages for the uncached part.
+        """
+        self._check_new(seq_id, "allocate_with_prefix")
+        hashes, hit_pages, needed = self._prefix_plan(token_ids, salt)
+        self._ensure_available(needed, f"allocate_with_prefix({seq_id!r}, {len(token_ids)})")
+        for page in hit_pages:
+            if self._refcount[page] == 0:
+                self._cache.take_back(page)
+            self._refcount[page] += 1
+        fresh = self._pages_for(len(token_ids)) - len(hit_pages)
+        pages = hit_pages + [self._take_page() for _ in range(fresh)]
+        seq = _Seq(pages=pages, num_tokens=len(token_ids), hashes=hashes[: len(hit_pages)])
+        seq.salt = salt
+        self._add_seq(seq_id, seq)
+        cached = len(hit_pages) * self.page_size
+        self._prefix_queries += 1
+        self._prefix_query_tokens += len(token_ids)
+        self._prefix_hit_tokens += cached
+        return cached
+
+    def match_prefix(
+        self, token_ids: Sequence[int], salt: bytes | str | None = None
+    ) -> tuple[int, list[int]]:
+        """The cached prefix of ``token_ids``: ``(num_cached_tokens, pages)``; changes nothing.
+
+        At most ``len(token_ids) - 1`` tokens match (the last one must be computed).
+        """
+        hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
+        pages = self._cache.lookup(hashes)
+        return len(pages) * self.page_size, pages
+
+    def commit_full_pages(
+        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
+    ) -> int:
+        """Registers the full pages of ``seq_id`` in the prefix cache; returns how many are new.
+
+        Args:
+          seq_id: the sequence.
+          token_ids: its tokens so far (at least up to its last full page); tokens past the
+            sequence's length are ignored.
+          salt: must equal the salt the sequence was allocated with.
+
+        A page whose hash is already cached on another page stays an uncached duplicate
+        until the sequence is freed (block tables never change behind the engine's back).
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, a different salt, or token ids that
+            disagree with an already cached page of this sequence.
+        """
+        seq = self._get(seq_id, "commit_full_pages")
+        if salt != seq.salt:
+            raise AllocatorError(
+                f"commit_full_pages({seq_id!r}): {salt=} must equal the salt the sequence "
+                f"was allocated with ({seq.salt!r})"
+            )
+        full = min(len(token_ids), seq.num_tokens) // self.page_size
+        old = len(seq.hashes)
+        hashes = hash_chain(token_ids, self.page_size, full, salt, parents=seq.hashes)
+        for i in range(old, full):
+            cached = self._cache.page_hash.get(seq.pages[i])
+            if cached is not None and cached != hashes[i]:
+                raise AllocatorError(
+                    f"commit_full_pages({seq_id!r}): token ids of page {i} disagree with "
+                    f"the cached contents of page {seq.pages[i]}"
+                )
+        registered = sum(self._cache.register(seq.pages[i], hashes[i]) for i in range(old, full))
+        seq.hashes = hashes if full > old else seq.hashes
+        return registered
+
+    def append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> CopyPairs:
+        """Grows ``seq_id`` by ``num_tokens``; returns copy-on-write ``(src, dst)`` pairs.
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, or a negative count.
+          OutOfPagesError: not enough pages (nothing changes).
+        """
+        seq = self._get(seq_id, "append_slots")
+        n = self._count(num_tokens, "append_slots")
+        pairs = self._make_writable(seq, seq.num_tokens + n, f"append_slots({seq_id!r}, {n})")
+        seq.num_tokens += n
+        self._dirty.add(seq_id)
+        return pairs
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> CopyPairs:
+        """Makes the next ``num_tokens`` positions' pages exist and private (lookahead).
+
+        The length does not change; `slots` then covers the reserved positions.
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, or a negative count.
+          OutOfPagesError: not enough pages (nothing changes).
+        """
+        seq = self._get(seq_id, "reserve")
+        n = self._count(num_tokens, "reserve")
+        pairs = self._make_writable(seq, seq.num_tokens + n, f"reserve({seq_id!r}, {n})")
+        self._dirty.add(seq_id)
+        return pairs
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shrinks ``seq_id`` to ``num_tokens`` tokens, releasing pages past the new end.
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, or ``num_tokens`` outside
+            ``[0, current length]``.
+        """
+        seq = self._get(seq_id, "truncate")
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise AllocatorError(
+                f"truncate({seq_id!r}, {num_tokens}): num_tokens must lie in [0, {seq.num_tokens}]"
+            )
+        keep = self._pages_for(num_tokens)
+        for page in reversed(seq.pages[keep:]):
+            self._release(page)
+        del seq.pages[keep:]
+        seq.num_tokens = num_tokens
+        del seq.hashes[num_tokens // self.page_size :]
+        if num_tokens % self.page_size and keep:
+            last = seq.pages[-1]  # now partial: it will be written again
+            if self._refcount[last] == 1 and self._cache.is_cached(last):
+                self._cache.uncache(last)
+        self._dirty.add(seq_id)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Creates ``child_id`` sharing every page of ``parent_id`` that holds tokens.
+
+        Raises:
+          AllocatorError: unknown or swapped parent, or ``child_id`` exists.
+        """
+        parent = self._get(parent_id, "fork")
+        self._check_new(child_id, "fork")
+        pages = parent.pages[: self._pages_for(parent.num_tokens)]
+        for page in pages:
+            self._refcount[page] += 1
+        child = _Seq(pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes))
+        child.salt = parent.salt
+        self._add_seq(child_id, child)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Releases every page of ``seq_id`` (tail first) and forgets it.
+
+        Raises:
+          AllocatorError: double free or unknown sequence.
+        """
+        if seq_id not in self._seqs:
+            if seq_id in self._freed_ids:
+                raise AllocatorError(f"free({seq_id!r}): double free (already freed)")
+            self._unknown(seq_id, "free")
+        seq = self._seqs.pop(seq_id)
+        release = self._release_host if seq.swapped else self._release
+        for page in reversed(seq.pages):
+            release(page)
+        self._freed_ids[seq_id] = None
+        if len(self._freed_ids) > 65536:
+            self._freed_ids.popitem(last=False)
+        self._dirty.add(seq_id)
+
+    # ------------------------------------------------------------------ swap
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        """Whether the host pool has room for the (distinct) pages of ``seq_ids``."""
+        seqs = self._group(seq_ids, "can_swap_out", swapped=False)
+        return len(self._group_pages(seqs)) <= len(self._host_free)
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        """Whether the device pool has room (above the watermark) to swap ``seq_ids`` in."""
+        seqs = self._group(seq_ids, "can_swap_in", swapped=True)
+        needed = len(self._group_pages(seqs))
+        return needed <= self.num_free_pages - self.watermark_pages
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Moves the sequences ``seq_ids`` to the host pool.
+
+        Pages shared inside the group move once; reserved lookahead pages are released.
+
+        Returns:
+          ``(device_page, host_slot)`` pairs: gather these pages (`jpaged.gather_pages`) into
+          the host slots before anything else writes to the pool.
+
+        Raises:
+          AllocatorError: unknown, repeated or already swapped sequences.
+          OutOfPagesError: the host pool has too few free slots (nothing changes).
+        """
+        ids = list(seq_ids)
+        seqs = self._group(ids, "swap_out", swapped=False)
+        pages = self._group_pages(seqs)
+        if len(pages) > len(self._host_free):
+            op = f"swap_out({ids!r}) on the host pool"
+            raise self._out_of_pages(op, len(pages), len(self._host_free), self.num_host_pages)
+        mapping = {page: self._host_free.pop() for page in pages}
+        for seq_id, seq in zip(ids, seqs, strict=True):
+            keep = self._pages_for(seq.num_tokens)
+            for page in reversed(seq.pages[keep:]):
+                self._release(page)
+            for page in reversed(seq.pages[:keep]):
+                self._release(page)
+                self._host_refcount[mapping[page]] += 1
+            seq.pages = [mapping[p] for p in seq.pages[:keep]]
+            seq.swapped = True
+            self._dirty.add(seq_id)
+        self._swapped_out_pages += len(mapping)
+        return list(mapping.items())
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Moves swapped-out sequences back to device pages (the watermark is not applied).
+
+        Returns:
+          ``(host_slot, device_page)`` pairs to copy to the device (`jpaged.scatter_pages`)
+          before the sequences run.
+
+        Raises:
+          AllocatorError: unknown, repeated or not swapped sequences.
+          OutOfPagesError: the device pool has too few pages (nothing changes).
+        """
+        ids = list(seq_ids)
+        seqs = self._group(ids, "swap_in", swapped=True)
+        slots = self._group_pages(seqs)
+        self._ensure_available(len(slots), f"swap_in({ids!r})")
+        mapping = {slot: self._take_page(refcount=0) for slot in slots}
+        for seq_id, seq in zip(ids, seqs, strict=True):
+            for slot in seq.pages:
+                self._refcount[mapping[slot]] += 1
+                self._release_host(slot)
+            seq.pages = [mapping[s] for s in seq.pages]
+            seq.swapped = False
+            for page, h in zip(seq.pages, seq.hashes, strict=False):
+                self._cache.register(page, h)  # restores the prefix cache where not taken
+            self._dirty.add(seq_id)
+        self._swapped_in_pages += len(mapping)
+        return list(mapping.items())
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Checks the bookkeeping; raises `AllocatorInvariantError` listing every problem.
+
+        free + referenced + evictable = pool; each page's refcount equals the number of
+        tables holding it; no page is both free and referenced or cached; the hash maps
+        are inverse; tables cover their lengths; the same for the host pool.
+        """
+        errors: list[str] = []
+        C = self.page_size
+        holders = [0] * self.num_pages
+        host_holders = [0] * self.num_host_pages
+        for seq_id, seq in self._seqs.items():
+            if len(seq.pages) < self._pages_for(seq.num_tokens):
+                errors.append(f"seq {seq_id!r}: {len(seq.pages)} pages < {seq.num_tokens} tokens")
+            if len(set(seq.pages)) != len(seq.pages):
+                errors.append(f"seq {seq_id!r}: repeated page in {seq.pages}")
+            if len(seq.hashes) > seq.num_tokens // C:
+                errors.append(f"seq {seq_id!r}: {len(seq.hashes)} hashes > full pages")
+            counts = host_holders if seq.swapped else holders
+            for page in seq.pages:
+                if 0 <= page < len(counts):
+                    counts[page] += 1
+                else:
+                    errors.append(f"seq {seq_id!r}: page {page} out of range")
+            if seq.swapped and len(seq.pages) != self._pages_for(seq.num_tokens):
+                errors.append(f"swapped seq {seq_id!r} holds reserved slots")
+        free, evictable = set(self._free), set(self._cache.evictable)
+        if len(free) != len(self._free):
+            errors.append("free list has duplicates")
+        referenced = {p for p in range(self.num_pages) if self._refcount[p] > 0}
+        for page in range(self.num_pages):
+            if self._refcount[page] != holders[page]:
+                errors.append(f"page {page}: refcount {self._refcount[page]} != {holders[page]}")
+        if free & referenced or free & evictable or evictable & referenced:
+            errors.append(
+                f"pages in two states: free&referenced={sorted(free & referenced)}, "
+                f"free&evictable={sorted(free & evictable)}, "
+                f"evictable&referenced={sorted(evictable & referenced)}"
+            )
+        if len(free) + len(referenced) + len(evictable) != self.num_pages:
+            errors.append(
+                f"free {len(free)} + referenced {len(referenced)} + evictable "
+                f"{len(evictable)} != pool {self.num_pages}"
+            )
+        if any(p not in self._cache.page_hash for p in evictable):
+            errors.append("an evictable page is not cached")
+        if free & set(self._cache.page_hash):
+            errors.append(f"free pages still cached: {sorted(free & set(self._cache.page_hash))}")
+        if {h: p for p, h in self._cache.page_hash.items()} != self._cache.hash_page:
+            errors.append("prefix cache hash maps are not inverse")
+        host_free = set(self._host_free)
+        if len(host_free) != len(self._host_free):
+            errors.append("host free list has duplicates")
+        for slot in range(self.num_host_pages):
+            if self._host_refcount[slot] != host_holders[slot]:
+                errors.append(
+                    f"host slot {slot}: refcount {self._host_refcount[slot]} "
+                    f"!= {host_holders[slot]}"
+                )
+            if (slot in host_free) == (host_holders[slot] > 0):
+                errors.append(f"host slot {slot}: free={slot in host_free}, holders>0 disagree")
+        if errors:
+            raise AllocatorInvariantError("; ".join(errors))
+
+    # ------------------------------------------------------------------ internals
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _count(self, n: int, op: str) -> int:
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise AllocatorError(f"{op}: num_tokens={n!r} must be an int >= 0")
+        return int(n)
+
+    def _unknown(self, seq_id: Hashable, op: str = "num_tokens"):
+        raise AllocatorError(f"{op}({seq_id!r}): unknown sequence {seq_id!r}")
+
+    def _get(self, seq_id: Hashable, op: str, *, allow_swapped: bool = False) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._unknown(seq_id, op)
+        if seq.swapped and not allow_swapped:
+            raise AllocatorError(f"{op}({seq_id!r}): sequence is swapped out; swap it in first")
+        return seq
+
+    def _check_new(self, seq_id: Hashable, op: str) -> None:
+        if seq_id in self._seqs:
+            raise AllocatorError(f"{op}: sequence {seq_id!r} already exists")
+
+    def _add_seq(self, seq_id: Hashable, seq: _Seq) -> None:
+        self._seqs[seq_id] = seq
+        self._freed_ids.pop(seq_id, None)
+        self._dirty.add(seq_id)
+
+    def _group(self, seq_ids: Iterable[Hashable], op: str, *, swapped: bool) -> list[_Seq]:
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise AllocatorError(f"{op}: repeated sequence ids in {ids!r}")
+        seqs = [self._get(i, op, allow_swapped=True) for i in ids]
+        for seq_id, seq in zip(ids, seqs, strict=True):
+            if seq.swapped != swapped:
+                state = "already swapped out" if seq.swapped else "not swapped out"
+                raise AllocatorError(f"{op}({seq_id!r}): sequence is {state}")
+        return seqs
+
+    def _group_pages(self, seqs: list[_Seq]) -> list[int]:
+        """Distinct pages (or host slots) holding tokens of ``seqs``, in first-seen order."""
+        pages: dict[int, None] = {}
+        for seq in seqs:
+            pages.update(dict.fromkeys(seq.pages[: self._pages_for(seq.num_tokens)]))
+        return list(pages)
+
+    def _out_of_pages(self, op: str, needed: int, free: int, total: int) -> OutOfPagesError:
+        err = OutOfPagesError(
+            f"{op} needs {needed} pages but only {free} of {total} are available "
+            f"(free plus evictable cached pages)"
+        )
+        err.needed, err.free, err.total = needed, free, total
+        return err
+
+    def _ensure_available(self, needed: int, op: str) -> None:
+        if needed > self.num_free_pages:
+            raise self._out_of_pages(op, needed, self.num_free_pages, self.num_pages)
+
+    def _take_page(self, refcount: int = 1) -> int:
+        page = self._free.pop() if self._free else self._cache.evict()
+        self._refcount[page] = refcount
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            if self._cache.is_cached(page):
+                self._cache.park(page)
+            else:
+                self._free.append(page)
+
+    def _release_host(self, slot: int) -> None:
+        self._host_refcount[slot] -= 1
+        if self._host_refcount[slot] == 0:
+            self._host_free.append(slot)
+
+    def _writable(self, page: int) -> bool:
+        return self._refcount[page] == 1 and not self._cache.is_cached(page)
+
+    def _growth_pages(self, seq: _Seq, end: int) -> int:
+        """New pages needed so positions ``[num_tokens, end)`` are on private pages."""
+        if end <= seq.num_tokens:
+            return 0
+        first = seq.num_tokens // self.page_size
+        needed = max(0, self._pages_for(end) - len(seq.pages))
+        for i in range(first, min(len(seq.pages), self._pages_for(end))):
+            needed += not self._writable(seq.pages[i])
+        return needed
+
+    def _make_writable(self, seq: _Seq, end: int, op: str) -> CopyPairs:
+        self._ensure_available(self._growth_pages(seq, end), op)
+        if end <= seq.num_tokens:
+            return []
+        pairs: CopyPairs = []
+        first, last = seq.num_tokens // self.page_size, self._pages_for(end)
+        for i in range(first, min(len(seq.pages), last)):
+            old = seq.pages[i]
+            if self._writable(old):
+                continue
+            new = self._take_page()
+            if i * self.page_size < seq.num_tokens:  # holds tokens this sequence keeps
+                pairs.append((old, new))
+                self._cow_copies += 1
+            self._release(old)
+            seq.pages[i] = new
+        seq.pages.extend(self._take_page() for _ in range(last - len(seq.pages)))
+        return pairs
+
+    def _max_hit_pages(self, token_ids: Sequence[int]) -> int:
+        return max(len(token_ids) - 1, 0) // self.page_size
+
+    def _prefix_plan(
+        self, token_ids: Sequence[int], salt: bytes | str | None
+    ) -> tuple[list[bytes], list[int], int]:
+        """(hashes, cached pages, pages needed from the pool) for a prompt."""
+        hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
+        hit = self._cache.lookup(hashes)
+        revived = sum(1 for p in hit if self._refcount[p] == 0)  # leave the evictable LRU
+        return hashes, hit, self._pages_for(len(token_ids)) - len(hit) + revived
