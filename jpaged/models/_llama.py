@@ -1,0 +1,324 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) as one Flax NNX module on the paged cache.
+
+One implementation, switched by ``ModelConfig``: RMSNorm, GQA attention with RoPE (Llama 3
+scaling), optional sliding window (Mistral), optional q/k/v biases (Qwen2), SwiGLU MLP,
+tied or untied embeddings. Layer parameters are stacked with a leading L axis and the layers
+run under ``jax.lax.scan``, so compile time does not grow with depth; in the paged forward
+the cache is the scan's carry and each layer writes and reads its own slice of the stacked
+pool by index (never slicing the pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jpaged.models._config import ModelConfig
+from jpaged.models._protocol import AttentionMetadata, paged_attention_layer
+from jpaged.models._rope import apply_rope, inverse_frequencies
+
+_INIT_STD = 0.02  # Hugging Face's default `initializer_range`.
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model by name, with its shape (stacked layers lead with L).
+
+    The names are the keys of ``LlamaForCausalLM(params=...)`` and of the loader's mapping.
+    """
+    c = config
+    L, D, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    shapes = {
+        "embed_VD": (V, D),
+        "norm_D": (D,),
+        "layers.attn_norm_LD": (L, D),
+        "layers.wq_LDNH": (L, D, N, H),
+        "layers.wk_LDKH": (L, D, K, H),
+        "layers.wv_LDKH": (L, D, K, H),
+        "layers.wo_LNHD": (L, N, H, D),
+        "layers.mlp_norm_LD": (L, D),
+        "layers.w_gate_LDF": (L, D, F),
+        "layers.w_up_LDF": (L, D, F),
+        "layers.w_down_LFD": (L, F, D),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head_DV"] = (D, V)
+    if c.qkv_bias:
+        shapes |= {
+            "layers.bq_LNH": (L, N, H),
+            "layers.bk_LKH": (L, K, H),
+            "layers.bv_LKH": (L, K, H),
+        }
+    if c.o_bias:
+        shapes["layers.bo_LD"] = (L, D)
+    if c.mlp_bias:
+        shapes |= {"layers.b_gate_LF": (L, F), "layers.b_up_LF": (L, F), "layers.b_down_LD": (L, D)}
+    return shapes
+
+
+def _random_param(name: str, shape, dtype, key) -> jax.Array:
+    if "norm" in name:
+        return jnp.ones(shape, dtype)
+    if name.split(".")[-1].startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (_INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """The L decoder layers, each parameter stacked along a leading L axis."""
+
+    def __init__(self, params: Mapping[str, jax.Array]):
+        for name, value in params.items():
+            setattr(self, name, nnx.Param(value))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked parameter arrays by name (leading L axis)."""
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As Hugging Face: normalize in f32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _dense_causal_attention(
+    q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """Plain causal (optionally sliding-window) attention, softmax in f32."""
+    B, S, N, H = q_BSNH.shape
+    K = k_BSKH.shape[2]
+    q_BSKGH = q_BSNH.reshape(B, S, K, N // K, H)
+    s_BKGST = jnp.einsum(
+        "bskgh,btkh->bkgst", q_BSKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (H**-0.5)
+    pos_q, pos_k = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    visible_ST = pos_k <= pos_q
+    if sliding_window is not None:
+        visible_ST &= pos_q - pos_k < sliding_window
+    s_BKGST = jnp.where(visible_ST, s_BKGST, -jnp.inf)
+    p_BKGST = jax.nn.softmax(s_BKGST, axis=-1).astype(v_BSKH.dtype)
+    o_BSKGH = jnp.einsum("bkgst,btkh->bskgh", p_BKGST, v_BSKH)
+    return o_BSKGH.reshape(B, S, N, H)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """A Llama-family causal LM (Llama 2/3, Mistral, Qwen2) that runs on the paged cache.
+
+    Build it random (``LlamaForCausalLM(config, rngs=nnx.Rngs(0))``, or jitted on device with
+    ``init_random``) or from a Hugging Face checkpoint (``jpaged.models.from_pretrained``).
+
+    Attributes:
+      config: the ``ModelConfig``.
+      embed_VD: [V, D] token embeddings.
+      layers: ``DecoderLayers`` (stacked [L, ...] parameters, see ``param_shapes``).
+      norm_D: [D] final RMSNorm weight.
+      lm_head_DV: [D, V] output projection (None when tied to ``embed_VD``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs | None = None,
+        params: Mapping[str, jax.Array] | None = None,
+        dtype: Any = jnp.float32,
+    ):
+        """Builds the model from ``params`` (as ``param_shapes`` names them) or at random.
+
+        Args:
+          config: the model's shapes and switches.
+          rngs: random init (normal(0.02) weights, unit norms, zero biases) when ``params``
+            is None.
+          params: parameter arrays by name; used as given (cast them beforehand).
+          dtype: parameter dtype for random init.
+
+        Raises:
+          ValueError: if neither or both of ``rngs``/``params`` are given, or a parameter is
+            missing, unexpected or of the wrong shape.
+        """
+        self.config = config
+        shapes = param_shapes(config)
+        if (rngs is None) == (params is None):
+            raise ValueError("pass exactly one of rngs= (random init) or params= (loaded)")
+        if params is None:
+            params = {
+                name: _random_param(name, shape, dtype, rngs.params())
+                for name, shape in shapes.items()
+            }
+        _check_params(params, shapes)
+        self.embed_VD = nnx.Param(params["embed_VD"])
+        self.norm_D = nnx.Param(params["norm_D"])
+        self.lm_head_DV = None if config.tie_word_embeddings else nnx.Param(params["lm_head_DV"])
+        self.layers = DecoderLayers(
+            {k.removeprefix("layers."): v for k, v in params.items() if k.startswith("layers.")}
+        )
+
+    # --- the protocol's attributes ---
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _run_layers(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        carry: Any,
+        attend: Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
+    ) -> tuple[jax.Array, Any]:
+        """Runs the L layers under ``lax.scan``; ``x``: [..., D], ``positions``: i32[...]."""
+        c = self.config
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+
+        def layer(state, xs):
+            x, carry = state
+            p, idx = xs
+            h = _rms_norm(x, p["attn_norm_LD"], c.rms_norm_eps)
+            q = jnp.einsum("...d,dnh->...nh", h, p["wq_LDNH"])
+            k = jnp.einsum("...d,dkh->...kh", h, p["wk_LDKH"])
+            v = jnp.einsum("...d,dkh->...kh", h, p["wv_LDKH"])
+            if c.qkv_bias:
+                q, k, v = q + p["bq_LNH"], k + p["bk_LKH"], v + p["bv_LKH"]
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            o, carry = attend(q, k, v, carry, idx)
+            attn = jnp.einsum("...nh,nhd->...d", o, p["wo_LNHD"])
+            if c.o_bias:
+                attn = attn + p["bo_LD"]
+            x = x + attn
+            h = _rms_norm(x, p["mlp_norm_LD"], c.rms_norm_eps)
+            gate = jnp.einsum("...d,df->...f", h, p["w_gate_LDF"])
+            up = jnp.einsum("...d,df->...f", h, p["w_up_LDF"])
+            if c.mlp_bias:
+                gate, up = gate + p["b_gate_LF"], up + p["b_up_LF"]
+            down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, p["w_down_LFD"])
+            if c.mlp_bias:
+                down = down + p["b_down_LD"]
+            return (x + down, carry), None
+
+        xs = (self.layers.arrays(), jnp.arange(c.num_layers, dtype=jnp.int32))
+        (x, carry), _ = jax.lax.scan(layer, (x, carry), xs)
+        return x, carry
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = _rms_norm(x, self.norm_D[...], self.config.rms_norm_eps)
+        if self.lm_head_DV is None:
+            return jnp.einsum(
+                "...d,vd->...v", x, self.embed_VD[...], preferred_element_type=jnp.float32
+            )
+        return jnp.einsum(
+            "...d,dv->...v", x, self.lm_head_DV[...], preferred_element_type=jnp.float32
+        )
+
+    def __call__(
+        self,
+        tokens_T: jax.Array,
+        positions_T: jax.Array,
+        cache: Any,
+        metadata: AttentionMetadata,
+        *,
+        decode: bool = False,
+        implementation: str | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """The paged forward: prefill, chunked prefill, decode and mixed batches.
+
+        Args:
+          tokens_T: i32[T] a ragged batch of query tokens (see ``AttentionMetadata``).
+          positions_T: i32[T] each token's position in its sequence.
+          cache: ``jpaged.PagedKVCache`` with ``[L, K, P, C, H]`` pages.
+          metadata: where the batch's tokens live in the cache.
+          decode: static; True when every sequence has exactly one query token (T == B):
+            uses the decode attention kernel.
+          implementation: attention implementation (None: auto).
+
+        Returns:
+          ``(logits_RV, cache)``: f32 logits of the rows ``metadata.logits_indices`` and the
+          cache with this batch's K/V written.
+        """
+        x_TD = self.embed_VD[...][tokens_T]
+        window = self.config.sliding_window
+
+        def attend(q, k, v, cache, layer):
+            return paged_attention_layer(
+                q, k, v, cache, layer, metadata, sliding_window=window, decode=decode,
+                implementation=implementation,
+            )  # fmt: skip
+
+        x_TD, cache = self._run_layers(x_TD, positions_T, cache, attend)
+        return self._logits(x_TD[metadata.logits_indices]), cache
+
+    def forward_dense(self, tokens_BS: jax.Array) -> jax.Array:
+        """The plain forward without a cache (tests, scoring): causal over S tokens.
+
+        Args:
+          tokens_BS: i32[B, S] token ids; every sequence starts at position 0.
+
+        Returns:
+          f32[B, S, V] logits at every position.
+        """
+        B, S = tokens_BS.shape
+        x_BSD = self.embed_VD[...][tokens_BS]
+        positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        window = self.config.sliding_window
+
+        def attend(q, k, v, carry, layer):
+            return _dense_causal_attention(q, k, v, window), carry
+
+        x_BSD, _ = self._run_layers(x_BSD, positions_BS, None, attend)
+        return self._logits(x_BSD)
+
+
+def _check_params(params: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    errors = []
+    missing = sorted(set(shapes) - set(params))
+    unexpected = sorted(set(params) - set(shapes))
+    if missing:
+        errors.append(f"missing parameters {missing}")
+    if unexpected:
+        errors.append(f"unexpected parameters {unexpected}")
+    for name in sorted(set(shapes) & set(params)):
+        if tuple(params[name].shape) != shapes[name]:
+            errors.append(f"{name}.shape={tuple(params[name].shape)} must be {shapes[name]}")
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def init_random(
+    config: ModelConfig, *, seed: int = 0, dtype: Any = jnp.bfloat16
+) -> LlamaForCausalLM:
+    """A random-weight model initialized on the default device in one jitted call.
+
+    For benchmarks at real sizes (``llama3_8b()``, ``llama3_2_1b()``) without a checkpoint:
+    the weights are created on device, never on the host.
+
+    Args:
+      config: the model's shapes.
+      seed: PRNG seed.
+      dtype: parameter dtype.
+
+    Returns:
+      A ``LlamaForCausalLM`` whose parameters live on the default device.
+    """
+
+    @nnx.jit
+    def create():
+        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype)
+
+    return create()
