@@ -38,5 +38,18 @@ format: $(VENV)/.installed
 bench-decode: $(VENV)/.installed
 	$(PY) benchmarks/decode_attention.py
 
+# Tiny HF checkpoints + goldens (tests/checkpoints, tests/goldens) from transformers, in a
+# Python 3.11 venv of its own (torch's CPU wheel is for 3.11); the library never imports torch.
+TORCH_VENV ?= .venv-torch
+PYTHON311 ?= python3.11
+
+$(TORCH_VENV)/.installed:
+	@test -x $(TORCH_VENV)/bin/python || $(PYTHON311) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.24.0 safetensors tokenizers
+	@touch $@
+
+goldens: $(TORCH_VENV)/.installed
+	$(TORCH_VENV)/bin/python tools/make_goldens.py
+
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
