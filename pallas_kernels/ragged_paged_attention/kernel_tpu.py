@@ -1,0 +1,270 @@
+"""Ragged paged attention on Mosaic TPU (Pallas): prefill, chunked prefill, mixed batches.
+
+Design (the decode kernel's techniques, see ``pallas_kernels/paged_attention/kernel_tpu.py``):
+
+* The wrapper cuts each live sequence's query rows into tiles of ``block_q`` tokens
+  (``schedule.tile_schedule``: a static upper bound NT of tiles, empty tiles past the real
+  ones) and lays q out as ``[NT, K, block_q * G, H]``: a tile's rows are its tokens times the
+  G query heads of one KV head, so every K/V page is fetched once per (tile, KV head).
+* Grid ``(NT, K)``, both ``"parallel"`` (megacore / two TensorCores): programs share no
+  state. Per-tile metadata (sequence, rows, first position, KV length), the flattened block
+  tables and the layer index are scalar-prefetched into SMEM; K/V stay in HBM.
+* A program fetches only the pages its tile can see: with ``causal`` the keys up to its last
+  row's position, with a sliding window the keys from its first row's window start. KV
+  blocks outside that range, empty tiles and padding tiles issue no DMA at all. Pages come
+  in blocks of ``pages_per_compute_block`` through the decode kernel's double-buffered,
+  one-DMA-per-page loop (``attend_pages``); per-row causal/window masks apply inside.
+* Rows past a tile's real rows and rows from ``cu_q_lens[num_seqs]`` on come back as zeros.
+
+Cost to know: q and the output are rearranged into tiles by one XLA gather each (about
+2 x T x N x H elements moved), like RPA v3's ``prepare_inputs``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention import kernel_tpu as decode
+from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu
+
+
+def _ragged_kernel(
+    tables_ref, layer_ref, seq_ref, rows_ref, pos0_ref, kv_len_ref,  # scalar prefetch
+    q_ref, k_hbm, v_hbm,  # inputs
+    o_ref,  # output
+    k_buf, v_buf, sems,  # scratch
+    *, width, group, causal, sm_scale, logits_soft_cap, sliding_window,
+):  # fmt: skip
+    i, h = pl.program_id(0), pl.program_id(1)
+    C = k_buf.shape[2]
+    R = q_ref.shape[0]
+    b, nrows, pos0, kv_len = seq_ref[i], rows_ref[i], pos0_ref[i], kv_len_ref[i]
+
+    # Row r of the tile is token r // G of the tile (query head r % G of KV head h). The
+    # division runs in f32: (r + 0.5) / G is at least 0.5 / G away from an integer.
+    r_R1 = lax.broadcasted_iota(jnp.int32, (R, 1), 0).astype(jnp.float32)
+    tok_R1 = jnp.floor((r_R1 + 0.5) * (1.0 / group)).astype(jnp.int32)
+    pos_R1 = pos0 + tok_R1
+    last_key = kv_len - 1
+    row_hi = jnp.minimum(pos_R1, last_key) if causal else jnp.full_like(pos_R1, last_key)
+    row_hi = jnp.where(tok_R1 < nrows, row_hi, -1)  # rows past the tile's real rows see nothing
+    row_lo = 0 if sliding_window is None else pos_R1 - (sliding_window - 1)
+
+    # Keys any row of the tile can see: [lo, hi].
+    hi = jnp.minimum(pos0 + nrows - 1, last_key) if causal else last_key
+    lo = 0 if sliding_window is None else jnp.maximum(pos0 - (sliding_window - 1), 0)
+    first_page = lax.div(lo, C)  # operands are >= 0
+    num_pages = jnp.where((nrows > 0) & (hi >= lo), lax.div(hi, C) + 1 - first_page, 0)
+
+    q_RH = q_ref[...].astype(decode.compute_dtype(q_ref.dtype, k_buf.dtype))
+    o_RH = decode.attend_pages(
+        q_RH,
+        k_hbm=k_hbm,
+        v_hbm=v_hbm,
+        k_buf=k_buf,
+        v_buf=v_buf,
+        sems=sems,
+        tables_ref=tables_ref,
+        table_base=b * width,
+        layer=layer_ref[0],
+        head=h,
+        first_page=first_page,
+        num_pages=num_pages,
+        key_hi=hi,
+        row_lo=row_lo,
+        row_hi=row_hi,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+    )
+    o_ref[...] = o_RH.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "causal", "logits_soft_cap", "sliding_window", "block_q",
+        "pages_per_compute_block", "interpret",
+    ),
+)  # fmt: skip
+def _ragged_tpu(
+    q_TNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer_1, *,
+    sm_scale, causal, logits_soft_cap, sliding_window, block_q, pages_per_compute_block,
+    interpret,
+):  # fmt: skip
+    T, N, H = q_TNH.shape
+    _, K, _, C, _ = k_pages_LKPCH.shape
+    W = tables_BW.shape[1]
+    G = N // K
+    bq, ppcb = block_q, pages_per_compute_block
+    R = bq * G
+
+    tmap = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
+    tiles = schedule.tile_schedule(
+        kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=bq, tmap=tmap
+    )
+    NT = tiles.seq.shape[0]
+    # q -> [NT, K, bq * G, H]; rows past a tile's real rows gather row 0 (masked in-kernel).
+    j_Q = jnp.arange(bq, dtype=jnp.int32)
+    src_NQ = jnp.where(j_Q[None, :] < tiles.q_rows[:, None], tiles.q_start[:, None] + j_Q, 0)
+    q_NQKGH = q_TNH.reshape(T, K, G, H)[jnp.clip(src_NQ, 0, T - 1)]
+    q_NKRH = q_NQKGH.transpose(0, 2, 1, 3, 4).reshape(NT, K, R, H)
+
+    spec = pl.BlockSpec((None, None, R, H), lambda i, h, *_: (i, h, 0, 0))
+    kernel = functools.partial(
+        _ragged_kernel,
+        width=W,
+        group=G,
+        causal=causal,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+    )
+    o_NKRH = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(NT, K),
+            in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, ppcb, C, H), k_pages_LKPCH.dtype),
+                pltpu.VMEM((2, ppcb, C, H), v_pages_LKPCH.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_NKRH.shape, q_TNH.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}",
+    )(
+        tables_BW.reshape(-1),
+        layer_1,
+        tiles.seq,
+        tiles.q_rows,
+        tiles.pos0,
+        tiles.kv_len,
+        q_NKRH,
+        k_pages_LKPCH,
+        v_pages_LKPCH,
+    )
+    # [NT, K, bq, G, H] -> [NT * bq, N, H], then back to the rows of q.
+    o_XNH = o_NKRH.reshape(NT, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(NT * bq, N, H)
+    o_TNH = o_XNH[tiles.tile_T * bq + tiles.row_T]
+    return jnp.where(tmap.valid_T[:, None, None], o_TNH, 0).astype(q_TNH.dtype)
+
+
+def unsupported_reason(
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    block_tables: Any,
+    kv_lens: Any,
+    cu_q_lens: Any,
+    num_seqs: Any,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: Any = None,
+) -> str | None:
+    """Why the compiled TPU kernel cannot run these arguments, or None if it can.
+
+    Same limits as the decode kernel: f32/bf16, head dim a multiple of 64, page size a
+    multiple of the VMEM sublane tile (8 rows for f32, 16 for bf16).
+    """
+    del v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, sm_scale, causal
+    del logits_soft_cap, sliding_window, layer
+    return decode.kv_unsupported_reason(q, k_pages)
+
+
+def ragged_paged_attention_pallas_tpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: Any = None,
+    interpret: Any = False,
+    block_q: int | None = None,
+    pages_per_compute_block: int | None = None,
+) -> jax.Array:
+    """Ragged paged attention on Mosaic TPU.
+
+    Args:
+      q: [T, N, H]; the rows of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      v_pages: like ``k_pages``.
+      block_tables: i32[B, W].
+      kv_lens: i32[B] keys per sequence, the new query tokens included.
+      cu_q_lens: i32[B + 1].
+      num_seqs: i32[] or i32[1].
+      sm_scale: logit scale (already resolved).
+      causal: row i of sequence b (position ``kv_lens[b] - q_len_b + i``) sees keys up to
+        its own position; if False every key of the sequence.
+      logits_soft_cap: None or the cap.
+      sliding_window: None or w: a row at position p sees keys j with ``p - j < w``.
+      layer: layer index (int or i32[]) into a 5-D pool.
+      interpret: True runs the strict TPU interpreter (``pltpu.InterpretParams()``); an
+        ``InterpretParams`` is used as given.
+      block_q: query tokens per tile (the tile has ``block_q * G`` rows); default from
+        ``tuning_tpu.ragged_block_sizes``.
+      pages_per_compute_block: pages per KV block; default from the same heuristic.
+
+    Returns:
+      [T, N, H] in ``q.dtype``; padding rows and rows that see no key are zeros.
+
+    Raises:
+      ValueError: if a block size is not a positive int.
+    """
+    T, N, H = q.shape
+    K, _, C, _ = k_pages.shape[-4:]
+    W = block_tables.shape[1]
+    if T == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    defaults = tuning_tpu.ragged_block_sizes(
+        page_size=C,
+        head_dim=H,
+        itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        width=W,
+        group=N // K,
+        num_tokens=T,
+    )
+    block_q = defaults["block_q"] if block_q is None else block_q
+    ppcb = defaults["pages_per_compute_block"]
+    ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
+    for name, value in (("block_q", block_q), ("pages_per_compute_block", ppcb)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    k5, v5, layer_1 = decode.as_layered(k_pages, v_pages, layer)
+    return _ragged_tpu(
+        q,
+        k5,
+        v5,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        layer_1,
+        sm_scale=float(sm_scale),
+        causal=bool(causal),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sliding_window=sliding_window,
+        block_q=min(block_q, T),
+        pages_per_compute_block=min(ppcb, W),
+        interpret=decode.interpret_params(interpret),
+    )
