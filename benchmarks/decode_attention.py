@@ -237,6 +237,9 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
     _measure("pallas_gpu", lambda: _ours(inp, case), nbytes, ns, res, ref)
     for S in ns.splits:
         _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
+    for spec in ns.variants:  # "num_stages=3,num_splits=4"
+        kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res)
     if not ns.skip_cudnn:
         kd, vd = _dense_kv(inp, case)
         _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), nbytes, ns, res, ref)
@@ -280,7 +283,7 @@ def print_table(rows, roofline):
             f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
         )
         for k, v in res.items():
-            if k.startswith("pallas_gpu_S") and "wall_tbs" in v:
+            if k.startswith("pallas_gpu_") and "wall_tbs" in v:
                 print(
                     f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
                     f"{v['wall_tbs']:5.2f}"
@@ -295,6 +298,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--splits", type=int, nargs="*", default=[], help="extra split counts")
+    p.add_argument("--variants", nargs="*", default=[], help='tuning sets, e.g. "num_stages=3"')
     p.add_argument("--max-live-gb", type=float, default=4.0)
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
-_LSE_COLS = 16  # lse is written as [.., 16] f32 rows (64 B, a legal TMA box)
+_LSE_COLS = 32  # lse rows are 32 f32 = 128 B: TMA needs 128-byte-aligned SMEM row slices
 _SMEM_BYTES = 227 * 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -91,12 +91,11 @@ def default_num_stages(head_dim: int, block_kv: int = 64) -> int:
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
-    """Split-KV factor from static shapes: fill ~4 CTAs per SM, keep >= 4 tiles per split."""
+    """Split-KV factor from static shapes: ~1024 CTAs (about 8 per SM), >= 4 tiles per split."""
     programs = num_seqs * num_kv_heads
-    if programs >= 512:
-        return 1
     max_tiles = -(-max_tokens // block_kv)
-    splits = min(-(-512 // programs), max(1, max_tiles // 4), 64)
+    # H200, run 1 (docs/gpu_test_log.md): the best split gave ~1024-2048 CTAs in every row.
+    splits = min(-(-1024 // programs), max(1, max_tiles // 4), 64)
     return max(1, splits)
 
 
@@ -188,11 +187,15 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     qoff = qrow - qrow8
 
     def scoped(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar):
-        def issue(i, slot):
+        def lookup(i):  # block-table entries of tile i (clamped: never past the last page)
             tile_tok = (start + i) * T
-            for j in range(n_cp):
+            return [bt_ref[b, jnp.minimum((tile_tok + j * r) // C, last_page)] for j in range(n_cp)]
+
+        def issue(i, slot, pages=None):
+            tile_tok = (start + i) * T
+            pages = lookup(i) if pages is None else pages
+            for j, page in enumerate(pages):
                 tok = tile_tok + j * r
-                page = bt_ref[b, jnp.minimum(tok // C, last_page)]
                 row = pl.multiple_of(head_base + page * C + tok % C, 8)
                 dst = pl.ds(j * r, r)
                 plgpu.copy_gmem_to_smem(
@@ -217,6 +220,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(stages))
             tile_tok = (start + i) * T
+            next_pages = lookup(i + stages)  # loads in flight while this tile computes
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -258,7 +262,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
 
             o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-            pl.when(i + stages < n)(lambda: issue(i + stages, slot))
+            pl.when(i + stages < n)(lambda: issue(i + stages, slot, next_pages))
             return acc, m_new, l
 
         return lax.fori_loop(0, n, step, (acc, m, l))
@@ -325,6 +329,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     q_RH = q_BNH.reshape(B * N, H)
     if cfg.interpret:  # hardware TMA zero-fills rows past the end; the interpreter raises
         q_RH = jnp.pad(q_RH, ((0, _ROWS), (0, 0)))
+    elif (B * N) % 8:  # a TMA source with 8-row SMEM tiling needs a multiple of 8 rows
+        q_RH = jnp.pad(q_RH, ((0, -(B * N) % 8), (0, 0)))
     k_RH = k_pages.reshape(-1, H)
     v_RH = v_pages.reshape(-1, H)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
