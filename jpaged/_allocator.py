@@ -59,73 +59,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from jpaged._allocator_stats import (
+    AllocatorInvariantError,
+    AllocatorStats,
+    collect_stats,
+    invariant_errors,
+)
+from jpaged._allocator_swap import SwapMixin
 from jpaged._errors import AllocatorError, OutOfPagesError
 from jpaged._prefix_cache import PrefixCache, hash_chain
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "BlockAllocator"]
 
 CopyPairs = list[tuple[int, int]]
-
-
-class AllocatorInvariantError(RuntimeError):
-    """`BlockAllocator.check_invariants` found inconsistent state; the message lists it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AllocatorStats:
-    """A snapshot of the allocator.
-
-    Attributes:
-      total_pages: pages in the device pool.
-      free_pages: pages on the free list (no content worth keeping).
-      used_pages: pages referenced by at least one sequence.
-      shared_pages: pages referenced by more than one sequence.
-      cached_pages: pages registered in the prefix cache (referenced or evictable).
-      evictable_pages: cached pages with no reference (reusable on a hit, evicted on demand).
-      num_seqs: sequences known (swapped ones included).
-      live_tokens: distinct device slots holding a token of some sequence.
-      logical_tokens: sum of the sequences' lengths (shared tokens counted per sequence).
-      allocated_slots: ``used_pages * page_size``.
-      utilisation: ``live_tokens / allocated_slots`` (1.0 when nothing is allocated).
-      cow_copies: copy-on-write page copies emitted so far.
-      prefix_queries: prefix-cache lookups made by ``allocate_with_prefix``.
-      prefix_query_tokens: prompt tokens of those lookups.
-      prefix_hit_tokens: tokens served from the cache.
-      evictions: cached pages evicted so far.
-      host_pages: capacity of the host swap pool.
-      host_free_pages: free host slots.
-      swapped_seqs: sequences now swapped out.
-      swapped_out_pages, swapped_in_pages: pages moved so far each way.
-      swapped_out_bytes, swapped_in_bytes: the same times ``bytes_per_page``.
-    """
-
-    total_pages: int
-    free_pages: int
-    used_pages: int
-    shared_pages: int
-    cached_pages: int
-    evictable_pages: int
-    num_seqs: int
-    live_tokens: int
-    logical_tokens: int
-    allocated_slots: int
-    utilisation: float
-    cow_copies: int
-    prefix_queries: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    host_pages: int
-    host_free_pages: int
-    swapped_seqs: int
-    swapped_out_pages: int
-    swapped_in_pages: int
-    swapped_out_bytes: int
-    swapped_in_bytes: int
 
 
 @dataclasses.dataclass
@@ -137,7 +87,7 @@ class _Seq:
     swapped: bool = False
 
 
-class BlockAllocator:
+class BlockAllocator(SwapMixin):
     """Pages, refcounts, block tables, copy-on-write, lookahead, prefix cache and swap.
 
     Args:
@@ -205,20 +155,6 @@ class BlockAllocator:
         """The length of ``seq_id`` (reserved slots not counted)."""
         return self._seqs[seq_id].num_tokens if seq_id in self._seqs else self._unknown(seq_id)
 
-    def host_block_table(self, seq_id: Hashable) -> list[int]:
-        """The host swap slots holding a swapped-out ``seq_id``'s pages (a copy).
-
-        Raises:
-          AllocatorError: unknown sequence, or the sequence is not swapped out.
-        """
-        seq = self._get(seq_id, "host_block_table", allow_swapped=True)
-        if not seq.swapped:
-            raise AllocatorError(f"host_block_table({seq_id!r}): sequence is not swapped out")
-        return list(seq.pages)
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return self._get(seq_id, "is_swapped", allow_swapped=True).swapped
-
     def slots(self, seq_id: Hashable, start: int, count: int) -> np.ndarray:
         """i32[count] slot ids ``page * C + offset`` of positions ``[start, start + count)``.
 
@@ -262,44 +198,7 @@ class BlockAllocator:
 
     def stats(self) -> AllocatorStats:
         """A snapshot of the pool, the sharing and the counters (O(pages held))."""
-        occupancy: dict[int, int] = {}
-        logical = 0
-        for seq in self._seqs.values():
-            if seq.swapped:
-                continue
-            logical += seq.num_tokens
-            for i, page in enumerate(seq.pages):
-                held = min(max(seq.num_tokens - i * self.page_size, 0), self.page_size)
-                occupancy[page] = max(occupancy.get(page, 0), held)
-        used = sum(1 for r in self._refcount if r > 0)
-        live = sum(occupancy.values())
-        allocated = used * self.page_size
-        swapped_seqs = sum(1 for s in self._seqs.values() if s.swapped)
-        return AllocatorStats(
-            total_pages=self.num_pages,
-            free_pages=len(self._free),
-            used_pages=used,
-            shared_pages=sum(1 for r in self._refcount if r > 1),
-            cached_pages=len(self._cache),
-            evictable_pages=len(self._cache.evictable),
-            num_seqs=len(self._seqs),
-            live_tokens=live,
-            logical_tokens=logical,
-            allocated_slots=allocated,
-            utilisation=live / allocated if allocated else 1.0,
-            cow_copies=self._cow_copies,
-            prefix_queries=self._prefix_queries,
-            prefix_query_tokens=self._prefix_query_tokens,
-            prefix_hit_tokens=self._prefix_hit_tokens,
-            evictions=self._cache.evictions,
-            host_pages=self.num_host_pages,
-            host_free_pages=len(self._host_free),
-            swapped_seqs=swapped_seqs,
-            swapped_out_pages=self._swapped_out_pages,
-            swapped_in_pages=self._swapped_in_pages,
-            swapped_out_bytes=self._swapped_out_pages * self.bytes_per_page,
-            swapped_in_bytes=self._swapped_in_pages * self.bytes_per_page,
-        )
+        return collect_stats(self)
 
     def take_dirty(self) -> set[Hashable]:
         """Ids whose block table or length changed since the last call (freed ones too)."""
@@ -493,80 +392,6 @@ class BlockAllocator:
             self._freed_ids.popitem(last=False)
         self._dirty.add(seq_id)
 
-    # ------------------------------------------------------------------ swap
-
-    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the host pool has room for the (distinct) pages of ``seq_ids``."""
-        seqs = self._group(seq_ids, "can_swap_out", swapped=False)
-        return len(self._group_pages(seqs)) <= len(self._host_free)
-
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the device pool has room (above the watermark) to swap ``seq_ids`` in."""
-        seqs = self._group(seq_ids, "can_swap_in", swapped=True)
-        needed = len(self._group_pages(seqs))
-        return needed <= self.num_free_pages - self.watermark_pages
-
-    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Moves the sequences ``seq_ids`` to the host pool.
-
-        Pages shared inside the group move once; reserved lookahead pages are released.
-
-        Returns:
-          ``(device_page, host_slot)`` pairs: gather these pages (`jpaged.gather_pages`) into
-          the host slots before anything else writes to the pool.
-
-        Raises:
-          AllocatorError: unknown, repeated or already swapped sequences.
-          OutOfPagesError: the host pool has too few free slots (nothing changes).
-        """
-        ids = list(seq_ids)
-        seqs = self._group(ids, "swap_out", swapped=False)
-        pages = self._group_pages(seqs)
-        if len(pages) > len(self._host_free):
-            op = f"swap_out({ids!r}) on the host pool"
-            raise self._out_of_pages(op, len(pages), len(self._host_free), self.num_host_pages)
-        mapping = {page: self._host_free.pop() for page in pages}
-        for seq_id, seq in zip(ids, seqs, strict=True):
-            keep = self._pages_for(seq.num_tokens)
-            for page in reversed(seq.pages[keep:]):
-                self._release(page)
-            for page in reversed(seq.pages[:keep]):
-                self._release(page)
-                self._host_refcount[mapping[page]] += 1
-            seq.pages = [mapping[p] for p in seq.pages[:keep]]
-            seq.swapped = True
-            self._dirty.add(seq_id)
-        self._swapped_out_pages += len(mapping)
-        return list(mapping.items())
-
-    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Moves swapped-out sequences back to device pages (the watermark is not applied).
-
-        Returns:
-          ``(host_slot, device_page)`` pairs to copy to the device (`jpaged.scatter_pages`)
-          before the sequences run.
-
-        Raises:
-          AllocatorError: unknown, repeated or not swapped sequences.
-          OutOfPagesError: the device pool has too few pages (nothing changes).
-        """
-        ids = list(seq_ids)
-        seqs = self._group(ids, "swap_in", swapped=True)
-        slots = self._group_pages(seqs)
-        self._ensure_available(len(slots), f"swap_in({ids!r})")
-        mapping = {slot: self._take_page(refcount=0) for slot in slots}
-        for seq_id, seq in zip(ids, seqs, strict=True):
-            for slot in seq.pages:
-                self._refcount[mapping[slot]] += 1
-                self._release_host(slot)
-            seq.pages = [mapping[s] for s in seq.pages]
-            seq.swapped = False
-            for page, h in zip(seq.pages, seq.hashes, strict=False):
-                self._cache.register(page, h)  # restores the prefix cache where not taken
-            self._dirty.add(seq_id)
-        self._swapped_in_pages += len(mapping)
-        return list(mapping.items())
-
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
@@ -576,60 +401,7 @@ class BlockAllocator:
         tables holding it; no page is both free and referenced or cached; the hash maps
         are inverse; tables cover their lengths; the same for the host pool.
         """
-        errors: list[str] = []
-        C = self.page_size
-        holders = [0] * self.num_pages
-        host_holders = [0] * self.num_host_pages
-        for seq_id, seq in self._seqs.items():
-            if len(seq.pages) < self._pages_for(seq.num_tokens):
-                errors.append(f"seq {seq_id!r}: {len(seq.pages)} pages < {seq.num_tokens} tokens")
-            if len(set(seq.pages)) != len(seq.pages):
-                errors.append(f"seq {seq_id!r}: repeated page in {seq.pages}")
-            if len(seq.hashes) > seq.num_tokens // C:
-                errors.append(f"seq {seq_id!r}: {len(seq.hashes)} hashes > full pages")
-            counts = host_holders if seq.swapped else holders
-            for page in seq.pages:
-                if 0 <= page < len(counts):
-                    counts[page] += 1
-                else:
-                    errors.append(f"seq {seq_id!r}: page {page} out of range")
-            if seq.swapped and len(seq.pages) != self._pages_for(seq.num_tokens):
-                errors.append(f"swapped seq {seq_id!r} holds reserved slots")
-        free, evictable = set(self._free), set(self._cache.evictable)
-        if len(free) != len(self._free):
-            errors.append("free list has duplicates")
-        referenced = {p for p in range(self.num_pages) if self._refcount[p] > 0}
-        for page in range(self.num_pages):
-            if self._refcount[page] != holders[page]:
-                errors.append(f"page {page}: refcount {self._refcount[page]} != {holders[page]}")
-        if free & referenced or free & evictable or evictable & referenced:
-            errors.append(
-                f"pages in two states: free&referenced={sorted(free & referenced)}, "
-                f"free&evictable={sorted(free & evictable)}, "
-                f"evictable&referenced={sorted(evictable & referenced)}"
-            )
-        if len(free) + len(referenced) + len(evictable) != self.num_pages:
-            errors.append(
-                f"free {len(free)} + referenced {len(referenced)} + evictable "
-                f"{len(evictable)} != pool {self.num_pages}"
-            )
-        if any(p not in self._cache.page_hash for p in evictable):
-            errors.append("an evictable page is not cached")
-        if free & set(self._cache.page_hash):
-            errors.append(f"free pages still cached: {sorted(free & set(self._cache.page_hash))}")
-        if {h: p for p, h in self._cache.page_hash.items()} != self._cache.hash_page:
-            errors.append("prefix cache hash maps are not inverse")
-        host_free = set(self._host_free)
-        if len(host_free) != len(self._host_free):
-            errors.append("host free list has duplicates")
-        for slot in range(self.num_host_pages):
-            if self._host_refcount[slot] != host_holders[slot]:
-                errors.append(
-                    f"host slot {slot}: refcount {self._host_refcount[slot]} "
-                    f"!= {host_holders[slot]}"
-                )
-            if (slot in host_free) == (host_holders[slot] > 0):
-                errors.append(f"host slot {slot}: free={slot in host_free}, holders>0 disagree")
+        errors = invariant_errors(self)
         if errors:
             raise AllocatorInvariantError("; ".join(errors))
 
@@ -663,24 +435,6 @@ class BlockAllocator:
         self._freed_ids.pop(seq_id, None)
         self._dirty.add(seq_id)
 
-    def _group(self, seq_ids: Iterable[Hashable], op: str, *, swapped: bool) -> list[_Seq]:
-        ids = list(seq_ids)
-        if len(set(ids)) != len(ids):
-            raise AllocatorError(f"{op}: repeated sequence ids in {ids!r}")
-        seqs = [self._get(i, op, allow_swapped=True) for i in ids]
-        for seq_id, seq in zip(ids, seqs, strict=True):
-            if seq.swapped != swapped:
-                state = "already swapped out" if seq.swapped else "not swapped out"
-                raise AllocatorError(f"{op}({seq_id!r}): sequence is {state}")
-        return seqs
-
-    def _group_pages(self, seqs: list[_Seq]) -> list[int]:
-        """Distinct pages (or host slots) holding tokens of ``seqs``, in first-seen order."""
-        pages: dict[int, None] = {}
-        for seq in seqs:
-            pages.update(dict.fromkeys(seq.pages[: self._pages_for(seq.num_tokens)]))
-        return list(pages)
-
     def _out_of_pages(self, op: str, needed: int, free: int, total: int) -> OutOfPagesError:
         err = OutOfPagesError(
             f"{op} needs {needed} pages but only {free} of {total} are available "
@@ -705,11 +459,6 @@ class BlockAllocator:
                 self._cache.park(page)
             else:
                 self._free.append(page)
-
-    def _release_host(self, slot: int) -> None:
-        self._host_refcount[slot] -= 1
-        if self._host_refcount[slot] == 0:
-            self._host_free.append(slot)
 
     def _writable(self, page: int) -> bool:
         return self._refcount[page] == 1 and not self._cache.is_cached(page)
