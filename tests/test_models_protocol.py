@@ -1,0 +1,89 @@
+"""The model protocol: a user's own model (examples/custom_model.py), bf16 paths, big shapes."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _tolerances import assert_close
+from flax import nnx
+
+import jpaged
+from jpaged import models
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_custom_model_example_matches_its_dense_forward():
+    spec = importlib.util.spec_from_file_location("custom_model", ROOT / "examples/custom_model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # f32 throughout; the table's f32 atol (2e-5) bounds the paged-vs-dense logit difference.
+    assert example.main(seed=1, new_tokens=4) < 2e-5
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decode"), donate_argnames=("cache",))
+def _paged(graphdef, state, tokens_T, positions_T, cache, metadata, decode):
+    return nnx.merge(graphdef, state)(tokens_T, positions_T, cache, metadata, decode=decode)
+
+
+def test_bf16_model_on_bf16_cache_matches_dense():
+    """bf16 weights and pool: prefill 6 tokens (C + 2) then 2 decode steps, vs dense."""
+    config = models.tiny(sliding_window=5, qkv_bias=True, tie_word_embeddings=True)
+    model = models.LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(model)
+    C, P = 4, 6
+    cache = jpaged.PagedKVCache.create(config.num_layers, config.num_kv_heads, P, C,
+                                       config.head_dim, dtype=jnp.bfloat16)  # fmt: skip
+    table = np.array([[4, 1, 5]], np.int32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, 8).astype(np.int32)
+    slots = (table[0, np.arange(8) // C] * C + np.arange(8) % C).astype(np.int32)
+
+    def metadata(lo, hi):
+        return models.AttentionMetadata(
+            slot_mapping=slots[lo:hi], block_tables=table,
+            kv_lens=np.array([hi], np.int32), cu_q_lens=np.array([0, hi - lo], np.int32),
+            num_seqs=np.array(1, np.int32), logits_indices=np.array([hi - lo - 1], np.int32),
+        )  # fmt: skip
+
+    got = []
+    logits, cache = _paged(graphdef, state, tokens[:6], np.arange(6, dtype=np.int32), cache,
+                           metadata(0, 6), False)  # fmt: skip
+    got.append(logits[0])
+    for pos in (6, 7):
+        logits, cache = _paged(graphdef, state, tokens[pos : pos + 1],
+                               np.array([pos], np.int32), cache, metadata(pos, pos + 1), True)  # fmt: skip
+        got.append(logits[0])
+    dense = model.forward_dense(jnp.asarray(tokens[None]))[0, 5:8]
+    # Same bf16 weights on both sides; they differ only in bf16 rounding of K/V and of the
+    # attention output (kernels accumulate in f32, the dense path rounds p to bf16).
+    assert_close(jnp.stack(got), dense, jnp.bfloat16)
+
+
+def test_benchmark_configs_trace_without_allocating():
+    """Llama-3.2-1B shapes: init and a paged prefill trace (shapes only, no memory)."""
+    config = models.llama3_2_1b()
+    abstract = nnx.eval_shape(lambda: models.LlamaForCausalLM(config, rngs=nnx.Rngs(0),
+                                                               dtype=jnp.bfloat16))  # fmt: skip
+    graphdef, state = nnx.split(abstract)
+    T, B, W, P, C = 64, 4, 8, 32, 16
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    pages = jax.ShapeDtypeStruct((config.num_layers, config.num_kv_heads, P, C, config.head_dim),
+                                 jnp.bfloat16)  # fmt: skip
+    cache = jpaged.PagedKVCache(k_pages=pages, v_pages=pages)
+    md = models.AttentionMetadata(
+        slot_mapping=i32(T), block_tables=i32(B, W), kv_lens=i32(B), cu_q_lens=i32(B + 1),
+        num_seqs=i32(), logits_indices=i32(B),
+    )  # fmt: skip
+
+    def forward(state, tokens_T, positions_T, cache, metadata):
+        return nnx.merge(graphdef, state)(tokens_T, positions_T, cache, metadata)
+
+    logits, new_cache = jax.eval_shape(forward, state, i32(T), i32(T), cache, md)
+    assert logits.shape == (B, 128256) and logits.dtype == jnp.float32
+    assert new_cache.k_pages.shape == pages.shape and new_cache.k_pages.dtype == jnp.bfloat16
