@@ -1,0 +1,267 @@
+"""Prefill (ragged) attention benchmark: jpaged's Mosaic GPU ragged kernel against cuDNN dense.
+
+In ONE process, per prompt length T (512 .. 16k, B = 32k / T prompts, N=32 / K=8 heads,
+H=128, bf16, causal): jpaged ``ragged_paged_attention`` over a paged pool (C=16, randomly
+permuted pages) and cuDNN dense causal flash attention (``jax.nn.dot_product_attention(...,
+implementation="cudnn")``) on the same data. Then two ragged-specific rows: a decode-only batch
+through the ragged kernel beside jpaged's decode kernel (effective TB/s of live K/V), and a
+mixed batch (decodes plus one long prefill in one call).
+
+TFLOP/s = 4 * B * N * H * T^2 / 2 / time (causal: half the square; the same count for both).
+Timing: wall-clock (``--calls`` back-to-back calls, one sync, median of ``--rounds`` rounds)
+and CUPTI kernel-only time side by side (``_timing``).
+
+    python benchmarks/prefill_attention.py                  # the full table (GPU)
+    python benchmarks/prefill_attention.py --lengths 512 4096 --variants "block_kv=128"
+    python benchmarks/prefill_attention.py --impl xla --lengths 256 --batch-tokens 512  # CPU smoke
+
+Prints a table and writes JSON (``--out``, default ``$OUT/prefill_<date>.json`` or
+``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _timing
+
+import jpaged
+
+N, K, H, C = 32, 8, 128, 16
+DTYPE = jnp.bfloat16
+
+
+def _paged(rng, kv_lens, q_lens):
+    """Random q, a permuted paged pool holding ``kv_lens`` tokens per sequence, metadata."""
+    B = len(kv_lens)
+    npages = [-(-int(n) // C) for n in kv_lens]
+    W = max(npages)
+    P = sum(npages) + 8
+    perm = rng.permutation(P).astype(np.int32)
+    tables = np.zeros((B, W), np.int32)
+    cur = 0
+    for b, n in enumerate(npages):
+        tables[b, :n] = perm[cur : cur + n]
+        tables[b, n:] = perm[cur + n - 1] if n else 0
+        cur += n
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    kk, kv_, kq = jax.random.split(key, 3)
+    k_pages = jax.random.normal(kk, (K, P, C, H), DTYPE)
+    v_pages = jax.random.normal(kv_, (K, P, C, H), DTYPE)
+    T = int(sum(q_lens))
+    q = jax.random.normal(kq, (T, N, H), DTYPE)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return (
+        q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(np.asarray(kv_lens, np.int32)),
+        jnp.asarray(cu), jnp.asarray(B, jnp.int32),
+    )  # fmt: skip
+
+
+def _dense_from_paged(args, B, T):
+    """The same K/V as dense [B, T, K, H] (prefill-only batches of equal length T)."""
+    q, kp, vp, tables, *_ = args
+
+    def dense(pages):  # [K, P, C, H] -> [B, W*C, K, H][:, :T]
+        x = pages[:, tables]  # [K, B, W, C, H]
+        return x.transpose(1, 2, 3, 0, 4).reshape(B, -1, K, H)[:, :T]
+
+    return q.reshape(B, T, N, H), dense(kp), dense(vp)
+
+
+def _time(fn, args, calls, rounds):
+    wall = _timing.wall_us(fn, *args, calls=calls, rounds=rounds)
+    cupti = _timing.cupti_us(fn, *args)
+    return wall, cupti
+
+
+def _entry(times):
+    wall, cupti = times
+    return {"wall_us": wall, "cupti_us": cupti}
+
+
+def _ragged_fn(impl, tuning):
+    def f(*a):
+        return jpaged.ragged_paged_attention(*a, implementation=impl, **tuning)
+
+    return jax.jit(f)
+
+
+def _rel_err(a, b):
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def prefill_rows(args_ns, rng, results):
+    for T in args_ns.lengths:
+        B = max(1, args_ns.batch_tokens // T)
+        inp = _paged(rng, [T] * B, [T] * B)
+        flops = 4 * B * N * H * T * T / 2
+        row = {"kind": "prefill", "B": B, "T": T, "flops": flops}
+        q4, kd, vd = _dense_from_paged(inp, B, T)
+        ref = None
+        if not args_ns.skip_cudnn and jax.default_backend() == "gpu":
+            cud = jax.jit(
+                lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, implementation="cudnn"
+                )
+            )
+            try:
+                wall, cupti = _time(cud, (q4, kd, vd), args_ns.calls, args_ns.rounds)
+                row["cudnn"] = {"wall_us": wall, "cupti_us": cupti}
+                ref = cud(q4, kd, vd).reshape(B * T, N, H)
+            except Exception as e:  # report, keep measuring the others
+                row["cudnn"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        for name, tuning in [("jpaged", {}), *args_ns.variant_dicts]:
+            try:
+                fn = _ragged_fn(args_ns.impl, tuning)
+                out = fn(*inp)
+                wall, cupti = _time(fn, inp, args_ns.calls, args_ns.rounds)
+                entry = {"wall_us": wall, "cupti_us": cupti, "tuning": tuning}
+                if ref is not None:
+                    entry["rel_err_vs_cudnn"] = _rel_err(out, ref)
+                row[name] = entry
+            except Exception as e:
+                traceback.print_exc()
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:300], "tuning": tuning}
+        results.append(row)
+        print_row(row)
+
+
+def decode_and_mixed_rows(args_ns, rng, results):
+    Bd = args_ns.decode_batch
+    kv_lens = rng.integers(1024, 3072, size=Bd)
+    inp = _paged(rng, kv_lens, [1] * Bd)
+    nbytes = int(np.sum(kv_lens)) * K * H * 2 * 2
+    row = {"kind": "decode", "B": Bd, "T": Bd, "live_bytes": nbytes}
+    fn = _ragged_fn(args_ns.impl, {})
+    try:
+        row["jpaged"] = _entry(_time(fn, inp, args_ns.calls, 5))
+    except Exception as e:
+        row["jpaged"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    if jax.default_backend() == "gpu":
+        q, kp, vp, bt, kl, _, _ = inp
+        dec = jax.jit(
+            lambda q, kp, vp, bt, kl: jpaged.paged_attention(
+                q, kp, vp, bt, kl, implementation="pallas_gpu"
+            )
+        )
+        try:
+            row["decode_kernel"] = _entry(_time(dec, (q, kp, vp, bt, kl), args_ns.calls, 5))
+        except Exception as e:
+            row["decode_kernel"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    results.append(row)
+    print_row(row)
+    # Mixed: 64 decodes (context 2k) + one 4k-token prefill, in one call.
+    Tp = min(4096, max(args_ns.lengths))
+    Bd = min(64, Bd)
+    kv_lens = [2048] * Bd + [Tp]
+    q_lens = [1] * Bd + [Tp]
+    inp = _paged(rng, kv_lens, q_lens)
+    flops = 4 * N * H * (Tp * Tp / 2 + Bd * 2048)
+    row = {"kind": "mixed", "B": Bd + 1, "T": Bd + Tp, "flops": flops}
+    try:
+        row["jpaged"] = _entry(_time(fn, inp, args_ns.calls, args_ns.rounds))
+    except Exception as e:
+        row["jpaged"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    results.append(row)
+    print_row(row)
+
+
+def _fmt_time(entry, flops=None, nbytes=None):
+    if not entry or "error" in entry:
+        return "error" if entry else "-"
+    w, c = entry["wall_us"], entry.get("cupti_us")
+    s = f"{w:9.1f} us"
+    if flops:
+        s += f" {flops / (w * 1e-6) / 1e12:6.1f} TF/s"
+        if c:
+            s += f" (cupti {flops / (c * 1e-6) / 1e12:6.1f})"
+    if nbytes:
+        s += f" {nbytes / (w * 1e-6) / 1e12:5.2f} TB/s"
+        if c:
+            s += f" (cupti {nbytes / (c * 1e-6) / 1e12:5.2f})"
+    return s
+
+
+def print_row(row):
+    head = f"{row['kind']:8s} B={row['B']:<4d} T={row['T']:<6d}"
+    flops, nbytes = row.get("flops"), row.get("live_bytes")
+    parts = [head]
+    for name in [k for k in row if isinstance(row[k], dict)]:
+        parts.append(f"{name}: {_fmt_time(row[name], flops, nbytes)}")
+        if "rel_err_vs_cudnn" in row[name]:
+            parts.append(f"err {row[name]['rel_err_vs_cudnn']:.1e}")
+    print(" | ".join(parts), flush=True)
+
+
+def _parse_variant(text):
+    out = {}
+    for item in text.split(","):
+        k, v = item.split("=")
+        out[k.strip()] = int(v)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--batch-tokens", type=int, default=32768, help="B = batch_tokens // T")
+    p.add_argument("--impl", default="pallas_gpu")
+    p.add_argument("--variants", nargs="*", default=[], help='extra tunings, "block_kv=128"')
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--skip-cudnn", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--decode-batch", type=int, default=128)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    a.variant_dicts = [(v, _parse_variant(v)) for v in a.variants]
+    dev = jax.devices()[0]
+    meta = {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "shape": {"N": N, "K": K, "H": H, "C": C, "dtype": str(jnp.dtype(DTYPE)), "causal": True},
+        "impl": a.impl,
+    }
+    print(json.dumps(meta))
+    rng = np.random.default_rng(0)
+    results: list[dict] = []
+    prefill_rows(a, rng, results)
+    if not a.skip_decode:
+        decode_and_mixed_rows(a, rng, results)
+    out = a.out
+    if out is None:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M")
+        folder = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+        out = os.path.join(folder, f"prefill_{stamp}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": results}, f, indent=1)
+    print(f"wrote {out}")
+    # Summary: jpaged / cuDNN at each length.
+    for row in results:
+        if row["kind"] == "prefill" and "wall_us" in row.get("cudnn", {}):
+            j = row.get("jpaged", {})
+            if "wall_us" in j:
+                ratio = row["cudnn"]["wall_us"] / j["wall_us"]
+                print(f"T={row['T']:<6d} jpaged/cuDNN throughput = {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
