@@ -126,6 +126,10 @@ def apply_delta(
       ValueError: mismatched shapes, non-integer arrays, or (concrete) a row outside
         ``[-1, B)`` or a column of a non-skipped entry outside ``[0, W)``.
     """
+    rows, cols, values, length_rows, length_values = (
+        x if hasattr(x, "dtype") else np.asarray(x)
+        for x in (rows, cols, values, length_rows, length_values)
+    )
     arrays = {"rows": rows, "cols": cols, "values": values}
     lengths = {"length_rows": length_rows, "length_values": length_values}
     for group in (arrays, lengths):
@@ -133,9 +137,8 @@ def apply_delta(
         if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
             raise ValueError(f"{', '.join(group)} must be vectors of one length, got {shapes}")
         for k, v in group.items():
-            dtype = v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
-            if not jnp.issubdtype(dtype, jnp.integer):
-                raise ValueError(f"{k} must be an integer array, got {dtype}")
+            if not jnp.issubdtype(v.dtype, jnp.integer):
+                raise ValueError(f"{k} must be an integer array, got {v.dtype}")
     if validate:
         _validate_delta(table, rows, cols, length_rows)
     return _apply_delta(table, rows, cols, values, length_rows, length_values)

@@ -213,12 +213,13 @@ def _concrete(x: Any) -> np.ndarray | None:
         return None
 
 
-def _check_int_vector(name: str, x: Any, ndim: int = 1) -> None:
-    shape, dtype = np.shape(x), getattr(x, "dtype", None)
-    if dtype is None:
-        dtype = np.asarray(x).dtype
-    if len(shape) != ndim or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of rank {ndim}, got {shape} {dtype}")
+def _check_int_vector(name: str, x: Any, ndim: int = 1) -> Any:
+    """Checks rank and integer dtype; returns ``x`` (a list or tuple as a NumPy array)."""
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of rank {ndim}, got {x.shape} {x.dtype}")
+    return x
 
 
 def _check_range(name: str, x: Any, hi: int, validate: bool) -> None:
@@ -359,7 +360,7 @@ def write_kv(
     [2.0, 2.0, 2.0, 2.0]
     """
     L, K, _, _, H = cache.k_pages.shape
-    _check_int_vector("slots_T", slots_T)
+    slots_T = _check_int_vector("slots_T", slots_T)
     T = np.shape(slots_T)[0]
     _check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H")
     _check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H")
@@ -398,7 +399,7 @@ def write_kv_layer(
         concrete layer outside ``[0, L)``.
     """
     L, K, _, _, H = cache.k_pages.shape
-    _check_int_vector("slots_T", slots_T)
+    slots_T = _check_int_vector("slots_T", slots_T)
     if np.ndim(layer) != 0:
         raise ValueError(f"layer must be a scalar, got shape {np.shape(layer)}")
     T = np.shape(slots_T)[0]
@@ -436,7 +437,7 @@ def copy_pages(cache: PagedKVCache, pairs_M2: jax.Array, *, validate: bool = Tru
     >>> cache.k_pages[0, 0, 2, 0].tolist()
     [1.0, 1.0]
     """
-    _check_int_vector("pairs_M2", pairs_M2, ndim=2)
+    pairs_M2 = _check_int_vector("pairs_M2", pairs_M2, ndim=2)
     if np.shape(pairs_M2)[1] != 2:
         raise ValueError(f"pairs_M2 must have shape [M, 2], got {np.shape(pairs_M2)}")
     _check_range("pairs_M2", pairs_M2, cache.num_pages, validate)
@@ -467,7 +468,7 @@ def gather_pages(
       ValueError: ``page_ids_M`` is not an integer vector, or a concrete id is outside
         ``[-1, P)``.
     """
-    _check_int_vector("page_ids_M", page_ids_M)
+    page_ids_M = _check_int_vector("page_ids_M", page_ids_M)
     _check_range("page_ids_M", page_ids_M, cache.num_pages, validate)
     return _gather_pages(cache, page_ids_M)
 
@@ -496,7 +497,7 @@ def scatter_pages(
       ValueError: wrong shapes, a concrete id outside ``[-1, P)``, or a repeated id.
     """
     L, K, _, C, H = cache.k_pages.shape
-    _check_int_vector("page_ids_M", page_ids_M)
+    page_ids_M = _check_int_vector("page_ids_M", page_ids_M)
     M = np.shape(page_ids_M)[0]
     _check_kv("k_LKMCH", k_LKMCH, (L, K, M, C, H), "L, K, M, C, H")
     _check_kv("v_LKMCH", v_LKMCH, (L, K, M, C, H), "L, K, M, C, H")

@@ -325,3 +325,18 @@ def test_validate_false_drops_out_of_range_slots():
 def test_public_names_exported():
     for name in ("PagedKVCache", "write_kv", "write_kv_layer", "copy_pages", "pages_for_budget"):
         assert getattr(jpaged, name) is getattr(_cache, name)
+
+
+def test_empty_updates_and_python_lists():
+    rng = np.random.default_rng(6)
+    cache = _poisoned_cache(jnp.float32)
+    empty = jnp.zeros((L, 0, K, H), jnp.float32)
+    cache = write_kv(cache, empty, empty, np.zeros(0, np.int32))
+    cache = copy_pages(cache, np.zeros((0, 2), np.int32))
+    assert np.isnan(np.asarray(cache.k_pages)).all()
+    k = _rand(rng, (L, 2, K, H), jnp.float32)
+    cache = write_kv(cache, k, k, [6, -1])  # a list works like an array
+    cache = copy_pages(cache, [[1, 3]])
+    pages = np.asarray(cache.k_pages)
+    np.testing.assert_array_equal(pages[:, :, 1, 2], k[:, 0])
+    np.testing.assert_array_equal(pages[:, :, 3, 2], k[:, 0])
