@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from typing import Any, Literal
 
 import jax
@@ -72,7 +73,14 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
 
 
 def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise ValueError(
+            f"sm_scale must be None or a Python number (a compile-time constant), "
+            f"got {type(sm_scale).__name__}"
+        )
+    return float(sm_scale)
 
 
 def paged_attention(

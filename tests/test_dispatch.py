@@ -200,6 +200,19 @@ def test_bad_knobs_raise(knobs, match):
         _call(_valid(), **knobs)
 
 
+@pytest.mark.parametrize("sm_scale", [jnp.float32(0.5), np.ones(1), "0.5", True])
+def test_sm_scale_must_be_a_python_number(sm_scale):
+    with pytest.raises(ValueError, match=r"sm_scale must be None or a Python number"):
+        _call(_valid(), sm_scale=sm_scale)
+
+
+def test_explicit_sm_scale_is_used():
+    args = _valid()
+    out = _call(args, sm_scale=0.7)
+    assert_close(out, paged_attention_reference(*args.values(), sm_scale=0.7), jnp.float32)
+    assert not np.allclose(np.asarray(out), np.asarray(_call(args)))
+
+
 def test_all_mismatches_reported_at_once():
     args = _valid()
     args["q"] = args["q"][:, :7]
@@ -335,6 +348,7 @@ def test_traced_layer_values_share_one_compile(compile_events):
         jpaged._attention,
         pallas_kernels.paged_attention.reference,
         pallas_kernels.paged_attention.validate,
+        pallas_kernels.paged_attention.xla,
     ],
     ids=lambda m: m.__name__,
 )

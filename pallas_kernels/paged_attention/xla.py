@@ -82,6 +82,13 @@ def paged_attention_xla(
 
     Raises:
       ValueError: if ``interpret`` is True or ``pages_per_chunk`` is not an int >= 1.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((1, 2, 4)); kv = jnp.ones((1, 3, 2, 4))
+    >>> out = paged_attention_xla(q, kv, kv, jnp.array([[2, 0]]), jnp.array([3]),
+    ...                           sm_scale=0.5, pages_per_chunk=1)
+    >>> out[0, 1]
+    Array([1., 1., 1., 1.], dtype=float32)
     """
     if interpret:
         raise ValueError(f"{interpret=} is not supported by the 'xla' implementation")
