@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import itertools
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _paged_inputs import make_paged_kv
 from _tolerances import assert_close
+from hypothesis import given, settings
 
 import jpaged
 from pallas_kernels.paged_attention import paged_attention_reference, paged_attention_xla
@@ -172,3 +174,29 @@ def test_xla_rejects_bad_pages_per_chunk(bad):
             q32, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths,
             sm_scale=0.1, pages_per_chunk=bad,
         )  # fmt: skip
+
+
+# Fixed shapes (B=4, W=6, C=4, P=26) so every example reuses one compile per knob setting.
+_B, _W, _C = 4, 6, 4
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(
+    lengths=st.lists(st.integers(0, _W * _C), min_size=_B, max_size=_B),
+    seed=st.integers(0, 2**32 - 1),
+    pages_per_chunk=st.sampled_from([1, 2, 6]),
+    sliding_window=st.sampled_from([None, 3]),
+)
+def test_xla_random_lengths_property(lengths, seed, pages_per_chunk, sliding_window):
+    used = sum(-(-n // _C) for n in lengths)
+    kv, q32 = _inputs(
+        seed, _C, 2, 2, 64, jnp.float32,
+        lengths=lengths, width=_W, extra_pages=_B * _W - used + 2,
+    )  # fmt: skip
+    assert kv.k_pages.shape[1] == _B * _W + 2
+    out = paged_attention_xla(
+        q32, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths,
+        sm_scale=0.125, sliding_window=sliding_window, pages_per_chunk=pages_per_chunk,
+    )  # fmt: skip
+    expected = _expected(kv, q32, sm_scale=0.125, sliding_window=sliding_window)
+    assert_close(out, expected, jnp.float32, err_msg=f"{lengths=}")
