@@ -143,6 +143,14 @@ def test_new_lengths_compile_nothing():
     assert kernel_tpu._paged_attention_tpu._cache_size() == before
 
 
+def test_batch_larger_than_smem_runs_in_chunks(monkeypatch):
+    # Pretend SMEM holds only two rows of the block table: 6 sequences run as 3 calls.
+    q, kv = _case(17, C=8, K=1, G=2, H=64, dtype=jnp.float32, lengths=[0, 9, 1, 16, 7, 20])
+    W = kv.block_tables.shape[1]
+    monkeypatch.setattr(tuning_tpu, "max_scalar_prefetch_entries", lambda gen=None: 2 * W + 7)
+    _check(q, kv, jnp.float32, interpret=True, pages_per_compute_block=2)
+
+
 def test_bad_block_size_raises():
     q, kv = _case(1, C=8, K=1, G=1, H=64, dtype=jnp.float32, lengths=[3])
     with pytest.raises(ValueError, match="pages_per_compute_block"):

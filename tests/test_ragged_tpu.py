@@ -148,16 +148,21 @@ def test_bad_block_size_raises():
         (jnp.float16, 16, 128, "float32 or bfloat16"),
         (jnp.float32, 8, 80, "multiple of 64"),
         (jnp.bfloat16, 8, 128, "multiple of 16"),
+        (jnp.bfloat16, 16, 128, "exceed SMEM"),
     ],
 )
 def test_unsupported_reason(dtype, C, H, match):
     S = jax.ShapeDtypeStruct
+    B, W = (2, 3) if match != "exceed SMEM" else (512, 1024)
     q, kv = S((10, 4, H), dtype), S((2, 5, C, H), dtype)
     i32 = jnp.int32
     reason = kernel_tpu.unsupported_reason(
-        q, kv, kv, S((2, 3), i32), S((2,), i32), S((3,), i32), S((), i32), sm_scale=1.0
+        q, kv, kv, S((B, W), i32), S((B,), i32), S((B + 1,), i32), S((), i32), sm_scale=1.0
     )
     assert reason is not None and match in reason
+    if match == "exceed SMEM":  # the same call with a small table is supported
+        small = (S((2, 3), i32), S((2,), i32), S((3,), i32), S((), i32))
+        assert kernel_tpu.unsupported_reason(q, kv, kv, *small, sm_scale=1.0) is None
 
 
 @pytest.mark.parametrize(

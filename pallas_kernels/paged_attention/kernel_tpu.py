@@ -363,16 +363,21 @@ def paged_attention_pallas_tpu(
     if not isinstance(pages_per_compute_block, int) or pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be a positive int")
     k5, v5, layer_1 = as_layered(k_pages, v_pages, layer)
-    return _paged_attention_tpu(
-        q,
-        k5,
-        v5,
-        block_tables,
-        lengths,
-        layer_1,
+    call = functools.partial(
+        _paged_attention_tpu,
         sm_scale=float(sm_scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         sliding_window=sliding_window,
         pages_per_compute_block=min(pages_per_compute_block, W),
         interpret=interpret_params(interpret),
     )
+    # The flattened tables must fit SMEM: a larger batch runs as several calls.
+    B = q.shape[0]
+    rows = max(1, (tuning_tpu.max_scalar_prefetch_entries() - B - 1) // W)
+    if rows >= B:
+        return call(q, k5, v5, block_tables, lengths, layer_1)
+    outs = [
+        call(q[i : i + rows], k5, v5, block_tables[i : i + rows], lengths[i : i + rows], layer_1)
+        for i in range(0, B, rows)
+    ]
+    return jnp.concatenate(outs, axis=0)

@@ -33,11 +33,13 @@ class Generation:
       name: short name ("v4", "v5e", "v5p", "v6e", "v7x").
       vmem_bytes: scoped VMEM budget per TensorCore that a kernel may use by default.
       kv_tokens_per_block: target KV tokens per compute block (a heuristic, not measured).
+      smem_bytes: SMEM per TensorCore (scalar memory: prefetched block tables live there).
     """
 
     name: str
     vmem_bytes: int
     kv_tokens_per_block: int
+    smem_bytes: int = 1 << 20
 
 
 _MiB = 1 << 20
@@ -57,6 +59,16 @@ INTERPRET = Generation("interpret", 16 * _MiB, 16)
 # Measured overrides: (generation, dtype name, page size C, head dim H) -> pages per block.
 # Empty until the benchmarks run on a TPU; the heuristic applies meanwhile.
 _MEASURED: dict[tuple[str, str, int, int], int] = {}
+
+
+def max_scalar_prefetch_entries(gen: Generation | None = None) -> int:
+    """How many i32 scalars a kernel may prefetch into SMEM: half of it, the rest is Mosaic's.
+
+    The flattened block tables ``[B * W]`` are the bulk of it; the decode kernel splits a
+    larger batch into several calls, the ragged kernel reports it as unsupported.
+    """
+    gen = current_generation() if gen is None else gen
+    return gen.smem_bytes // 2 // 4
 
 
 def _generation_from_kind(kind: str) -> Generation:

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import kernel_tpu as decode
+from pallas_kernels.paged_attention.tuning_tpu import max_scalar_prefetch_entries
 from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu
 
 
@@ -178,11 +179,25 @@ def unsupported_reason(
     """Why the compiled TPU kernel cannot run these arguments, or None if it can.
 
     Same limits as the decode kernel: f32/bf16, head dim a multiple of 64, page size a
-    multiple of the VMEM sublane tile (8 rows for f32, 16 for bf16).
+    multiple of the VMEM sublane tile (8 rows for f32, 16 for bf16); and the scalar-prefetched
+    block tables plus tile metadata must fit SMEM.
     """
-    del v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, sm_scale, causal
+    del v_pages, kv_lens, cu_q_lens, num_seqs, sm_scale, causal
     del logits_soft_cap, sliding_window, layer
-    return decode.kv_unsupported_reason(q, k_pages)
+    reason = decode.kv_unsupported_reason(q, k_pages)
+    if reason is not None:
+        return reason
+    (B, W), T, N, K = block_tables.shape, q.shape[0], q.shape[1], k_pages.shape[-4]
+    C, H = k_pages.shape[-2], k_pages.shape[-1]
+    bq = tuning_tpu.ragged_block_sizes(
+        page_size=C, head_dim=H, itemsize=jnp.dtype(k_pages.dtype).itemsize, width=W,
+        group=N // K, num_tokens=max(T, 1),
+    )["block_q"]  # fmt: skip
+    scalars = B * W + 4 * schedule.num_tiles_bound(T, B, bq) + 1
+    limit = max_scalar_prefetch_entries()
+    if scalars > limit:
+        return f"block_tables B * W = {B * W} entries (+ tile metadata) exceed SMEM ({limit})"
+    return None
 
 
 def ragged_paged_attention_pallas_tpu(
