@@ -32,5 +32,8 @@ from jpaged.models._protocol import AttentionMetadata as AttentionMetadata
 # --- engine ---
 from jpaged._sampling import BeamSearchParams as BeamSearchParams
 from jpaged._sampling import SamplingParams as SamplingParams
+from jpaged._engine import LLM as LLM
+from jpaged._engine import CompletionOutput as CompletionOutput
+from jpaged._engine import RequestOutput as RequestOutput
 
 __version__ = "0.1.0"

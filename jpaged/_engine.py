@@ -1,0 +1,814 @@
+"""``jpaged.LLM``: the serving engine's user API (vLLM-shaped) and its step loop.
+
+>>> import jpaged
+>>> llm = jpaged.LLM("tests/checkpoints/llama2", page_size=8, num_pages=64, max_num_seqs=8,
+...                  max_model_len=64)
+>>> out = llm.generate([[5, 6, 7]], jpaged.SamplingParams(max_tokens=4, temperature=0.0))
+>>> len(out[0].outputs[0].token_ids)
+4
+
+Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built. A
+request the engine cannot serve (empty prompt, a prompt of ``max_model_len`` tokens or
+more, token ids outside the vocabulary, a request that cannot fit in the pool even alone)
+does not raise: its output has ``finish_reason == "error"`` and ``error`` says why, and the
+engine keeps serving the other requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged import _beam
+from jpaged._allocator import BlockAllocator
+from jpaged._cache import PagedKVCache, copy_pages, gather_pages, pages_for_budget, scatter_pages
+from jpaged._errors import OutOfPagesError
+from jpaged._sampling import BeamSearchParams, SamplingParams
+from jpaged._scheduler import Request, Scheduler, Status
+from jpaged._scheduler import Sequence as Seq
+from jpaged._step import LoopBatch, Runner, SamplingArrays, StepBatch, bucket, pad_to
+from jpaged.models._protocol import AttentionMetadata
+
+Prompt = Sequence[int] | str
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion (or beam) of a request.
+
+    Attributes:
+      index: completion index (``0 .. n-1``) or rank of the beam (best first).
+      token_ids: generated token ids.
+      text: their decoded text when the engine has a tokenizer, else None.
+      finish_reason: "stop", "length", "abort", "error" or None while running.
+      cumulative_logprob: sum of the generated tokens' log-probabilities.
+      score: beam search only: the length-penalised score.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    cumulative_logprob: float
+    score: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The state of one request.
+
+    Attributes:
+      request_id: the id given to or returned by ``add_request``.
+      prompt_token_ids: the prompt.
+      prompt: the prompt text when given as text.
+      outputs: its completions (``n`` of them, or the beams best first).
+      finished: True once every completion finished.
+      error: why the request failed (finish reason "error"), else None.
+      num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """A paged-KV-cache LLM engine: continuous batching, sharing, prefix cache, preemption.
+
+    Args:
+      model: a local Hugging Face checkpoint directory, or a jpaged model (a Flax NNX module
+        following ``jpaged.models.PagedModel``, e.g. ``jpaged.models.LlamaForCausalLM``).
+      page_size: C, tokens per page.
+      num_pages: P, pages in the pool; default from ``kv_cache_memory``.
+      kv_cache_memory: bytes for the pool (K and V); default 512 MiB, capped at what
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
+      max_num_seqs: most sequences in one step.
+      max_model_len: longest sequence (prompt + generated); default the model's
+        ``max_position_embeddings``.
+      max_num_batched_tokens: token budget per step (prompts beyond it are prefilled in
+        chunks); default ``max(256, min(2048, max_model_len))``.
+      enable_prefix_caching: reuse the cached pages of equal prompt prefixes.
+      preemption_mode: "auto" (per request, cheaper of recompute and swap), "recompute"
+        or "swap".
+      swap_space: bytes of host memory for swapped-out pages.
+      num_decode_steps: k, decode steps per device call when every scheduled sequence is
+        decoding (a ``lax.while_loop`` over pages reserved ahead); 1 disables it.
+      dtype: parameter dtype when loading a checkpoint (None: as stored).
+      cache_dtype: K/V dtype (default: the model's embedding dtype).
+      tokenizer: a ``tokenizers.Tokenizer`` (loaded from the checkpoint when None).
+      eos_token_id: end-of-sequence id(s) (read from the checkpoint when None).
+      watermark: fraction of the pool kept free at admission.
+      seed: seeds requests that give no seed.
+      debug: check the allocator's invariants after every step.
+      swap_bytes_per_s, recompute_tokens_per_s: the cost model of preemption ("auto").
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "auto",
+        swap_space: int = 1 << 30,
+        num_decode_steps: int = 8,
+        dtype: Any = None,
+        cache_dtype: Any = None,
+        tokenizer: Any = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        watermark: float = 0.01,
+        seed: int = 0,
+        debug: bool = False,
+        swap_bytes_per_s: float = 16e9,
+        recompute_tokens_per_s: float = 20e3,
+    ):
+        if isinstance(model, str | pathlib.Path):
+            from jpaged.models import from_pretrained, load_tokenizer
+
+            path = pathlib.Path(model)
+            self.model = from_pretrained(path, dtype=dtype)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+            if eos_token_id is None:
+                eos_token_id = _read_eos(path)
+        else:
+            self.model = model
+        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if not isinstance(num_decode_steps, int) or num_decode_steps < 1:
+            raise ValueError(f"{num_decode_steps=} must be an int >= 1")
+        self.tokenizer = tokenizer
+        eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+        self.eos_token_ids = frozenset(int(e) for e in eos)
+        m = self.model
+        cfg = getattr(m, "config", None)
+        if max_model_len is None:
+            max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len)
+        self.page_size = C = page_size
+        self.width = W = math.ceil(self.max_model_len / C)
+        if cache_dtype is None:
+            cache_dtype = _model_dtype(m)
+        L, K, H = m.num_layers, m.num_kv_heads, m.head_dim
+        if num_pages is None:
+            budget = kv_cache_memory if kv_cache_memory is not None else 512 << 20
+            num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
+        self.cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
+        bpp = self.cache.bytes_per_page
+        self.alloc = BlockAllocator(
+            int(num_pages), C, watermark=watermark,
+            num_host_pages=int(swap_space // bpp), bytes_per_page=bpp,
+        )  # fmt: skip
+        self.max_num_seqs = max_num_seqs
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(256, min(2048, self.max_model_len))
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_decode_steps = num_decode_steps
+        self.debug = debug
+        self._swap_bps, self._recompute_tps = swap_bytes_per_s, recompute_tokens_per_s
+        self._host_pages: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.scheduler = Scheduler(
+            self.alloc,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
+            swap_cost=self._swap_cost,
+            recompute_cost=self._recompute_cost,
+            on_copies=self._apply_copies,
+            on_admit=self._on_admit,
+            swap_space_bytes=swap_space,
+        )
+        self.runner = Runner(m)
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._steps = self._device_calls = self._tokens_generated = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generates completions for every prompt; returns one output per prompt, in order.
+
+        Args:
+          prompts: a prompt or a list of prompts (token-id lists, or strings with a tokenizer).
+          sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
+          progress: show a progress bar (tqdm) over finished requests.
+          cache_salt: prefix-cache salt of these requests (pages are shared only within a salt).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [
+            self.add_request(p, sp, cache_salt=cache_salt)
+            for p, sp in zip(prompts, params, strict=False)
+        ]
+        return self._run_to_completion(ids, progress)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search (transformers' ``num_beams`` semantics); beams best first per prompt."""
+        prompts = _as_prompt_list(prompts)
+        ids = [self.add_request(p, params) for p in prompts]
+        return self._run_to_completion(ids, progress)
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields a ``RequestOutput`` snapshot each time one of these requests progresses."""
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
+        ids = {self.add_request(p, params) for p in prompts}
+        pending = set(ids)
+        for rid in list(ids):
+            if self._requests[rid].finished:
+                pending.discard(rid)
+                yield self._output(self._requests[rid])
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queues a request and returns its id.
+
+        A request that cannot be served is finished at once with finish reason "error"
+        (see the module docstring); its output is available from ``step``/``generate``.
+
+        Raises:
+          ValueError: ``params`` is not a ``SamplingParams``/``BeamSearchParams``, a string
+            prompt without a tokenizer, or a duplicate ``request_id``.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"{request_id=} is already in use")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer; pass token ids instead")
+            text, prompt = prompt, self.tokenizer.encode(prompt).ids
+        tokens = [int(t) for t in prompt]
+        req = Request(request_id, tokens, params, arrival=len(self._requests), prompt_text=text)
+        req.salt = cache_salt
+        self._requests[request_id] = req
+        if isinstance(params, BeamSearchParams):
+            stops = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids
+            )
+            req.beam = _beam.BeamState(params, len(tokens), frozenset(stops))
+        seed = params.seed if isinstance(params, SamplingParams) else None
+        if seed is None:
+            seed = int(self._rng.integers(0, 2**31 - params.n if hasattr(params, "n") else 2**31))
+        req.seqs = [Seq(next(self._seq_ids), 0, list(tokens), len(tokens), seed)]
+        error = self._validate(req)
+        if error is not None:
+            req.error = error
+            req.seqs[0].finish_reason = "error"
+            req.status = Status.FINISHED
+        else:
+            self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees everything it holds (finish reason "abort")."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown {request_id=}")
+        if not req.finished:
+            self.scheduler.abort(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return self._output(self._requests[request_id])
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step (one device call); returns the requests that progressed."""
+        sched = self.scheduler.schedule()
+        touched = {s.request.request_id for s in sched.scheduled}
+        touched |= {rid for rid, _ in sched.preempted}
+        if sched.scheduled:
+            self._steps += 1
+            if self._can_loop(sched):
+                self._run_loop(sched)
+            else:
+                self._run_step(sched)
+        if self.debug:
+            self.alloc.check_invariants()
+        # Requests that failed or finished this step without being scheduled (errors).
+        for req in self._requests.values():
+            if req.finished and not getattr(req, "_reported", False):
+                touched.add(req.request_id)
+        outs = []
+        for rid in touched:
+            req = self._requests[rid]
+            outs.append(self._output(req))
+            if req.finished:
+                req._reported = True
+        return outs
+
+    def stats(self) -> dict[str, Any]:
+        """Pool, sharing, prefix-cache, preemption and compile counters."""
+        s = self.alloc.stats()
+        c = self.scheduler.counters
+        return {
+            "pages_total": s.total_pages,
+            "pages_free": s.free_pages,
+            "pages_used": s.used_pages,
+            "pages_shared": s.shared_pages,
+            "pages_cached": s.cached_pages,
+            "pages_evictable": s.evictable_pages,
+            "kv_utilisation": s.utilisation,
+            "live_tokens": s.live_tokens,
+            "logical_tokens": s.logical_tokens,
+            "prefix_queries": s.prefix_queries,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "prefix_hit_rate": s.prefix_hit_tokens / max(s.prefix_query_tokens, 1),
+            "preemptions_recompute": c["preemptions_recompute"],
+            "preemptions_swap": c["preemptions_swap"],
+            "cow_copies": s.cow_copies,
+            "swapped_out_bytes": s.swapped_out_bytes,
+            "swapped_in_bytes": s.swapped_in_bytes,
+            "recompiles": self.runner.num_compiles,
+            "steps": self._steps,
+            "device_calls": self._device_calls,
+            "tokens_generated": self._tokens_generated,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+    @property
+    def preemption_events(self):
+        return list(self.scheduler.events)
+
+    # ------------------------------------------------------------------ requests
+
+    def _validate(self, req: Request) -> str | None:
+        n = len(req.prompt)
+        V = self.model.vocab_size
+        if n == 0:
+            return "empty prompt: a request needs at least one prompt token"
+        if n >= self.max_model_len:
+            return f"prompt of {n} tokens must be shorter than max_model_len={self.max_model_len}"
+        if min(req.prompt) < 0 or max(req.prompt) >= V:
+            return f"prompt token ids must lie in [0, vocab_size={V})"
+        if req.fan_out > self.max_num_seqs:
+            return f"{req.fan_out} sequences exceed max_num_seqs={self.max_num_seqs}"
+        C = self.page_size
+        gen = min(req.params.max_tokens, self.max_model_len - n)
+        need = math.ceil(n / C) + req.fan_out * (math.ceil(gen / C) + 1)
+        usable = self.alloc.num_pages - self.alloc.watermark_pages
+        if need > usable:
+            return (
+                f"cannot fit even alone: {n} prompt tokens + {gen} new tokens x {req.fan_out} "
+                f"sequence(s) need up to {need} pages of {C} tokens; the pool has {usable} "
+                f"(num_pages={self.alloc.num_pages} minus the watermark)"
+            )
+        return None
+
+    def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        pending = {rid for rid in ids if not self._requests[rid].finished}
+        if bar is not None:
+            bar.update(len(ids) - len(pending))
+        while pending:
+            if not self.scheduler.has_unfinished():
+                raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self._output(self._requests[rid]) for rid in ids]
+
+    def _output(self, req: Request) -> RequestOutput:
+        if req.is_beam and req.beam is not None and req.beam.done:
+            outs = [
+                CompletionOutput(i, h.tokens, self._decode(h.tokens), "stop" if (
+                    h.tokens and h.tokens[-1] in req.beam.stop_ids) else "length",
+                    float("nan"), score=h.score)
+                for i, h in enumerate(_beam.results(req.beam))
+            ]  # fmt: skip
+        else:
+            outs = [
+                CompletionOutput(s.index, s.output_ids, self._decode(s.output_ids),
+                                 s.finish_reason, s.cumulative_logprob)
+                for s in sorted(req.seqs, key=lambda s: s.index)
+            ]  # fmt: skip
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt,
+            prompt=req.prompt_text,
+            outputs=outs,
+            finished=req.finished,
+            error=req.error,
+            num_cached_tokens=req.seqs[0].num_cached_prompt if req.seqs else 0,
+        )
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    # ------------------------------------------------------------------ pages (callbacks)
+
+    def _on_admit(self, req: Request) -> None:
+        """Creates the request's sequences in the allocator (all or nothing)."""
+        done = []
+        try:
+            for seq in req.live_seqs():
+                if self.enable_prefix_caching:
+                    cached = self.alloc.allocate_with_prefix(seq.seq_id, seq.tokens, req.salt)
+                    seq.num_computed = cached
+                    if seq.num_generated == 0:
+                        seq.num_cached_prompt = cached
+                else:
+                    self.alloc.allocate(seq.seq_id, seq.num_tokens)
+                    seq.num_computed = 0
+                done.append(seq)
+        except OutOfPagesError:
+            for seq in done:
+                self.alloc.free(seq.seq_id)
+                seq.num_computed = 0
+            raise
+
+    def _apply_copies(self, pairs: list[tuple[int, int]]) -> None:
+        M = bucket(len(pairs), 8, 1 << 30)
+        arr = pad_to(np.asarray(pairs, np.int32).reshape(-1, 2), M, -1)
+        self.cache = copy_pages(self.cache, arr, validate=False)
+
+    def _group_ids(self, req: Request) -> list[int]:
+        return [s.seq_id for s in req.live_seqs()]
+
+    def _swap_cost(self, req: Request) -> tuple[int, float]:
+        ids = self._group_ids(req)
+        if not ids or self.alloc.num_host_pages == 0 or not self.alloc.can_swap_out(ids):
+            return 1 << 62, float("inf")
+        pages = {p for i in ids for p in self.alloc.block_table(i)[: self._held_pages(i)]}
+        nbytes = len(pages) * self.cache.bytes_per_page
+        return nbytes, 2 * nbytes / self._swap_bps
+
+    def _held_pages(self, seq_id: int) -> int:
+        return math.ceil(self.alloc.num_tokens(seq_id) / self.page_size)
+
+    def _recompute_cost(self, req: Request) -> tuple[int, float]:
+        tokens = sum(s.num_computed for s in req.live_seqs())
+        return tokens, tokens / self._recompute_tps
+
+    def _swap_out(self, req: Request) -> int:
+        pairs = self.alloc.swap_out(self._group_ids(req))
+        if pairs:
+            dev = np.asarray([p for p, _ in pairs], np.int32)
+            M = bucket(len(dev), 8, 1 << 30)
+            k, v = gather_pages(self.cache, pad_to(dev, M, -1), validate=False)
+            k, v = np.asarray(k), np.asarray(v)
+            for i, (_, slot) in enumerate(pairs):
+                self._host_pages[slot] = (k[:, :, i], v[:, :, i])
+        req.swapped = {"bytes": 0}
+        return len(pairs) * self.cache.bytes_per_page
+
+    def _swap_in(self, req: Request) -> None:
+        ids = self._group_ids(req)
+        if not self.alloc.can_swap_in(ids):
+            raise OutOfPagesError(f"swap_in of request {req.request_id!r} does not fit yet")
+        pairs = self.alloc.swap_in(ids)
+        if pairs:
+            M = bucket(len(pairs), 8, 1 << 30)
+            dst = pad_to(np.asarray([d for _, d in pairs], np.int32), M, -1)
+            k = np.stack([self._host_pages[s][0] for s, _ in pairs], axis=2)
+            v = np.stack([self._host_pages[s][1] for s, _ in pairs], axis=2)
+            pad = [(0, 0), (0, 0), (0, M - len(pairs)), (0, 0), (0, 0)]
+            k, v = np.pad(k, pad), np.pad(v, pad)
+            self.cache = scatter_pages(self.cache, dst, k, v, validate=False)
+            for s, _ in pairs:
+                del self._host_pages[s]
+
+    # ------------------------------------------------------------------ the step
+
+    def _seq_bucket(self, n: int) -> int:
+        return bucket(n, 8, self.max_num_seqs)
+
+    def _sampling_row(self, req: Request, seq: Seq, seed: int) -> tuple:
+        p = req.params
+        if req.is_beam:
+            return (0.0, 0, 1.0, 0, seq.num_tokens)
+        return (p.temperature, p.top_k, p.top_p, seed, seq.num_tokens)
+
+    def _run_step(self, sched) -> None:
+        items = sched.scheduled
+        B = len(items)
+        rows = []  # (item index, kind, child index)
+        toks, pos, slots, tables, kv_lens, cu = [], [], [], [], [], [0]
+        for b, it in enumerate(items):
+            seq, start, n = it.seq, it.seq.num_computed, it.num_new
+            toks.extend(seq.tokens[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.append(self.alloc.slots(seq.seq_id, start, n))
+            tables.append(pad_to(np.asarray(self.alloc.block_table(seq.seq_id), np.int32),
+                                 self.width, 0))  # fmt: skip
+            kv_lens.append(start + n)
+            cu.append(cu[-1] + n)
+            if it.samples:
+                req = it.request
+                fan = 1 if (req.forked or req.is_beam) else req.fan_out
+                for i in range(fan):
+                    rows.append((b, i))
+        T = len(toks)
+        decode = sched.decode_only
+        Bp = self._seq_bucket(max(B, len(rows)))
+        Tp = Bp if decode else bucket(T, 16, max(self.max_num_batched_tokens, 16))
+        logits_idx = [cu[b + 1] - 1 for b, _ in rows]
+        samp = []
+        for b, i in rows:
+            it = items[b]
+            samp.append(self._sampling_row(it.request, it.seq, it.seq.seed + i))
+        samp = np.asarray(samp, np.float64).reshape(-1, 5)
+        meta = AttentionMetadata(
+            slot_mapping=pad_to(np.concatenate(slots).astype(np.int32), Tp, -1),
+            block_tables=pad_to(np.stack(tables), Bp, 0),
+            kv_lens=pad_to(np.asarray(kv_lens, np.int32), Bp, 0),
+            cu_q_lens=pad_to(np.asarray(cu, np.int32), Bp + 1, T),
+            num_seqs=np.int32(B),
+            logits_indices=pad_to(np.asarray(logits_idx, np.int32), Bp, 0),
+        )
+        batch = StepBatch(
+            tokens=pad_to(np.asarray(toks, np.int32), Tp, 0),
+            positions=pad_to(np.asarray(pos, np.int32), Tp, 0),
+            metadata=meta,
+            sampling=_sampling_arrays(samp, Bp),
+        )
+        num_top = 0
+        if any(it.request.is_beam for it in items):
+            num_top = bucket(2 * max(it.request.fan_out for it in items if it.request.is_beam),
+                             8, 1 << 30)  # fmt: skip
+        self.cache, tok_R, lp_R, top = self.runner.step(
+            self.cache, batch, decode=decode, num_top=num_top
+        )
+        self._device_calls += 1
+        tok_R, lp_R = np.asarray(tok_R), np.asarray(lp_R)
+        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
+        # Book-keeping: K/V of the scheduled tokens are now in the cache.
+        for it in items:
+            it.seq.num_computed += it.num_new
+            self._commit_pages(it.request, it.seq)
+        beams: dict[str, list[tuple[Seq, int]]] = {}
+        for r, (b, i) in enumerate(rows):
+            it = items[b]
+            req = it.request
+            if req.finished:
+                continue
+            if req.is_beam:
+                beams.setdefault(req.request_id, []).append((it.seq, r))
+            elif req.fan_out > 1 and not req.forked:
+                self._fan_out_token(req, it.seq, i, int(tok_R[r]), float(lp_R[r]))
+            else:
+                self._append(req, it.seq, int(tok_R[r]), float(lp_R[r]))
+        for rid, entries in beams.items():
+            self._beam_step(self._requests[rid], entries, top)
+
+    def _fan_out_token(self, req: Request, seq0: Seq, i: int, token: int, lp: float) -> None:
+        if i == 0:
+            self._pending_children = []
+            target = seq0
+        else:
+            target = Seq(next(self._seq_ids), i, list(seq0.tokens), seq0.num_prompt,
+                         seq0.seed + i, seq0.num_computed)  # fmt: skip
+            self.alloc.fork(seq0.seq_id, target.seq_id)
+            req.seqs.append(target)
+        if i == req.fan_out - 1:
+            req.forked = True
+        # seq0 must not grow before all children forked from its prompt.
+        self._pending_children.append((target, token, lp))
+        if req.forked:
+            for t, tok, l in self._pending_children:
+                self._append(req, t, tok, l)
+            self._pending_children = []
+
+    def _append(self, req: Request, seq: Seq, token: int, lp: float) -> None:
+        seq.tokens.append(token)
+        seq.cumulative_logprob += lp
+        self._tokens_generated += 1
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        reason = None
+        if token in stops and seq.num_generated >= p.min_tokens:
+            reason = "stop"
+        elif seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish_seq(req, seq, reason)
+
+    def _commit_pages(self, req: Request, seq: Seq) -> None:
+        if self.enable_prefix_caching and not seq.finished and seq.seq_id in self.alloc:
+            self.alloc.commit_full_pages(seq.seq_id, seq.tokens[: seq.num_computed], req.salt)
+
+    def _beam_step(self, req: Request, entries: list[tuple[Seq, int]], top) -> None:
+        lp_RK, ids_RK = top
+        seqs = [s for s, _ in entries]
+        rows = [r for _, r in entries]
+        choices = _beam.select(
+            req.beam,
+            [s.output_ids for s in seqs],
+            np.asarray([s.cumulative_logprob for s in seqs], np.float64),
+            lp_RK[rows],
+            ids_RK[rows],
+        )
+        req.forked = True
+        if not choices:
+            for s in list(req.seqs):
+                self.scheduler.finish_seq(req, s, "stop")
+            return
+        used: set[int] = set()
+        new_seqs = []
+        for j, ch in enumerate(choices):
+            parent = seqs[ch.parent]
+            if ch.parent not in used:
+                used.add(ch.parent)
+                child = parent
+            else:
+                child = Seq(next(self._seq_ids), j, list(parent.tokens), parent.num_prompt,
+                            parent.seed, parent.num_computed)  # fmt: skip
+                self.alloc.fork(parent.seq_id, child.seq_id)
+            new_seqs.append((child, ch))
+        for k, s in enumerate(seqs):
+            if k not in used:
+                self.scheduler.drop_seq(req, s)
+        req.seqs = []
+        for j, (child, ch) in enumerate(new_seqs):
+            child.index = j
+            child.tokens.append(ch.token)
+            child.cumulative_logprob = ch.score
+            req.seqs.append(child)
+            self._tokens_generated += 1
+
+    # ------------------------------------------------------------------ multi-step decode
+
+    def _can_loop(self, sched) -> bool:
+        if self.num_decode_steps <= 1 or not sched.decode_only or self.scheduler.waiting:
+            return False
+        return all(
+            not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)
+            for it in sched.scheduled
+        )
+
+    def _run_loop(self, sched) -> None:
+        items = sched.scheduled
+        k = self.num_decode_steps
+        limits = []
+        for it in items:
+            seq, p = it.seq, it.request.params
+            limits.append(max(1, min(k, p.max_tokens - seq.num_generated,
+                                     self.max_model_len - seq.num_tokens)))  # fmt: skip
+        reserved = []
+        try:
+            for it, lim in zip(items, limits, strict=True):
+                copies = self.alloc.reserve(it.seq.seq_id, lim - 1)
+                reserved.append(it)
+                if copies:
+                    self._apply_copies(copies)
+        except OutOfPagesError:
+            for it in reserved:
+                self.alloc.truncate(it.seq.seq_id, self.alloc.num_tokens(it.seq.seq_id))
+            return self._run_step(sched)
+        B = len(items)
+        Bp = self._seq_bucket(B)
+        stop_lists = []
+        for it in items:
+            p = it.request.params
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            stop_lists.append(sorted(stops))
+        S = bucket(max(1, max(len(s) for s in stop_lists)), 4, 1 << 20)
+        stop_ids = np.full((Bp, S), -1, np.int32)
+        for b, s in enumerate(stop_lists):
+            stop_ids[b, : len(s)] = s
+        samp = np.asarray([self._sampling_row(it.request, it.seq, it.seq.seed) for it in items])
+        tables = [pad_to(np.asarray(self.alloc.block_table(it.seq.seq_id), np.int32),
+                         self.width, 0) for it in items]  # fmt: skip
+        batch = LoopBatch(
+            tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
+            lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
+            block_tables=pad_to(np.stack(tables), Bp, 0),
+            active=pad_to(np.ones(B, bool), Bp, False),
+            max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
+            min_steps=pad_to(
+                np.asarray(
+                    [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items],
+                    np.int32,
+                ),
+                Bp,
+                0,
+            ),
+            stop_ids=stop_ids,
+            sampling=_sampling_arrays(samp, Bp),
+        )
+        self.cache, out_KB, lp_KB, _ = self.runner.decode_loop(self.cache, batch, num_steps=k)
+        self._device_calls += 1
+        out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
+        for b, it in enumerate(items):
+            seq, req = it.seq, it.request
+            start = seq.num_computed
+            accepted = 0
+            for step in range(k):
+                tok = int(out_KB[step, b])
+                if tok < 0 or seq.finished:
+                    break
+                accepted += 1
+                seq.num_computed += 1
+                self._append(req, seq, tok, float(lp_KB[step, b]))
+            if not seq.finished:
+                # The allocator held start + 1 tokens; the cache now holds start + accepted.
+                self.alloc.append_slots(seq.seq_id, accepted - 1)
+                self.alloc.truncate(seq.seq_id, start + accepted)
+                self._commit_pages(req, seq)
+
+
+def _sampling_arrays(samp: np.ndarray, R: int) -> SamplingArrays:
+    samp = np.asarray(samp, np.float64).reshape(-1, 5)
+    return SamplingArrays(
+        temperature=pad_to(samp[:, 0].astype(np.float32), R, 0.0),
+        top_k=pad_to(samp[:, 1].astype(np.int32), R, 0),
+        top_p=pad_to(samp[:, 2].astype(np.float32), R, 1.0),
+        seed=pad_to(samp[:, 3].astype(np.int32), R, 0),
+        position=pad_to(samp[:, 4].astype(np.int32), R, 0),
+    )
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int | np.integer):
+        return [prompts]
+    return prompts
+
+
+def _model_dtype(model) -> Any:
+    leaves = jax.tree.leaves(getattr(model, "embed_VD", None) or model)
+    for leaf in leaves:
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.dtype
+    return jnp.float32
+
+
+def _read_eos(path: pathlib.Path) -> list[int] | None:
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return list(np.atleast_1d(eos).astype(int))
+    return None

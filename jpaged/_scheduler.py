@@ -1,0 +1,439 @@
+"""Requests and the scheduler: continuous batching, chunked prefill, admission, preemption.
+
+One scheduling unit is a *request* (a prompt with its ``n`` completions or its beams); its
+*sequences* are the token streams that own pages in the allocator. Each sequence carries
+``tokens`` (prompt + generated) and ``num_computed`` (tokens whose K/V are in the cache);
+a step computes ``num_new`` more of them, so prefill, chunked prefill, decode and
+recomputation after preemption are one mechanism (vLLM v1's). A sequence samples a token
+in the step where its ``num_computed`` reaches ``len(tokens)``.
+
+Per step (``Scheduler.schedule``), under a token budget ``max_num_batched_tokens`` and at
+most ``max_num_seqs`` sequences:
+
+1. Running requests, oldest first, get their next tokens (one per decoding sequence, a chunk
+   for a prefilling one). When the pool runs out, the youngest running request is
+   preempted, by recompute (pages freed, tokens computed again later) or by swap (pages
+   copied to host memory, restored later), chosen per request by cost; see ``_preempt``.
+2. If nothing was preempted, waiting requests (swapped ones first, then new ones, FCFS)
+   are admitted while the pool has room above the watermark.
+
+The allocator is the single authority over pages; the scheduler never writes a page
+itself. Copy-on-write pairs and swap transfers are handed to callbacks that run them on
+device immediately, so they are ordered before any later use of the pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+from jpaged._errors import OutOfPagesError
+from jpaged._sampling import BeamSearchParams, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One token stream with pages in the allocator.
+
+    Attributes:
+      seq_id: the allocator's id.
+      index: completion index within its request (n > 1), or beam slot.
+      tokens: prompt + generated token ids.
+      num_prompt: prompt length.
+      seed: sampling seed.
+      num_computed: tokens whose K/V are in the cache.
+      finish_reason: None while running; "stop", "length", "abort" or "error".
+      cumulative_logprob: sum of the log-probabilities of the generated tokens.
+    """
+
+    seq_id: int
+    index: int
+    tokens: list[int]
+    num_prompt: int
+    seed: int
+    num_computed: int = 0
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    num_cached_prompt: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and its completions (or beams).
+
+    Attributes:
+      request_id: caller's id.
+      prompt: prompt token ids.
+      params: ``SamplingParams`` or ``BeamSearchParams``.
+      arrival: admission order key (monotone).
+      seqs: live and finished sequences (for beam search: the live beams).
+      status: see ``Status``.
+      error: the message when the request failed.
+      num_preemptions: how often it was preempted.
+      swapped: host copies of its pages while swapped out (engine-owned).
+      beam: the beam-search state (``jpaged._beam.BeamState``) or None.
+      prompt_text: the prompt string, when given as text.
+      salt: prefix-cache salt.
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams | BeamSearchParams
+    arrival: int
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    error: str | None = None
+    num_preemptions: int = 0
+    swapped: Any = None
+    beam: Any = None
+    prompt_text: str | None = None
+    salt: str | None = None
+    forked: bool = False
+
+    @property
+    def is_beam(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def fan_out(self) -> int:
+        """Sequences the prompt forks into once prefilled (n, or the beam width)."""
+        return self.params.beam_width if self.is_beam else self.params.n
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """A sequence's share of one step: ``num_new`` tokens from ``seq.num_computed`` on."""
+
+    seq: Sequence
+    request: Request
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[Scheduled] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(s.num_new == 1 for s in self.scheduled)
+
+
+@dataclasses.dataclass
+class PreemptionEvent:
+    request_id: str
+    mode: str  # "recompute" or "swap"
+    tokens: int  # tokens to recompute (recompute) or KV bytes moved out (swap)
+    step: int
+
+
+class Scheduler:
+    """Continuous batching over a ``BlockAllocator``.
+
+    Args:
+      allocator: the ``jpaged.BlockAllocator``.
+      max_num_seqs: most sequences in one step.
+      max_num_batched_tokens: token budget of one step (chunked prefill beyond it).
+      preemption_mode: "auto" (cheaper of the two per request), "recompute" or "swap".
+      swap: engine callbacks ``swap_out(request) -> bytes`` (copies the request's pages to
+        host, then frees them) and ``swap_in(request)`` (allocates and restores them; raises
+        ``OutOfPagesError`` without side effects when they do not fit), and
+        ``swap_cost(request) -> (bytes, seconds)``.
+      on_copies: called with copy-on-write ``(src, dst)`` pairs as the allocator emits them.
+      recompute_tokens_per_s: prefill throughput assumed by the cost model.
+      swap_space_bytes: host memory available for swapped pages.
+      max_preemptions: a request preempted more often than this fails ("error"), so an
+        undersized pool cannot livelock.
+    """
+
+    def __init__(
+        self,
+        allocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "auto",
+        swap_out: Callable[[Request], int],
+        swap_in: Callable[[Request], None],
+        swap_cost: Callable[[Request], tuple[int, float]],
+        recompute_cost: Callable[[Request], tuple[int, float]],
+        on_copies: Callable[[list], None],
+        on_admit: Callable[[Request], None],
+        swap_space_bytes: int = 1 << 30,
+        max_preemptions: int = 64,
+    ):
+        if preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"{preemption_mode=} must be 'auto', 'recompute' or 'swap'")
+        self.alloc = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self._swap_out, self._swap_in = swap_out, swap_in
+        self._swap_cost, self._recompute_cost = swap_cost, recompute_cost
+        self._on_copies, self._on_admit = on_copies, on_admit
+        self.swap_space_bytes = swap_space_bytes
+        self.max_preemptions = max_preemptions
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.swapped_bytes = 0  # currently on host
+        self.events: list[PreemptionEvent] = []
+        self.counters = collections.Counter()
+        self.step_index = 0
+
+    # ------------------------------------------------------------------ queue management
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_seq(self, request: Request, seq: Sequence, reason: str) -> None:
+        """Marks ``seq`` finished and frees its pages; finishes the request when none is left."""
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        self.alloc.free(seq.seq_id)
+        if not request.live_seqs():
+            self._finish_request(request)
+
+    def drop_seq(self, request: Request, seq: Sequence) -> None:
+        """Frees a sequence that is no longer part of its request (a dropped beam)."""
+        self.alloc.free(seq.seq_id)
+        request.seqs.remove(seq)
+
+    def fail(self, request: Request, message: str) -> None:
+        """Fails a request (finish reason "error") and frees everything it holds."""
+        request.error = message
+        self._release(request, "error")
+
+    def abort(self, request: Request) -> None:
+        self._release(request, "abort")
+
+    def _release(self, request: Request, reason: str) -> None:
+        if request.status == Status.SWAPPED:
+            self.swapped_bytes -= request.swapped["bytes"]
+            request.swapped = None
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = reason
+                if self._holds_pages(seq):
+                    self.alloc.free(seq.seq_id)
+        self._finish_request(request)
+
+    def _holds_pages(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.alloc
+
+    def _finish_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            plan = self._plan(req, budget, self.max_num_seqs - len(out.scheduled))
+            if plan is None:  # no room in this step's budget; keep its pages, try next step
+                i += 1
+                continue
+            if self._grow(req, plan):
+                out.scheduled.extend(plan)
+                used = sum(p.num_new for p in plan)
+                budget -= used
+                out.num_tokens += used
+                i += 1
+                continue
+            # Out of pages: preempt the youngest running request (possibly this one).
+            victim = self.running[-1]
+            preempted = True
+            if victim is req and len(self.running) == 1:
+                self.fail(req, self._cannot_fit_message(req))
+                continue
+            mode = self._preempt(victim)
+            out.preempted.append((victim.request_id, mode))
+            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+            # `i` stays: retry `req` (or move on if it was the victim and got removed).
+        if not preempted:
+            self._admit(out, budget)
+        return out
+
+    def _plan(self, req: Request, budget: int, seq_room: int) -> list[Scheduled] | None:
+        seqs = req.live_seqs()
+        if len(seqs) > seq_room:
+            return None
+        plan = []
+        for seq in seqs:
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if num_new <= 0:
+                return plan if plan else None
+            if req.is_beam and num_new < seq.num_tokens - seq.num_computed and req.forked:
+                return None  # beams advance together: all of a beam group or none of it
+            plan.append(Scheduled(seq, req, num_new))
+            budget -= num_new
+        return plan
+
+    def _grow(self, req: Request, plan: list[Scheduled]) -> bool:
+        """Gives each planned sequence slots for its new tokens; all or nothing."""
+        grown: list[tuple[Scheduled, int]] = []
+        for p in plan:
+            held = self.alloc.num_tokens(p.seq.seq_id)
+            extra = p.seq.num_computed + p.num_new - held
+            if extra <= 0:
+                continue
+            try:
+                copies = self.alloc.append_slots(p.seq.seq_id, extra)
+            except OutOfPagesError:
+                for g, before in grown:
+                    self.alloc.truncate(g.seq.seq_id, before)
+                return False
+            if copies:
+                self._on_copies(copies)
+            grown.append((p, held))
+        return True
+
+    def _cannot_fit_message(self, req: Request) -> str:
+        seqs = req.live_seqs()
+        need = sum(s.num_tokens for s in seqs)
+        return (
+            f"out of KV pages: request {req.request_id!r} needs slots for {need} tokens over "
+            f"{len(seqs)} sequence(s) and is alone in a pool of {self.alloc.num_pages} pages of "
+            f"{self.alloc.page_size} tokens"
+        )
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            seq_room = self.max_num_seqs - len(out.scheduled)
+            if len(req.live_seqs()) > seq_room:
+                return
+            if req.status == Status.SWAPPED:
+                try:
+                    self._swap_in(req)
+                except OutOfPagesError:
+                    return
+                self.swapped_bytes -= req.swapped["bytes"]
+                req.swapped = None
+            else:
+                if not self._allocate_fresh(req, budget):
+                    return
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan = self._plan(req, budget, seq_room)
+            if plan is None or not self._grow(req, plan):
+                continue  # admitted; it gets its tokens next step
+            out.scheduled.extend(plan)
+            used = sum(p.num_new for p in plan)
+            budget -= used
+            out.num_tokens += used
+
+    def _allocate_fresh(self, req: Request, budget: int) -> bool:
+        """Registers the request's sequences in the allocator (prefix hits attached)."""
+        seqs = req.live_seqs()
+        C = self.alloc.page_size
+        needed = sum(-(-s.num_tokens // C) for s in seqs)
+        if len(seqs) == 1:
+            if not self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
+                                           salt=req.salt):  # fmt: skip
+                return False
+        elif needed > self.alloc.num_free_pages - self.alloc.watermark_pages:
+            return False
+        try:
+            self._on_admit(req)  # creates the sequences (all or nothing)
+        except OutOfPagesError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ preemption
+
+    def _preempt(self, req: Request) -> str:
+        req.num_preemptions += 1
+        self.running.remove(req)
+        if req.num_preemptions > self.max_preemptions:
+            self.fail(req, f"preempted more than max_preemptions={self.max_preemptions} times")
+            return "error"
+        mode = self._choose_mode(req)
+        if mode == "swap":
+            moved = self._swap_out(req)
+            req.swapped["bytes"] = moved
+            self.swapped_bytes += moved
+            req.status = Status.SWAPPED
+            self.counters["swapped_out_bytes"] += moved
+            amount = moved
+        else:
+            amount = 0
+            for seq in req.live_seqs():
+                amount += seq.num_computed
+                self.alloc.free(seq.seq_id)
+                seq.num_computed = 0
+            req.status = Status.WAITING
+        self.counters[f"preemptions_{mode}"] += 1
+        self.events.append(PreemptionEvent(req.request_id, mode, amount, self.step_index))
+        # Preempted requests go back to the head of the queue (they are older than waiting ones).
+        self.waiting.appendleft(req)
+        return mode
+
+    def _choose_mode(self, req: Request) -> str:
+        swap_bytes, swap_s = self._swap_cost(req)
+        fits = self.swapped_bytes + swap_bytes <= self.swap_space_bytes
+        if self.preemption_mode == "swap":
+            return "swap" if fits else "recompute"
+        if self.preemption_mode == "recompute":
+            return "recompute"
+        if req.is_beam and req.forked:
+            # Recomputing a beam group re-prefills every beam separately; swap keeps sharing.
+            return "swap" if fits else "recompute"
+        _, recompute_s = self._recompute_cost(req)
+        return "swap" if fits and swap_s < recompute_s else "recompute"
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)

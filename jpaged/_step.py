@@ -1,0 +1,236 @@
+"""The engine's device side: fixed, bucketed step inputs and the jitted steps (cache donated).
+
+Two jitted programs run a model on the paged cache:
+
+- ``step``: one forward over a ragged token batch (prefill chunks and decodes mixed), then
+  on-device sampling of one token per
+  logits row (and, for beam search, the top log-probabilities of each row).
+- ``decode_loop``: a ``lax.while_loop`` of up to k decode steps, each feeding the token it
+  sampled into the next, writing K/V into slots the host reserved ahead (crossing page
+  boundaries), and stopping early once every sequence has finished (stop token or length).
+
+Every varying quantity is an array and every shape comes from a small set of buckets
+(tokens T, sequences and logits rows B), so after warm-up nothing compiles.
+``Runner.num_compiles`` counts traces of the step functions (each trace is one compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged._sampling import sample, top_logprobs
+from jpaged.models._protocol import AttentionMetadata
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """The smallest power-of-two multiple of ``minimum`` that is >= n, capped at ``maximum``.
+
+    >>> bucket(5, 4, 64), bucket(1, 4, 64), bucket(100, 4, 64)
+    (8, 4, 64)
+    """
+    b = minimum
+    while b < n and b < maximum:
+        b *= 2
+    return min(b, maximum) if n <= maximum else n
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingArrays:
+    """Per-row sampling parameters (R rows).
+
+    Attributes:
+      temperature: f32[R]; 0 is greedy.
+      top_k: i32[R]; <= 0 keeps all tokens.
+      top_p: f32[R].
+      seed: i32[R].
+      position: i32[R] position of the token each row samples.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    position: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    """Inputs of one ragged step (host NumPy or device arrays, padded to buckets).
+
+    Attributes:
+      tokens: i32[T] input tokens; padding rows 0.
+      positions: i32[T] their positions.
+      metadata: the ``AttentionMetadata`` (slots, block tables [B, W], kv lens, cu_q_lens,
+        num_seqs, logits_indices [R]).
+      sampling: ``SamplingArrays`` of the R logits rows.
+    """
+
+    tokens: Any
+    positions: Any
+    metadata: AttentionMetadata
+    sampling: SamplingArrays
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopBatch:
+    """Inputs of the multi-step decode loop over B sequences (padded to a bucket).
+
+    Attributes:
+      tokens: i32[B] the last token of each sequence (not yet in the cache).
+      lens: i32[B] tokens already in the cache; the input token sits at position ``lens``.
+      block_tables: i32[B, W], covering the slots reserved for every step of the loop.
+      active: bool[B] rows that decode (padding rows False).
+      max_steps: i32[B] tokens each row may still generate (length and ``max_tokens`` limits,
+        within the reserved slots).
+      min_steps: i32[B] tokens before which stop tokens do not stop a row (``min_tokens``).
+      stop_ids: i32[B, S] stop tokens per row (EOS included unless ignored); -1 padding.
+      sampling: ``SamplingArrays`` (``position`` unused: the loop computes it).
+    """
+
+    tokens: Any
+    lens: Any
+    block_tables: Any
+    active: Any
+    max_steps: Any
+    min_steps: Any
+    stop_ids: Any
+    sampling: SamplingArrays
+
+
+def _sampled(logits_RV, s: SamplingArrays):
+    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position)
+
+
+_TRACES = [0]  # traces (= compiles) of the step programs in this process
+
+
+def _step_impl(graphdef, state, cache, batch: StepBatch, *, decode: bool, num_top: int):
+    _TRACES[0] += 1  # runs once per trace, i.e. once per compile
+    model = nnx.merge(graphdef, state)
+    logits_RV, cache = model(batch.tokens, batch.positions, cache, batch.metadata, decode=decode)
+    tokens_R, logprobs_R = _sampled(logits_RV, batch.sampling)
+    top = top_logprobs(logits_RV, num_top) if num_top else None
+    return cache, tokens_R, logprobs_R, top
+
+
+def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
+    _TRACES[0] += 1
+    model = nnx.merge(graphdef, state)
+    B, W = batch.block_tables.shape
+    C = cache.page_size
+    rows_B = jnp.arange(B, dtype=jnp.int32)
+    cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
+
+    def cond(carry):
+        step, _, _, _, active_B, _, _ = carry
+        return (step < num_steps) & jnp.any(active_B)
+
+    def body(carry):
+        step, cache, tok_B, lens_B, active_B, out_KB, lp_KB = carry
+        page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
+        slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
+        meta = AttentionMetadata(
+            slot_mapping=slot_B,
+            block_tables=batch.block_tables,
+            kv_lens=jnp.where(active_B, lens_B + 1, 0),
+            cu_q_lens=cu_q_lens,
+            num_seqs=jnp.int32(B),
+            logits_indices=rows_B,
+        )
+        logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
+        s = dataclasses.replace(batch.sampling, position=lens_B + 1)
+        new_B, lp_B = _sampled(logits_BV, s)
+        out_KB = out_KB.at[step].set(jnp.where(active_B, new_B, -1))
+        lp_KB = lp_KB.at[step].set(lp_B)
+        generated_B = step + 1
+        stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (
+            generated_B >= batch.min_steps
+        )
+        still_B = active_B & ~stopped_B & (generated_B < batch.max_steps)
+        return (
+            step + 1,
+            cache,
+            jnp.where(active_B, new_B, tok_B),
+            jnp.where(active_B, lens_B + 1, lens_B),
+            still_B,
+            out_KB,
+            lp_KB,
+        )
+
+    init = (
+        jnp.int32(0),
+        cache,
+        batch.tokens,
+        batch.lens,
+        batch.active & (batch.max_steps > 0),
+        jnp.full((num_steps, B), -1, jnp.int32),
+        jnp.zeros((num_steps, B), jnp.float32),
+    )
+    steps, cache, _, _, _, out_KB, lp_KB = jax.lax.while_loop(cond, body, init)
+    return cache, out_KB, lp_KB, steps
+
+
+_step_jit = jax.jit(
+    _step_impl, static_argnames=("graphdef", "decode", "num_top"), donate_argnames=("cache",)
+)
+_loop_jit = jax.jit(
+    _loop_impl, static_argnames=("graphdef", "num_steps"), donate_argnames=("cache",)
+)
+
+
+class Runner:
+    """Holds a model split into (graphdef, state) and calls the jitted step programs.
+
+    The programs are module-level jits keyed by the model's graphdef, so engines over
+    models of the same structure share compiles.
+
+    Attributes:
+      num_compiles: step-program compiles (traces) in this process since this runner was built.
+    """
+
+    def __init__(self, model: nnx.Module):
+        self.graphdef, self.state = nnx.split(model)
+        self._start = _TRACES[0]
+
+    @property
+    def num_compiles(self) -> int:
+        return _TRACES[0] - self._start
+
+    def step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0):
+        """Runs one step; returns (cache, tokens i32[R], logprobs f32[R], top or None)."""
+        return _step_jit(
+            graphdef=self.graphdef,
+            state=self.state,
+            cache=cache,
+            batch=batch,
+            decode=decode,
+            num_top=num_top,
+        )
+
+    def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int):
+        """Runs up to ``num_steps`` decode steps; returns (cache, tokens [k, B], lps, steps)."""
+        return _loop_jit(
+            graphdef=self.graphdef,
+            state=self.state,
+            cache=cache,
+            batch=batch,
+            num_steps=num_steps,
+        )
+
+
+def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:
+    """Pads the first axis of ``x`` to ``n`` rows with ``fill``."""
+    x = np.asarray(x)
+    if x.shape[0] >= n:
+        return x[:n]
+    pad = np.full((n - x.shape[0], *x.shape[1:]), fill, dtype=x.dtype)
+    return np.concatenate([x, pad])
