@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 import pathlib
@@ -14,6 +15,7 @@ from _tolerances import assert_close
 from safetensors.numpy import load_file, save_file
 
 from jpaged import models
+from jpaged.models import _loader, _rope
 
 ROOT = pathlib.Path(__file__).parent
 CKPT = ROOT / "checkpoints"
@@ -165,3 +167,10 @@ def test_init_random_on_device():
     assert 0.015 < float(jnp.std(w.astype(jnp.float32))) < 0.025
     logits = model.forward_dense(jnp.zeros((1, 3), jnp.int32))
     assert logits.shape == (1, 3, 256) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("module", [_rope, _loader])
+def test_doctests(module, monkeypatch):
+    monkeypatch.chdir(ROOT.parent)  # the examples use repo-relative checkpoint paths
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
