@@ -132,9 +132,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq_id = self._new_id()
         before = _snapshot(self.alloc)
         hit_tokens, hit_pages = self.alloc.match_prefix(prompt, salt)
+        fits = self.alloc.can_allocate(len(prompt), token_ids=prompt, salt=salt)
         try:
             cached = self.alloc.allocate_with_prefix(seq_id, prompt, salt)
         except OutOfPagesError:
+            assert not fits, "can_allocate promised room"
             assert _snapshot(self.alloc) == before
             return multiple()
         assert cached == hit_tokens < max(len(prompt), 1)
@@ -209,9 +211,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         swapped = sorted(s for s in self.tokens if self.alloc.is_swapped(s))
         group = data.draw(st.lists(st.sampled_from(swapped), min_size=1, max_size=3, unique=True))
         before = _snapshot(self.alloc)
+        fits = self.alloc.can_swap_in(group)
         try:
             mapping = self.alloc.swap_in(group)
         except OutOfPagesError:
+            assert not fits, "can_swap_in promised room"
             assert _snapshot(self.alloc) == before
             return
         for slot, page in mapping:
