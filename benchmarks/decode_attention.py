@@ -318,12 +318,6 @@ def main(argv=None):
     )
     rng = np.random.default_rng(0)
     rows = []
-    for c in cases:
-        print(f"-- {c.label}", flush=True)
-        rows.append(run_case(c, rng, ns, roof_wall))
-        r = rows[-1]["results"].get("pallas_gpu", {})
-        print(f"   ours {r.get('wall_tbs', r.get('error'))}", flush=True)
-    print_table(rows, roof_wall)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": dev.device_kind,
@@ -339,8 +333,14 @@ def main(argv=None):
         os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
         f"decode_{tag}.json",
     )
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for c in cases:
+        print(f"-- {c.label}", flush=True)
+        rows.append(run_case(c, rng, ns, roof_wall))
+        r = rows[-1]["results"].get("pallas_gpu", {})
+        print(f"   ours {r.get('wall_tbs', r.get('error'))}", flush=True)
+        with open(out, "w") as f:  # after every case: a time-limited run keeps what it measured
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print_table(rows, roof_wall)
     print(f"wrote {out}")
 
 
