@@ -22,8 +22,8 @@ from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 
 
 def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_tuning):
-    tuning = {k: opts_and_tuning.pop(k) for k in ("block_kv", "num_stages", "longest_first")
-              if k in opts_and_tuning}  # fmt: skip
+    knobs = ("block_kv", "num_stages", "num_wgs", "longest_first")
+    tuning = {k: opts_and_tuning.pop(k) for k in knobs if k in opts_and_tuning}
     opts = opts_and_tuning
     H = case.args[0].shape[-1]
     scale = 1.0 / math.sqrt(H) if sm_scale is None else sm_scale
@@ -43,8 +43,8 @@ def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_
 @pytest.mark.parametrize(
     ("N", "C", "extra"),
     [
-        (8, 16, {}),  # G = 4: 16 tokens per tile
-        (6, 8, {"sliding_window": 9, "logits_soft_cap": 3.0}),  # G = 3: padded rows
+        (8, 16, {"num_wgs": 1}),  # G = 4: 16 tokens per warpgroup
+        (6, 8, {"sliding_window": 9, "logits_soft_cap": 3.0, "num_wgs": 2}),  # G = 3: pad rows
         (2, 128, {"causal": False, "num_layers": 2, "layer": jnp.int32(1)}),  # G = 1, C > T
     ],
     ids=["G4-C16", "G3-C8-window-cap", "G1-C128-noncausal-layer"],
@@ -65,6 +65,8 @@ def test_interpret_matches_oracle(N, C, extra):
 
 _VARIANTS = [
     {},
+    {"num_wgs": 1},
+    {"num_wgs": 2, "block_kv": 128, "num_stages": 2},
     {"causal": False},
     {"sliding_window": 100, "logits_soft_cap": 30.0},
     {"H": 256, "C": 256, "N": 8, "K": 8},
@@ -138,6 +140,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
     [
         ({"block_kv": 32}, "block_kv=32"),
         ({"num_stages": 9}, "num_stages=9"),
+        ({"num_wgs": 3}, "num_wgs=3"),
         ({"dtype": jnp.float32}, "cannot run this call"),
     ],
 )
@@ -151,9 +154,12 @@ def test_bad_arguments_raise(kw, match):
 def test_smem_budget_of_defaults():
     for H in kernel_gpu.SUPPORTED_HEAD_DIMS:
         T = tuning_gpu.default_block_kv(H)
-        stages = tuning_gpu.default_num_stages(H, T)
-        assert stages >= 2
-        assert tuning_gpu.smem_bytes(H, T, stages) <= tuning_gpu.SMEM_BYTES
+        for wgs in (1, 2):
+            stages = tuning_gpu.default_num_stages(H, T, wgs)
+            assert stages >= 2
+            assert tuning_gpu.smem_bytes(H, T, stages, wgs) <= tuning_gpu.SMEM_BYTES
+    assert tuning_gpu.default_num_wgs(64, 64) == 1  # decode-only batch
+    assert tuning_gpu.default_num_wgs(4096, 8) == 2  # prefill
 
 
 # --------------------------------------------------------------------------- GPU
@@ -193,7 +199,8 @@ def test_gpu_decode_only_and_prefill_only(kind):
     case = make_ragged_case(
         rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16
     )
-    _run(case, jnp.bfloat16)
+    for wgs in (1, 2):
+        _run(case, jnp.bfloat16, num_wgs=wgs)
 
 
 @pytest.mark.gpu
@@ -231,6 +238,8 @@ def test_gpu_chunked_prefill_equals_one_prefill():
         {"sliding_window": 700, "logits_soft_cap": 50.0},
         {"num_layers": 3, "layer": jnp.int32(2)},
         {"block_kv": 128},
+        {"num_wgs": 1},
+        {"num_wgs": 2, "block_kv": 128, "num_stages": 2},
         {"num_stages": 2, "longest_first": False, "sm_scale": 0.3},
     ],
     ids=str,

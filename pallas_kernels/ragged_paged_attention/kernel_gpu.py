@@ -65,6 +65,7 @@ class _Config:
     sliding_window: int | None
     block_kv: int
     num_stages: int
+    num_wgs: int  # compute warpgroups per CTA (64 rows each), sharing the K/V ring
     longest_first: bool
     interpret: bool
 
@@ -74,7 +75,7 @@ class _Config:
 
     @property
     def block_q(self) -> int:
-        return tuning_gpu.tokens_per_tile(self.group)
+        return self.num_wgs * tuning_gpu.tokens_per_tile(self.group)
 
     @property
     def copies_per_tile(self) -> int:
@@ -153,20 +154,27 @@ def _kernel_body(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
     order_ref, o_ref,
 ):  # fmt: skip
-    """One CTA: query tile ``i`` (through ``order``) x KV head ``h``."""
-    T, H, C, G = cfg.block_kv, cfg.head_dim, cfg.page_size, cfg.group
+    """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
+
+    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tq, (w+1) Tq)``);
+    all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
+    consumed a slot (``c_bar``).
+    """
+    T, H, C, G, W = cfg.block_kv, cfg.head_dim, cfg.page_size, cfg.group, cfg.num_wgs
     stages, dtype = cfg.num_stages, cfg.dtype
     n_cp, r = cfg.copies_per_tile, cfg.rows_per_copy
-    NT = q_ref.shape[0] // (cfg.num_kv_heads * _ROWS)
+    NT = q_ref.shape[0] // (cfg.num_kv_heads * _ROWS * W)
+    Tq = cfg.block_q // W  # tokens per warpgroup
 
     h = lax.axis_index("h")
+    wg = lax.axis_index("wg") if W > 1 else jnp.int32(0)
     i = order_ref[lax.axis_index("i")]
     seq = seq_ref[i]
     ntok = ntok_ref[i]  # real query tokens in the tile (0: empty tile)
     pos0 = pos0_ref[i]  # position of the tile's first token
     kv_len = kvlen_ref[i]
     pos_last = pos0 + ntok - 1
-    # Keys any row may see: [lo, hi).
+    # Keys any row of the tile may see: [lo, hi).
     hi = jnp.minimum(kv_len, pos_last + 1) if cfg.causal else kv_len
     hi = jnp.where(ntok > 0, hi, 0)
     if cfg.sliding_window is not None:
@@ -185,14 +193,17 @@ def _kernel_body(
         n_full = jnp.clip(kv_len // T, 0, n)
     last_page = jnp.clip((kv_len + C - 1) // C - 1, 0, bt_ref.shape[1] - 1)
     head_base = base_ref[0] + h * (cfg.num_pages * C)
-    q_row = pl.multiple_of((h * NT + i) * _ROWS, _ROWS)
+    q_row = pl.multiple_of(((h * NT + i) * W + wg) * _ROWS, _ROWS)
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar):
+    def scoped(q_smem2, k_smem, v_smem, p_smem2, q_bar, k_bar, v_bar, c_bar):
+        q_smem, p_smem = q_smem2.at[wg], p_smem2.at[wg]
+
         def issue(step, slot):
             tile_tok = (t_lo + step) * T
             for j in range(n_cp):
                 tok = tile_tok + j * r
-                page = jnp.clip(bt_ref[seq, jnp.minimum(tok // C, last_page)], 0, cfg.num_pages - 1)
+                page = bt_ref[seq, jnp.minimum(tok // C, last_page)]
+                page = jnp.clip(page, 0, cfg.num_pages - 1)
                 row = pl.multiple_of(head_base + page * C + tok % C, 8)
                 dst = pl.ds(j * r, r)
                 plgpu.copy_gmem_to_smem(
@@ -202,10 +213,10 @@ def _kernel_body(
                     v_ref.at[pl.ds(row, r)], v_smem.at[slot, dst], v_bar.at[slot]
                 )
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[wg])
         for s in range(stages):
-            pl.when(s < n)(functools.partial(issue, s, s))
-        plgpu.barrier_wait(q_bar)
+            pl.when((s < n) & (wg == 0))(functools.partial(issue, s, s))
+        plgpu.barrier_wait(q_bar.at[wg])
 
         acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(
@@ -236,7 +247,8 @@ def _kernel_body(
                 )
                 row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                 # Padding rows (token >= ntok) repeat the last real token: never all-masked.
-                pos = pos0 + jnp.minimum(lax.div(row, jnp.int32(G)), ntok - 1)
+                tok = jnp.minimum(wg * Tq + lax.div(row, jnp.int32(G)), ntok - 1)
+                pos = pos0 + tok
                 visible = col < kv_len
                 if cfg.causal:
                     visible = visible & (col <= pos)
@@ -258,6 +270,7 @@ def _kernel_body(
 
                 @pl.when(tile_tok + T > kv_len)
                 def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+                    # (with several warpgroups each writes the same values: a benign overlap)
                     tile = v_smem.at[slot]
                     rows = tile_tok + plgpu.broadcasted_iota(
                         jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
@@ -272,7 +285,15 @@ def _kernel_body(
 
             o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-            pl.when(st + stages < n)(lambda: issue(st + stages, slot))
+            if W > 1:
+                plgpu.barrier_arrive(c_bar.at[slot])
+
+            @pl.when((st + stages < n) & (wg == 0))
+            def _refill():
+                if W > 1:  # every warpgroup is done with the slot
+                    plgpu.barrier_wait(c_bar.at[slot])
+                issue(st + stages, slot)
+
             return acc, m_new, l
 
         carry = lax.fori_loop(0, n_full, functools.partial(step, False), (acc, m, l))
@@ -288,13 +309,15 @@ def _kernel_body(
     tr = _smem_transforms()
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((W, _ROWS, H), dtype, transforms=tr),
         plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.SMEM((W, _ROWS, T), dtype, transforms=tr),
+        plgpu.Barrier(num_arrivals=1, num_barriers=W),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=W, num_barriers=stages) if W > 1 else None,
+        **({"collective_axes": "wg"} if W > 1 else {}),
     )
 
 
@@ -303,16 +326,20 @@ def _ragged_attention(
     cfg: _Config, q_TNH, k_pages, v_pages, block_tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer
 ):
     T, N, H = q_TNH.shape
-    K, P, C, G, Tq = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.block_q
+    K, P, C, G, W = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.num_wgs
+    Tw = tuning_gpu.tokens_per_tile(G)  # tokens per warpgroup (64 rows)
+    Tq = W * Tw  # tokens per query tile (CTA)
     tm = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
     ts = schedule.tile_schedule(kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq, tmap=tm)
     NT = ts.seq.shape[0]
-    # Q tiles: [NT, Tq, K, G, H] -> [K, NT, Tq*G (padded to 64), H], one aligned TMA each.
+    # Q tiles: [NT, W, Tw, K, G, H] -> [K, NT, W, Tw*G (padded to 64), H]: one aligned TMA per
+    # warpgroup.
     tok_IQ = jnp.clip(ts.q_start[:, None] + jnp.arange(Tq, dtype=jnp.int32)[None, :], 0, T - 1)
     q_IQKGH = q_TNH.reshape(T, K, G, H)[tok_IQ]
-    q_KIRH = q_IQKGH.transpose(2, 0, 1, 3, 4).reshape(K, NT, Tq * G, H)
-    q_KIRH = jnp.pad(q_KIRH, ((0, 0), (0, 0), (0, _ROWS - Tq * G), (0, 0)))
-    q_RH = q_KIRH.reshape(K * NT * _ROWS, H)
+    q_KIWRH = q_IQKGH.reshape(NT, W, Tw, K, G, H).transpose(3, 0, 1, 2, 4, 5)
+    q_KIWRH = q_KIWRH.reshape(K, NT, W, Tw * G, H)
+    q_KIWRH = jnp.pad(q_KIWRH, ((0, 0), (0, 0), (0, 0), (0, _ROWS - Tw * G), (0, 0)))
+    q_RH = q_KIWRH.reshape(K * NT * W * _ROWS, H)
     k_RH = k_pages.reshape(-1, H)
     v_RH = v_pages.reshape(-1, H)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
@@ -322,16 +349,18 @@ def _ragged_attention(
     else:
         order = jnp.arange(NT, dtype=jnp.int32)
     name = (
-        f"ragged_paged_mgpu_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
+        f"ragged_paged_mgpu_wg{W}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
         f"{'_causal' if cfg.causal else ''}"
     )
     body = functools.partial(_kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((K * NT * _ROWS, H), cfg.dtype),
+        out_type=jax.ShapeDtypeStruct((K * NT * W * _ROWS, H), cfg.dtype),
         grid=(NT, K),
         grid_names=("i", "h"),
+        num_threads=W if W > 1 else None,
+        thread_name="wg" if W > 1 else None,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )
@@ -339,10 +368,10 @@ def _ragged_attention(
         q_RH, k_RH, v_RH, block_tables_BW.astype(jnp.int32), ts.seq, ts.q_rows, ts.pos0,
         ts.kv_len, base, order,
     )  # fmt: skip
-    # [K, NT, 64, H] -> rows of [NT * Tq, N, H] -> back to the order of q.
-    o_KIRH = o_RH.reshape(K, NT, _ROWS, H)[:, :, : Tq * G]
-    o_rows = o_KIRH.reshape(K, NT, Tq, G, H).transpose(1, 2, 0, 3, 4).reshape(NT * Tq, N, H)
-    o_TNH = o_rows[ts.tile_T * Tq + ts.row_T]
+    # [K, NT, W, 64, H] -> rows of [NT * Tq, N, H] -> back to the order of q.
+    o_KIWRH = o_RH.reshape(K, NT, W, _ROWS, H)[:, :, :, : Tw * G]
+    o_rows = o_KIWRH.reshape(K, NT, W, Tw, G, H).transpose(1, 2, 3, 0, 4, 5)
+    o_TNH = o_rows.reshape(NT * Tq, N, H)[ts.tile_T * Tq + ts.row_T]
     return jnp.where(tm.valid_T[:, None, None], o_TNH, jnp.zeros((), cfg.dtype))
 
 
@@ -363,6 +392,7 @@ def ragged_paged_attention_pallas_gpu(
     interpret: bool = False,
     block_kv: int | None = None,
     num_stages: int | None = None,
+    num_wgs: int | None = None,
     longest_first: bool = True,
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
@@ -380,7 +410,9 @@ def ragged_paged_attention_pallas_gpu(
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
       interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
       block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``).
-      num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM).
+      num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
+      num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, one shared K/V ring);
+        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches).
       longest_first: run the query tiles with the most K/V work first (an on-device argsort).
 
     Returns:
@@ -406,8 +438,14 @@ def ragged_paged_attention_pallas_gpu(
     else:
         K, P, C, _ = k_pages.shape
         layer = 0
-    stages = tuning_gpu.default_num_stages(H, block_kv) if num_stages is None else int(num_stages)
-    if stages < 1 or tuning_gpu.smem_bytes(H, block_kv, stages) > tuning_gpu.SMEM_BYTES:
+    B = block_tables.shape[0]
+    wgs = tuning_gpu.default_num_wgs(T, B) if num_wgs is None else int(num_wgs)
+    if wgs not in (1, 2):
+        raise ValueError(f"num_wgs={wgs} must be 1 or 2")
+    stages = (
+        tuning_gpu.default_num_stages(H, block_kv, wgs) if num_stages is None else int(num_stages)
+    )
+    if stages < 1 or tuning_gpu.smem_bytes(H, block_kv, stages, wgs) > tuning_gpu.SMEM_BYTES:
         raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
     cfg = _Config(
         num_tokens=T,
@@ -423,6 +461,7 @@ def ragged_paged_attention_pallas_gpu(
         sliding_window=None if sliding_window is None else int(sliding_window),
         block_kv=block_kv,
         num_stages=stages,
+        num_wgs=wgs,
         longest_first=bool(longest_first),
         interpret=bool(interpret),
     )
