@@ -7,8 +7,9 @@ checkpoint with jpaged's loader and checks, in f32:
 - the dense forward: prefill logits at every prompt position, and the logits of the 32
   greedy steps (teacher-forced with the golden tokens);
 - the paged forward: a NaN-poisoned pool with randomly permuted pages, a ragged batch mixing
-  a full prefill, a chunked prefill, a 1-token prefill and a padding sequence, then a mixed
-  decode-and-prefill step, then greedy decode steps with the decode kernel: per-step logits
+  a full prefill, a chunked prefill and short prefills (lengths 1, C - 1, then C, C + 1) and
+  a padding sequence, then a mixed decode-and-prefill step, then greedy decode steps with the
+  decode kernel (lengths 20..51, crossing page boundaries): per-step logits
   close to the goldens and the 32 greedy tokens identical, with no recompilation across
   decode steps.
 """
@@ -33,7 +34,7 @@ ROOT = pathlib.Path(__file__).parent
 NAMES = ("llama2", "llama3", "mistral", "qwen2")
 PAGE_SIZE = 4
 T_PAD = 32  # ragged batch bucket
-B_PAD = 4  # sequences per batch (the last ones padding)
+B_PAD = 5  # sequences per batch (the last ones padding)
 W = 16  # block-table width: 64 tokens per sequence
 # Logits of a 2-layer model reach |5|; the 2e-5 table tolerance is per attention output.
 # Two layers of matmuls with D=64..96 in a different summation order than torch's, plus
@@ -140,8 +141,8 @@ def test_paged_forward_matches_transformers(name):
     gold_tokens = g["greedy"]["tokens"]
     n_steps = len(gold_tokens)
     rng = np.random.default_rng(0)
-    num_pages = 3 * W + 5  # 5 pages never assigned: NaN throughout
-    seqs = _Seqs(rng, num_pages, num_seqs=3)
+    num_pages = 4 * W + 5  # 5 pages never assigned: NaN throughout
+    seqs = _Seqs(rng, num_pages, num_seqs=4)
     cache = _nan_cache(config, num_pages)
 
     def run(tokens, positions, md, decode, cache):
@@ -149,23 +150,25 @@ def test_paged_forward_matches_transformers(name):
         return np.asarray(logits), cache
 
     # Step 1 (ragged prefill): seq 0 the whole prompt (19 = 4C + 3), seq 1 a first chunk of
-    # 7 tokens (C + 3), seq 2 a single token; one padding sequence.
-    tokens, positions, md = seqs.batch({0: prompt, 1: prompt[:7], 2: prompt[:1]}, t_pad=T_PAD)
+    # 7 tokens (C + 3), seq 2 a single token, seq 3 C - 1 tokens; one padding sequence.
+    chunks = {0: prompt, 1: prompt[:7], 2: prompt[:1], 3: prompt[:3]}
+    tokens, positions, md = seqs.batch(chunks, t_pad=T_PAD)
     logits, cache = run(tokens, positions, md, False, cache)
-    assert_close(logits[:3], gold_prefill[[S - 1, 6, 0]], jnp.float32, scale=LOGIT_SCALE)
+    assert_close(logits[:4], gold_prefill[[S - 1, 6, 0, 2]], jnp.float32, scale=LOGIT_SCALE)
 
     # Step 2 (mixed): seq 0 decodes its first greedy token, seq 1 prefills the rest of the
-    # prompt (chunked prefill over 7 cached tokens), seq 2 grows to C + 1 tokens.
+    # prompt (chunked prefill over 7 cached tokens), seq 2 grows to C + 1 tokens, seq 3 to C.
     out = [int(logits[0].argmax())]
-    tokens, positions, md = seqs.batch({0: out[:1], 1: prompt[7:], 2: prompt[1:5]}, t_pad=T_PAD)
+    chunks = {0: out[:1], 1: prompt[7:], 2: prompt[1:5], 3: prompt[3:4]}
+    tokens, positions, md = seqs.batch(chunks, t_pad=T_PAD)
     logits, cache = run(tokens, positions, md, False, cache)
-    assert_close(logits[:3], [gold_steps[1], gold_steps[0], gold_prefill[4]], jnp.float32,
-                 scale=LOGIT_SCALE)  # fmt: skip
+    expected = [gold_steps[1], gold_steps[0], gold_prefill[4], gold_prefill[3]]
+    assert_close(logits[:4], expected, jnp.float32, scale=LOGIT_SCALE)
     out.append(int(logits[0].argmax()))
     out1 = [int(logits[1].argmax())]
 
     # Decode steps with the decode kernel (T == B): seq 0 is one token ahead of seq 1;
-    # seqs 2 and 3 are padding.
+    # the other rows are padding.
     cache_sizes = []
     for step in range(n_steps - 1):
         tokens, positions, md = seqs.batch({0: out[-1:], 1: out1[-1:]}, t_pad=2)
