@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _paged_inputs import dense_attention
+from _tolerances import assert_close
 
 import jpaged
 from jpaged import (
@@ -90,16 +92,26 @@ def test_cache_is_a_pytree():
 # ----------------------------------------------------------------------------- round trips
 
 
+def _shuffled_allocator(rng) -> BlockAllocator:
+    """An allocator whose free list is in random order, so block tables are permuted."""
+    alloc = BlockAllocator(P, C)
+    for page in range(P):
+        alloc.allocate(("tmp", page), 1)
+    for page in rng.permutation(P).tolist():
+        alloc.free(("tmp", page))
+    return alloc
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_round_trip_through_block_tables(dtype):
     """Writes whole sequences of lengths 0, 1, C-1, C, C+1 and long through the allocator's
     (permuted) slots, then reads every token back through the block tables."""
     rng = np.random.default_rng(0)
-    lengths = [0, 1, C - 1, C, C + 1, 3 * C + 2]
-    alloc = BlockAllocator(P, C)
-    alloc.allocate("pad", 2)  # shift page ids off 0
+    lengths = [0, 1, C - 1, C, C + 1, 8 * C + 3]
+    alloc = _shuffled_allocator(rng)
     for b in rng.permutation(len(lengths)).tolist():
         alloc.allocate(b, lengths[b])
+    assert sorted(alloc.block_table(5)) != alloc.block_table(5)  # permuted, not a run
     T = sum(lengths)
     slots = np.concatenate([alloc.slots(b, 0, n) for b, n in enumerate(lengths)])
     perm = rng.permutation(T)  # token order does not matter
@@ -340,3 +352,37 @@ def test_empty_updates_and_python_lists():
     pages = np.asarray(cache.k_pages)
     np.testing.assert_array_equal(pages[:, :, 1, 2], k[:, 0])
     np.testing.assert_array_equal(pages[:, :, 3, 2], k[:, 0])
+
+
+def test_written_cache_feeds_paged_attention():
+    """K/V written through the allocator's slots, read by `jpaged.paged_attention` for each
+    layer of the stacked pool, equal dense attention over the same tokens. Free pages and
+    last-page tails are NaN."""
+    rng = np.random.default_rng(7)
+    lengths = [1, C - 1, C, C + 1, 6 * C + 1]
+    N = 2 * K
+    alloc = _shuffled_allocator(rng)
+    for b, n in enumerate(lengths):
+        alloc.allocate(b, n)
+    T, W = sum(lengths), max(len(alloc.block_table(b)) for b in range(len(lengths)))
+    slots = np.concatenate([alloc.slots(b, 0, n) for b, n in enumerate(lengths)])
+    k = _rand(rng, (L, T, K, H), jnp.float32)
+    v = _rand(rng, (L, T, K, H), jnp.float32)
+    cache = write_kv(_poisoned_cache(jnp.float32), k, v, slots)
+    tables = np.zeros((len(lengths), W), np.int32)
+    for b in range(len(lengths)):
+        tables[b, : len(alloc.block_table(b))] = alloc.block_table(b)
+    q = _rand(rng, (len(lengths), N, H), jnp.float32)
+    starts = np.cumsum([0, *lengths])
+    for layer in range(L):
+        dense_k = np.zeros((len(lengths), W * C, K, H), np.float32)
+        dense_v = np.zeros_like(dense_k)
+        for b, n in enumerate(lengths):
+            dense_k[b, :n] = k[layer, starts[b] : starts[b] + n]
+            dense_v[b, :n] = v[layer, starts[b] : starts[b] + n]
+        out = jpaged.paged_attention(
+            q, cache.k_pages, cache.v_pages, tables, np.asarray(lengths, np.int32),
+            layer=layer, implementation="xla",
+        )  # fmt: skip
+        want = dense_attention(q, dense_k, dense_v, lengths)
+        assert_close(out, want, jnp.float32, err_msg=f"layer {layer}")
