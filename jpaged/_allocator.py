@@ -168,11 +168,13 @@ class BlockAllocator(SwapMixin):
                 f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [0, {capacity}) "
                 f"(the pages allocated or reserved)"
             )
-        pos = np.arange(start, start + count)
-        pages = np.asarray(seq.pages, np.int32)
-        return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(
-            np.int32
-        )
+        C = self.page_size
+        if count == 1:  # the decode hot path
+            return np.array([seq.pages[start // C] * C + start % C], np.int32)
+        first = start // C
+        pages = np.array(seq.pages[first : -(-(start + count) // C)], np.int32)
+        pos = np.arange(start - first * C, start - first * C + count, dtype=np.int32)
+        return pages[pos // C] * C + pos % C
 
     def can_allocate(
         self,
