@@ -473,3 +473,12 @@ def test_swap_in_restores_prefix_cache_entries():
 def test_public_names_exported():
     assert jpaged.BlockAllocator is BlockAllocator
     assert jpaged.AllocatorStats is type(BlockAllocator(1, 1).stats())
+
+
+@pytest.mark.parametrize("module", ["jpaged._allocator", "jpaged._prefix_cache"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

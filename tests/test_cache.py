@@ -386,3 +386,12 @@ def test_written_cache_feeds_paged_attention():
         )  # fmt: skip
         want = dense_attention(q, dense_k, dense_v, lengths)
         assert_close(out, want, jnp.float32, err_msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("module", ["jpaged._cache", "jpaged._block_table"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
