@@ -44,6 +44,10 @@ run out; `jpaged.AllocatorError` for misuse (unknown or duplicate id, double fre
 an unknown sequence, operations on a swapped-out sequence, bad counts);
 `AllocatorInvariantError` from ``check_invariants``.
 
+Layout: the swap operations live in `jpaged._allocator_swap` (a mixin over this state), the
+stats snapshot and the invariant checker in `jpaged._allocator_stats`, the hash chain and the
+LRU of evictable pages in `jpaged._prefix_cache`.
+
 >>> alloc = BlockAllocator(num_pages=8, page_size=4)
 >>> alloc.allocate("a", 6)
 >>> alloc.block_table("a"), alloc.slots("a", 4, 2).tolist()
