@@ -1,0 +1,134 @@
+"""jpaged.LLM sharing and memory pressure: n > 1 forks, prefix cache, preemption, beam search.
+
+All engines run with ``debug=True`` (allocator invariants checked after every step).
+"""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+import jpaged
+
+C = 8
+ENGINE = dict(
+    page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
+    debug=True,
+)  # fmt: skip
+
+
+@functools.cache
+def _model():
+    return jpaged.models.from_pretrained("tests/checkpoints/llama2")
+
+
+def make_llm(**kw):
+    return jpaged.LLM(_model(), **{**ENGINE, **kw})
+
+
+def random_prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, size=n).tolist() for n in lengths]
+
+
+def run_tracking(llm, request_ids):
+    """Steps until done; returns the max of each stat seen after a step."""
+    peak = {}
+    while llm.has_unfinished_requests():
+        llm.step()
+        for k, v in llm.stats().items():
+            peak[k] = max(peak.get(k, v), v)
+    return peak
+
+
+def test_parallel_sampling_shares_prompt_pages_and_matches_seeded_runs():
+    prompt = random_prompts(0, (13,))[0]  # 1 full page + a partial page shared by 4 samples
+    sp = jpaged.SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=4, ignore_eos=True)
+    llm = make_llm(enable_prefix_caching=False)
+    rid = llm.add_request(prompt, sp)
+    peak = run_tracking(llm, [rid])
+    out = llm.get_output(rid)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert peak["pages_shared"] >= 1  # the full prompt page stays shared by all 4
+    assert llm.stats()["cow_copies"] >= 3  # the partial page is copied by 3 of the 4 writers
+    for c in out.outputs:
+        alone = make_llm().generate(
+            [prompt], jpaged.SamplingParams(max_tokens=8, temperature=1.0, seed=5 + c.index,
+                                            ignore_eos=True)
+        )[0]  # fmt: skip
+        assert c.token_ids == alone.outputs[0].token_ids, f"sample {c.index}"
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss():
+    prompt = random_prompts(1, (21,))[0]
+    greedy = jpaged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = make_llm()
+    miss = llm.generate([prompt], greedy)[0]
+    hit = llm.generate([prompt], greedy)[0]
+    assert miss.num_cached_tokens == 0
+    assert hit.num_cached_tokens == 16  # two full pages of 8; the last token is recomputed
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    s = llm.stats()
+    assert s["prefix_hit_tokens"] == 16 and s["prefix_hit_rate"] == pytest.approx(16 / 42)
+    # A different salt does not hit; without caching nothing hits; both give the same tokens.
+    salted = llm.generate([prompt], greedy, cache_salt="tenant-b")[0]
+    assert salted.num_cached_tokens == 0
+    assert salted.outputs[0].token_ids == miss.outputs[0].token_ids
+    plain = make_llm(enable_prefix_caching=False).generate([prompt], greedy)[0]
+    assert plain.outputs[0].token_ids == miss.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_tiny_pool_gives_the_unconstrained_tokens(mode):
+    prompts = random_prompts(2, (5, 9, 14, 20))
+    params = [
+        jpaged.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=20, temperature=0.8, seed=4, top_k=20,
+                              ignore_eos=True),
+    ]  # fmt: skip
+    ref = make_llm().generate(prompts, params)
+    # 12 pages of 8 tokens cannot hold the four sequences at full length (up to 5 pages each).
+    llm = make_llm(num_pages=12, preemption_mode=mode, watermark=0.0)
+    outs = llm.generate(prompts, params)
+    for o, r in zip(outs, ref, strict=True):
+        assert o.error is None
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    s = llm.stats()
+    assert s[f"preemptions_{mode}"] >= 1
+    other = "swap" if mode == "recompute" else "recompute"
+    assert s[f"preemptions_{other}"] == 0
+    if mode == "swap":
+        assert s["swapped_out_bytes"] > 0 and s["swapped_in_bytes"] == s["swapped_out_bytes"]
+    assert all(e.mode == mode for e in llm.preemption_events)
+    assert s["pages_used"] == 0
+
+
+GOLDENS = ["llama2", "llama3", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("name", GOLDENS)
+def test_beam_search_matches_transformers(name):
+    with open(f"tests/goldens/{name}.json") as f:
+        gold = json.load(f)["beam_search"]
+    llm = jpaged.LLM(f"tests/checkpoints/{name}", **ENGINE, eos_token_id=gold["eos_token_id"])
+    params = jpaged.BeamSearchParams(
+        beam_width=gold["num_beams"],
+        max_tokens=gold["max_new_tokens"],
+        length_penalty=gold["length_penalty"],
+        early_stopping=gold["early_stopping"],
+    )
+    rid = llm.add_request(gold["prompt_ids"], params)
+    peak = run_tracking(llm, [rid])
+    out = llm.get_output(rid)
+    assert [c.token_ids for c in out.outputs] == gold["sequences"]
+    np.testing.assert_allclose(
+        [c.score for c in out.outputs], gold["sequence_scores"], atol=1e-4, rtol=1e-4
+    )
+    assert peak["pages_shared"] >= 2  # the prompt's pages are shared by the beams
+    assert llm.stats()["cow_copies"] > 0
+    assert llm.stats()["pages_used"] == 0
