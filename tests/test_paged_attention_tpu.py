@@ -43,7 +43,8 @@ def _check(q, kv, dtype, *, interpret, layer=None, scale=1.0, **kw):
         q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, layer=layer,
         implementation="pallas_tpu", interpret=interpret, **kw,
     )  # fmt: skip
-    kw.pop("pages_per_compute_block", None)
+    for knob in ("pages_per_compute_block", "seqs_per_program"):
+        kw.pop(knob, None)
     ref = paged_attention_reference(
         q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, layer=layer, **kw
     )
@@ -53,22 +54,23 @@ def _check(q, kv, dtype, *, interpret, layer=None, scale=1.0, **kw):
     assert np.all(np.asarray(out, np.float32)[n0] == 0.0), "length-0 rows must be zeros"
 
 
-# (C, K, G, H, dtype, pages_per_compute_block): page sizes, GQA ratios, head dims, dtypes and
-# block sizes (1 page, several pages, a block wider than some sequences).
+# (C, K, G, H, dtype, pages_per_compute_block, seqs_per_program): page sizes, GQA ratios, head
+# dims, dtypes and block sizes (1 page, several pages, a block wider than some sequences; one
+# sequence per program, several, and a count that does not divide B = 6).
 SHAPES = [
-    (8, 2, 1, 64, jnp.float32, 1),
-    (8, 2, 4, 128, jnp.float32, 2),
-    (16, 1, 8, 64, jnp.float32, 3),
-    (16, 2, 2, 128, jnp.bfloat16, 2),
-    (16, 2, 1, 64, jnp.bfloat16, 4),
-    (4, 2, 3, 64, jnp.float32, 2),  # interpreter only: C=4 is below the f32 sublane tile
+    (8, 2, 1, 64, jnp.float32, 1, 2),
+    (8, 2, 4, 128, jnp.float32, 2, 1),
+    (16, 1, 8, 64, jnp.float32, 3, 6),
+    (16, 2, 2, 128, jnp.bfloat16, 2, 4),
+    (16, 2, 1, 64, jnp.bfloat16, 4, 3),
+    (4, 2, 3, 64, jnp.float32, 2, 2),  # interpreter only: C=4 is below the f32 sublane tile
 ]
 
 
-@pytest.mark.parametrize("C,K,G,H,dtype,ppcb", SHAPES)
-def test_matches_reference(C, K, G, H, dtype, ppcb):
+@pytest.mark.parametrize("C,K,G,H,dtype,ppcb,bb", SHAPES)
+def test_matches_reference(C, K, G, H, dtype, ppcb, bb):
     q, kv = _case(C * 100 + G, C=C, K=K, G=G, H=H, dtype=dtype)
-    _check(q, kv, dtype, interpret=True, pages_per_compute_block=ppcb)
+    _check(q, kv, dtype, interpret=True, pages_per_compute_block=ppcb, seqs_per_program=bb)
 
 
 @pytest.mark.parametrize("window", [1, 5, 8, 9, 40])
@@ -153,11 +155,12 @@ def test_batch_larger_than_smem_runs_in_chunks(monkeypatch):
 
 def test_bad_block_size_raises():
     q, kv = _case(1, C=8, K=1, G=1, H=64, dtype=jnp.float32, lengths=[3])
-    with pytest.raises(ValueError, match="pages_per_compute_block"):
-        kernel_tpu.paged_attention_pallas_tpu(
-            q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=1.0,
-            interpret=True, pages_per_compute_block=0,
-        )  # fmt: skip
+    for knob in ("pages_per_compute_block", "seqs_per_program"):
+        with pytest.raises(ValueError, match=knob):
+            kernel_tpu.paged_attention_pallas_tpu(
+                q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=1.0,
+                interpret=True, **{knob: 0},
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -225,6 +228,11 @@ def test_tuning_heuristic():
             assert 1 <= n <= W
             # The double buffer of K and V fits a quarter of the VMEM budget (or is 1 page).
             assert n == 1 or 4 * n * C * max(H, 128) * itemsize <= gen.vmem_bytes // 4
+    for gen in (tuning_tpu.GENERATIONS["v5e"], tuning_tpu.INTERPRET):
+        for B, K in ((1, 1), (3, 1), (64, 8), (7, 2)):
+            bb = tuning_tpu.seqs_per_program(batch=B, num_kv_heads=K, gen=gen)
+            assert 1 <= bb <= B
+            assert bb == 1 or -(-B // bb) * K >= 4  # enough programs for two TensorCores
     assert tuning_tpu._generation_from_kind("TPU v5 lite").name == "v5e"
     assert tuning_tpu._generation_from_kind("TPU v6 lite").name == "v6e"
     assert tuning_tpu._generation_from_kind("TPU v5p").name == "v5p"
@@ -237,10 +245,10 @@ def test_tuning_heuristic():
 class TestCompiledOnTpu:
     """The same cases compiled by Mosaic TPU (run with ``pytest -m tpu`` on a TPU)."""
 
-    @pytest.mark.parametrize("C,K,G,H,dtype,ppcb", [s for s in SHAPES if s[0] >= 8])
-    def test_matches_reference(self, C, K, G, H, dtype, ppcb):
+    @pytest.mark.parametrize("C,K,G,H,dtype,ppcb,bb", [s for s in SHAPES if s[0] >= 8])
+    def test_matches_reference(self, C, K, G, H, dtype, ppcb, bb):
         q, kv = _case(C * 100 + G, C=C, K=K, G=G, H=H, dtype=dtype)
-        _check(q, kv, dtype, interpret=False, pages_per_compute_block=ppcb)
+        _check(q, kv, dtype, interpret=False, pages_per_compute_block=ppcb, seqs_per_program=bb)
 
     @pytest.mark.parametrize("window", [1, 5, 8, 9, 40])
     def test_sliding_window(self, window):

@@ -34,8 +34,8 @@ def _check(case, dtype=jnp.float32, *, interpret=True, layer=None, **opts):
     out = jpaged.ragged_paged_attention(
         *case.args, layer=layer, implementation="pallas_tpu", interpret=interpret, **opts
     )
-    opts.pop("block_q", None)
-    opts.pop("pages_per_compute_block", None)
+    for knob in ("block_q", "pages_per_compute_block", "tiles_per_program"):
+        opts.pop(knob, None)
     q, cu, ns = case.args[0], case.args[5], int(case.args[6])
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, _ref(*case.args, layer=layer, **opts), dtype, err_msg=str(opts))
@@ -55,11 +55,11 @@ def test_decode_only():
     _check(case, block_q=1, pages_per_compute_block=2)
 
 
-@pytest.mark.parametrize("block_q,ppcb", [(8, 3), (3, 1)])
-def test_mixed_batch(block_q, ppcb):
+@pytest.mark.parametrize("block_q,ppcb,tb", [(8, 3, 1), (3, 1, 3), (5, 2, 16)])
+def test_mixed_batch(block_q, ppcb, tb):
     rng = np.random.default_rng(21 + block_q)
     case = make_ragged_case(rng, KV_LENS, Q_LENS, head_dim=64)
-    out = _check(case, block_q=block_q, pages_per_compute_block=ppcb)
+    out = _check(case, block_q=block_q, pages_per_compute_block=ppcb, tiles_per_program=tb)
     assert_close(out, dense_ragged_attention(case), jnp.float32)
 
 
@@ -135,7 +135,7 @@ def test_num_seqs_zero_gives_zeros():
 def test_bad_block_size_raises():
     rng = np.random.default_rng(26)
     case = make_ragged_case(rng, (5,), (2,), head_dim=64)
-    for knob in ("block_q", "pages_per_compute_block"):
+    for knob in ("block_q", "pages_per_compute_block", "tiles_per_program"):
         with pytest.raises(ValueError, match=knob):
             kernel_tpu.ragged_paged_attention_pallas_tpu(
                 *case.args, sm_scale=1.0, interpret=True, **{knob: 0}
@@ -196,6 +196,7 @@ def test_tuning_heuristic():
                 page_size=16, head_dim=128, itemsize=2, width=32, group=G, num_tokens=T, gen=gen
             )
             assert 1 <= knobs["block_q"] <= min(T, 32)
+            assert knobs["tiles_per_program"] >= 1
             assert 1 <= knobs["pages_per_compute_block"] <= 32
     assert tuning_tpu.ragged_block_sizes(
         page_size=8, head_dim=64, itemsize=4, width=4, group=2, num_tokens=100,
@@ -207,11 +208,14 @@ def test_tuning_heuristic():
 class TestCompiledOnTpu:
     """The same cases compiled by Mosaic TPU (run with ``pytest -m tpu`` on a TPU)."""
 
-    @pytest.mark.parametrize("block_q,ppcb", [(8, 3), (3, 1), (None, None)])
-    def test_mixed_batch(self, block_q, ppcb):
+    @pytest.mark.parametrize("block_q,ppcb,tb", [(8, 3, 1), (3, 1, 3), (None, None, None)])
+    def test_mixed_batch(self, block_q, ppcb, tb):
         rng = np.random.default_rng(21)
         case = make_ragged_case(rng, KV_LENS, Q_LENS, head_dim=128)
-        _check(case, interpret=False, block_q=block_q, pages_per_compute_block=ppcb)
+        _check(
+            case, interpret=False, block_q=block_q, pages_per_compute_block=ppcb,
+            tiles_per_program=tb,
+        )  # fmt: skip
 
     @pytest.mark.parametrize(
         "opts", [{"causal": False}, {"sliding_window": 6}, {"logits_soft_cap": 3.0}]

@@ -27,7 +27,8 @@ Design (see ``docs/architecture.md`` for the contract):
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,183 +89,251 @@ def as_layered(k_pages: jax.Array, v_pages: jax.Array, layer: Any):
     return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def attend_pages(
-    q_RH: jax.Array,
+class Span(NamedTuple):
+    """The pages of one work item (a sequence, or a query tile of one) that a kernel reads.
+
+    Attributes:
+      table_base: index of the sequence's first entry in the flattened tables (b * W).
+      first_page: first table entry to read.
+      num_pages: how many entries to read (0: the item issues no DMA).
+    """
+
+    table_base: jax.Array
+    first_page: jax.Array
+    num_pages: jax.Array
+
+
+class Masks(NamedTuple):
+    """Which keys of a work item each query row sees.
+
+    Attributes:
+      key_hi: keys past this position are never visible; their values are zeroed too, since
+        the unused tail of the last page (and pages not fetched) may hold NaN.
+      row_lo: lowest visible key of each row, broadcastable to [R, block tokens].
+      row_hi: highest visible key of each row, broadcastable like ``row_lo``.
+    """
+
+    key_hi: jax.Array
+    row_lo: Any
+    row_hi: Any
+
+
+def attend_items(
     *,
+    num_items: int,
+    span: Callable[[jax.Array], Span],
+    masks: Callable[[jax.Array], Masks],
+    load_q: Callable[[jax.Array], jax.Array],
+    store_o: Callable[[jax.Array, jax.Array], None],
     k_hbm: Any,
     v_hbm: Any,
     k_buf: Any,
     v_buf: Any,
     sems: Any,
     tables_ref: Any,
-    table_base: jax.Array,
     layer: jax.Array,
     head: jax.Array,
-    first_page: jax.Array,
-    num_pages: jax.Array,
-    key_hi: jax.Array,
-    row_lo: Any,
-    row_hi: Any,
     sm_scale: float,
     logits_soft_cap: float | None,
-) -> jax.Array:
-    """Attention of R query rows over pages of one sequence and KV head (inside a kernel).
+) -> None:
+    """Attention of a program's work items over their pages, as one DMA pipeline (in a kernel).
 
-    Walks table entries ``[first_page, first_page + num_pages)`` of the sequence in blocks
-    of ``k_buf.shape[1]`` pages, double-buffered, with an online softmax.
+    Item j reads table entries ``span(j)`` in blocks of ``k_buf.shape[1]`` pages with an
+    online softmax. The blocks of all items form one double-buffered stream: while block i
+    is computed, block i + 1 is in flight, whether it belongs to the same item or to the
+    next item that has pages, so short sequences do not expose DMA latency one by one.
 
     Args:
-      q_RH: [R, H] query rows (values, in the MXU dtype).
+      num_items: static number of work items of the program.
+      span: item index -> its ``Span`` (scalar reads only).
+      masks: item index -> its ``Masks``.
+      load_q: item index -> [R, H] query rows (in the MXU dtype).
+      store_o: (item index, [R, H] f32 output) -> None; rows that see no key get zeros,
+        and items without pages get all zeros.
       k_hbm: [L, K, P, C, H] key pool ref in HBM.
       v_hbm: like ``k_hbm``.
       k_buf: VMEM scratch [2, pages_per_block, C, H].
       v_buf: like ``k_buf``.
       sems: DMA semaphores [2, 2] indexed (K or V, slot).
       tables_ref: SMEM i32[B * W] flattened block tables.
-      table_base: index of the sequence's first entry in ``tables_ref`` (b * W).
       layer: layer index into the pool.
       head: KV head index.
-      first_page: first table entry to read.
-      num_pages: how many entries to read (0: nothing is read).
-      key_hi: keys past this position are never visible (their values are zeroed too,
-        since the unused tail of the last page may hold NaN).
-      row_lo: lowest visible key of each row, broadcastable to [R, block tokens].
-      row_hi: highest visible key of each row, broadcastable like ``row_lo``.
       sm_scale: logit scale.
       logits_soft_cap: None or the cap.
-
-    Returns:
-      [R, H] f32 attention output; rows that see no key are zeros.
     """
     _, ppcb, C, H = k_buf.shape
     bk = ppcb * C
-    R = q_RH.shape[0]
-    num_blocks = lax.div(num_pages + ppcb - 1, ppcb)  # operands are >= 0
 
-    def copy(blk, slot, j, which):  # which: 0 for K, 1 for V
-        page = tables_ref[table_base + first_page + blk * ppcb + j]
+    def num_blocks(sp):
+        return lax.div(sp.num_pages + ppcb - 1, ppcb)  # operands are >= 0
+
+    def copy(sp, blk, slot, j, which):  # which: 0 for K, 1 for V
+        page = tables_ref[sp.table_base + sp.first_page + blk * ppcb + j]
         hbm, buf = (k_hbm, k_buf) if which == 0 else (v_hbm, v_buf)
         return pltpu.make_async_copy(
             hbm.at[layer, head, page], buf.at[slot, j], sems.at[which, slot]
         )
 
-    def pages_in(blk):
-        return jnp.minimum(ppcb, num_pages - blk * ppcb)
+    def pages_in(sp, blk):
+        return jnp.minimum(ppcb, sp.num_pages - blk * ppcb)
 
-    def start(blk, slot):
+    def start(sp, blk, slot):
+        # One page id per iteration: a block of any size costs one scalar register.
         def body(j, carry):
-            copy(blk, slot, j, 0).start()
-            copy(blk, slot, j, 1).start()
+            copy(sp, blk, slot, j, 0).start()
+            copy(sp, blk, slot, j, 1).start()
             return carry
 
-        lax.fori_loop(0, pages_in(blk), body, 0)
+        lax.fori_loop(0, pages_in(sp, blk), body, 0)
 
-    def wait(blk, slot, which):
+    def wait(sp, blk, slot, which):
         def body(j, carry):
-            copy(blk, slot, j, which).wait()
+            copy(sp, blk, slot, j, which).wait()
             return carry
 
-        lax.fori_loop(0, pages_in(blk), body, 0)
+        lax.fori_loop(0, pages_in(sp, blk), body, 0)
 
-    @pl.when(num_blocks > 0)
+    def next_with_pages(j):
+        """First item >= j that has pages, or ``num_items``."""
+
+        def has_none(i):
+            return (i < num_items) & (span(jnp.minimum(i, num_items - 1)).num_pages <= 0)
+
+        return lax.while_loop(has_none, lambda i: i + 1, j)
+
+    first = next_with_pages(jnp.int32(0))
+
+    @pl.when(first < num_items)
     def _():
-        start(0, 0)
+        start(span(first), 0, 0)
 
-    def block(blk, carry):
-        m_R1, l_R1, acc_RH = carry
-        slot = lax.rem(blk, 2)
+    def item(j, done):  # done: blocks computed so far by the program (sets the slot parity)
+        sp = span(j)
+        nb = num_blocks(sp)
+        nxt = next_with_pages(j + 1)
+        mk = masks(j)
+        q_RH = load_q(j)
+        R = q_RH.shape[0]
 
-        @pl.when(blk + 1 < num_blocks)
-        def _():
-            start(blk + 1, 1 - slot)
+        def block(blk, carry):
+            m_R1, l_R1, acc_RH = carry
+            slot = lax.rem(done + blk, 2)
 
-        key0 = (first_page + blk * ppcb) * C
-        wait(blk, slot, 0)
-        k_SH = k_buf[slot].reshape(bk, H).astype(q_RH.dtype)
-        s_RS = lax.dot_general(
-            q_RH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            @pl.when(blk + 1 < nb)
+            def _():
+                start(sp, blk + 1, 1 - slot)
+
+            @pl.when((blk + 1 == nb) & (nxt < num_items))
+            def _():
+                start(span(nxt), 0, 1 - slot)
+
+            key0 = (sp.first_page + blk * ppcb) * C
+            wait(sp, blk, slot, 0)
+            k_SH = k_buf[slot].reshape(bk, H).astype(q_RH.dtype)
+            s_RS = lax.dot_general(
+                q_RH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            s_RS = s_RS * sm_scale
+            if logits_soft_cap is not None:
+                s_RS = logits_soft_cap * jnp.tanh(s_RS / logits_soft_cap)
+            key_RS = key0 + lax.broadcasted_iota(jnp.int32, (R, bk), 1)
+            visible_RS = (key_RS <= mk.key_hi) & (key_RS >= mk.row_lo) & (key_RS <= mk.row_hi)
+            s_RS = jnp.where(visible_RS, s_RS, -jnp.inf)
+            m_new = jnp.maximum(m_R1, jnp.max(s_RS, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m_R1 - m_safe)
+            p_RS = jnp.exp(s_RS - m_safe)
+            l_R1 = alpha * l_R1 + jnp.sum(p_RS, axis=1, keepdims=True)
+
+            wait(sp, blk, slot, 1)
+            v_SH = v_buf[slot].reshape(bk, H)
+            key_SH = key0 + lax.broadcasted_iota(jnp.int32, (bk, H), 0)
+            v_SH = jnp.where(key_SH <= mk.key_hi, v_SH, 0).astype(q_RH.dtype)
+            pv_RH = jnp.dot(p_RS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
+            return m_new, l_R1, alpha * acc_RH + pv_RH
+
+        init = (
+            jnp.full((R, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((R, 1), jnp.float32),
+            jnp.zeros((R, H), jnp.float32),
         )
-        s_RS = s_RS * sm_scale
-        if logits_soft_cap is not None:
-            s_RS = logits_soft_cap * jnp.tanh(s_RS / logits_soft_cap)
-        key_RS = key0 + lax.broadcasted_iota(jnp.int32, (R, bk), 1)
-        visible_RS = (key_RS <= key_hi) & (key_RS >= row_lo) & (key_RS <= row_hi)
-        s_RS = jnp.where(visible_RS, s_RS, -jnp.inf)
-        m_new = jnp.maximum(m_R1, jnp.max(s_RS, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_R1 - m_safe)
-        p_RS = jnp.exp(s_RS - m_safe)
-        l_R1 = alpha * l_R1 + jnp.sum(p_RS, axis=1, keepdims=True)
+        _, l_R1, acc_RH = lax.fori_loop(0, nb, block, init)
+        store_o(j, jnp.where(l_R1 > 0, acc_RH / jnp.where(l_R1 > 0, l_R1, 1.0), 0.0))
+        return done + nb
 
-        wait(blk, slot, 1)
-        v_SH = v_buf[slot].reshape(bk, H)
-        key_SH = key0 + lax.broadcasted_iota(jnp.int32, (bk, H), 0)
-        v_SH = jnp.where(key_SH <= key_hi, v_SH, 0).astype(q_RH.dtype)
-        pv_RH = jnp.dot(p_RS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
-        return m_new, l_R1, alpha * acc_RH + pv_RH
-
-    init = (
-        jnp.full((R, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((R, 1), jnp.float32),
-        jnp.zeros((R, H), jnp.float32),
-    )
-    _, l_R1, acc_RH = lax.fori_loop(0, num_blocks, block, init)
-    return jnp.where(l_R1 > 0, acc_RH / jnp.where(l_R1 > 0, l_R1, 1.0), 0.0)
+    lax.fori_loop(0, num_items, item, jnp.int32(0))
 
 
 def _decode_kernel(
     tables_ref, lengths_ref, layer_ref,  # scalar prefetch (SMEM)
-    q_ref, k_hbm, v_hbm,  # inputs
-    o_ref,  # output
+    q_ref, k_hbm, v_hbm,  # inputs: q [bb, G, H] block, K/V in HBM
+    o_ref,  # output [bb, G, H] block
     k_buf, v_buf, sems,  # scratch
     *, width, sm_scale, logits_soft_cap, sliding_window,
 ):  # fmt: skip
-    b, h = pl.program_id(0), pl.program_id(1)
+    c, h = pl.program_id(0), pl.program_id(1)
+    bb = q_ref.shape[0]
     C = k_buf.shape[2]
-    length = lengths_ref[b]
-    lo = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
-    first_page = lax.div(lo, C)  # operands are >= 0
-    num_pages = jnp.where(length > 0, lax.div(length + C - 1, C) - first_page, 0)
-    q_GH = q_ref[...].astype(compute_dtype(q_ref.dtype, k_buf.dtype))
-    o_GH = attend_pages(
-        q_GH,
+    cdt = compute_dtype(q_ref.dtype, k_buf.dtype)
+
+    def window_start(length):
+        return 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+
+    def span(j):
+        b = c * bb + j
+        length = lengths_ref[b]
+        first_page = lax.div(window_start(length), C)  # operands are >= 0
+        num_pages = jnp.where(length > 0, lax.div(length + C - 1, C) - first_page, 0)
+        return Span(b * width, first_page, num_pages)
+
+    def masks(j):
+        length = lengths_ref[c * bb + j]
+        return Masks(key_hi=length - 1, row_lo=window_start(length), row_hi=length - 1)
+
+    def store_o(j, o_GH):
+        o_ref[j] = o_GH.astype(o_ref.dtype)
+
+    attend_items(
+        num_items=bb,
+        span=span,
+        masks=masks,
+        load_q=lambda j: q_ref[j].astype(cdt),
+        store_o=store_o,
         k_hbm=k_hbm,
         v_hbm=v_hbm,
         k_buf=k_buf,
         v_buf=v_buf,
         sems=sems,
         tables_ref=tables_ref,
-        table_base=b * width,
         layer=layer_ref[0],
         head=h,
-        first_page=first_page,
-        num_pages=num_pages,
-        key_hi=length - 1,
-        row_lo=lo,
-        row_hi=length - 1,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
     )
-    o_ref[...] = o_GH.astype(o_ref.dtype)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "logits_soft_cap", "sliding_window", "pages_per_compute_block", "interpret",
+        "sm_scale", "logits_soft_cap", "sliding_window", "pages_per_compute_block",
+        "seqs_per_program", "interpret",
     ),
 )  # fmt: skip
 def _paged_attention_tpu(
     q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer_1, *,
-    sm_scale, logits_soft_cap, sliding_window, pages_per_compute_block, interpret,
+    sm_scale, logits_soft_cap, sliding_window, pages_per_compute_block, seqs_per_program,
+    interpret,
 ):  # fmt: skip
     B, N, H = q_BNH.shape
     _, K, _, C, _ = k_pages_LKPCH.shape
     W = tables_BW.shape[1]
     G = N // K
-    ppcb = pages_per_compute_block
-    q_BKGH = q_BNH.reshape(B, K, G, H)
-    q_spec = pl.BlockSpec((None, None, G, H), lambda b, h, *_: (b, h, 0, 0))
+    ppcb, bb = pages_per_compute_block, seqs_per_program
+    pad = -B % bb  # padded sequences have length 0: no DMA, zero output, sliced off
+    q_BKGH = jnp.pad(q_BNH, ((0, pad), (0, 0), (0, 0))).reshape(B + pad, K, G, H)
+    tables_BW = jnp.pad(tables_BW, ((0, pad), (0, 0)))
+    lengths_B = jnp.pad(lengths_B, (0, pad))
+    q_spec = pl.BlockSpec((bb, None, G, H), lambda c, h, *_: (c, h, 0, 0))
     kernel = functools.partial(
         _decode_kernel,
         width=W,
@@ -276,7 +345,7 @@ def _paged_attention_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(B, K),
+            grid=((B + pad) // bb, K),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
@@ -288,9 +357,9 @@ def _paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-        name=f"jpaged_paged_attention_tpu_G{G}_C{C}_H{H}_ppcb{ppcb}",
+        name=f"jpaged_paged_attention_tpu_G{G}_C{C}_H{H}_ppcb{ppcb}_bb{bb}",
     )(tables_BW.reshape(-1), lengths_B, layer_1, q_BKGH, k_pages_LKPCH, v_pages_LKPCH)
-    return out.reshape(B, N, H)
+    return out[:B].reshape(B, N, H)
 
 
 def unsupported_reason(
@@ -328,6 +397,7 @@ def paged_attention_pallas_tpu(
     layer: Any = None,
     interpret: Any = False,
     pages_per_compute_block: int | None = None,
+    seqs_per_program: int | None = None,
 ) -> jax.Array:
     """Decode attention on Mosaic TPU: one query token per sequence over paged K/V.
 
@@ -345,35 +415,46 @@ def paged_attention_pallas_tpu(
         ``InterpretParams`` is used as given.
       pages_per_compute_block: pages per KV block (DMA batch and compute tile); default
         from ``tuning_tpu.decode_block_sizes``.
+      seqs_per_program: sequences one program walks through as one DMA stream (the grid
+        is ``(ceil(B / seqs_per_program), K)``); default from the same heuristic.
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros for length-0 sequences.
 
     Raises:
-      ValueError: if ``pages_per_compute_block`` is not a positive int.
+      ValueError: if a knob is not a positive int.
     """
-    W = block_tables.shape[1]
-    if pages_per_compute_block is None:
-        pages_per_compute_block = tuning_tpu.decode_block_sizes(
-            page_size=k_pages.shape[-2],
-            head_dim=k_pages.shape[-1],
-            itemsize=jnp.dtype(k_pages.dtype).itemsize,
-            width=W,
-        )["pages_per_compute_block"]
-    if not isinstance(pages_per_compute_block, int) or pages_per_compute_block < 1:
-        raise ValueError(f"{pages_per_compute_block=} must be a positive int")
+    B, W = block_tables.shape
+    K = k_pages.shape[-4]
+    defaults = tuning_tpu.decode_block_sizes(
+        page_size=k_pages.shape[-2],
+        head_dim=k_pages.shape[-1],
+        itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        width=W,
+        batch=B,
+        num_kv_heads=K,
+    )
+    ppcb = defaults["pages_per_compute_block"]
+    ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
+    bb = defaults["seqs_per_program"] if seqs_per_program is None else seqs_per_program
+    for name, value in (("pages_per_compute_block", ppcb), ("seqs_per_program", bb)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
     k5, v5, layer_1 = as_layered(k_pages, v_pages, layer)
+    # The flattened tables (+ lengths) must fit SMEM: a larger batch runs as several calls.
+    rows = (tuning_tpu.max_scalar_prefetch_entries() - 2 - bb) // (W + 1)
+    rows = max(1, min(B, rows))
+    bb = min(bb, rows)
+    rows -= rows % bb
     call = functools.partial(
         _paged_attention_tpu,
         sm_scale=float(sm_scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         sliding_window=sliding_window,
-        pages_per_compute_block=min(pages_per_compute_block, W),
+        pages_per_compute_block=min(ppcb, W),
+        seqs_per_program=bb,
         interpret=interpret_params(interpret),
     )
-    # The flattened tables must fit SMEM: a larger batch runs as several calls.
-    B = q.shape[0]
-    rows = max(1, (tuning_tpu.max_scalar_prefetch_entries() - B - 1) // W)
     if rows >= B:
         return call(q, k5, v5, block_tables, lengths, layer_1)
     outs = [

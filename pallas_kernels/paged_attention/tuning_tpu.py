@@ -14,6 +14,9 @@ The heuristic (``decode_block_sizes``; the ragged kernel's tiles are in
   tokens per block (512 on v5e/v6e, 256 on v4 and unknown chips), rounded down to whole
   pages and capped at the block-table width W (a block never spans more pages than a
   sequence can own).
+* A program streams ``seqs_per_program`` sequences (up to 8) through one double-buffered
+  DMA pipeline, so a short sequence's first fetch overlaps the previous one's compute;
+  fewer when the grid would drop below 4 programs (two TensorCores share them).
 * On CPU (the TPU interpreter) the defaults are tiny so interpreted grids stay cheap.
 """
 
@@ -93,8 +96,25 @@ def current_generation() -> Generation:
     return _generation_from_kind(jax.devices()[0].device_kind)
 
 
+def seqs_per_program(*, batch: int, num_kv_heads: int, gen: Generation | None = None) -> int:
+    """Sequences one program streams through: up to 8 (2 in the interpreter), fewer when
+    that would leave fewer than 4 programs (two TensorCores need work to share)."""
+    gen = current_generation() if gen is None else gen
+    bb = max(1, min(batch, 2 if gen is INTERPRET else 8))
+    while bb > 1 and -(-batch // bb) * num_kv_heads < 4:
+        bb = -(-bb // 2)
+    return bb
+
+
 def decode_block_sizes(
-    *, page_size: int, head_dim: int, itemsize: int, width: int, gen: Generation | None = None
+    *,
+    page_size: int,
+    head_dim: int,
+    itemsize: int,
+    width: int,
+    batch: int = 1,
+    num_kv_heads: int = 1,
+    gen: Generation | None = None,
 ) -> dict[str, int]:
     """Default knobs of the decode kernel for one shape.
 
@@ -103,17 +123,20 @@ def decode_block_sizes(
       head_dim: H.
       itemsize: bytes per K/V element.
       width: W, pages per block table row.
+      batch: B.
+      num_kv_heads: K.
       gen: the generation; the current device's by default.
 
     Returns:
-      ``{"pages_per_compute_block": n}`` with ``1 <= n <= width``.
+      ``{"pages_per_compute_block": n, "seqs_per_program": bb}`` with ``1 <= n <= width``.
     """
     gen = current_generation() if gen is None else gen
+    bb = seqs_per_program(batch=batch, num_kv_heads=num_kv_heads, gen=gen)
     measured = _MEASURED.get((gen.name, f"{itemsize}B", page_size, head_dim))
     if measured is not None:
-        return {"pages_per_compute_block": max(1, min(measured, width))}
+        return {"pages_per_compute_block": max(1, min(measured, width)), "seqs_per_program": bb}
     pages = max(1, gen.kv_tokens_per_block // page_size)
     # 2 slots x (K and V) x pages x C x H must fit a quarter of the VMEM budget.
     page_bytes = page_size * max(head_dim, 128) * itemsize  # VMEM pads lanes to 128
     pages = min(pages, max(1, (gen.vmem_bytes // 4) // (4 * page_bytes)))
-    return {"pages_per_compute_block": max(1, min(pages, width))}
+    return {"pages_per_compute_block": max(1, min(pages, width)), "seqs_per_program": bb}

@@ -6,14 +6,15 @@ Design (the decode kernel's techniques, see ``pallas_kernels/paged_attention/ker
   (``schedule.tile_schedule``: a static upper bound NT of tiles, empty tiles past the real
   ones) and lays q out as ``[NT, K, block_q * G, H]``: a tile's rows are its tokens times the
   G query heads of one KV head, so every K/V page is fetched once per (tile, KV head).
-* Grid ``(NT, K)``, both ``"parallel"`` (megacore / two TensorCores): programs share no
-  state. Per-tile metadata (sequence, rows, first position, KV length), the flattened block
+* Grid ``(NT / tiles_per_program, K)``, both ``"parallel"`` (megacore / two TensorCores):
+  programs share no state; within a program the tiles' KV blocks form one double-buffered
+  DMA stream (``attend_items``), so a tile's first fetch overlaps the previous tile's work. Per-tile metadata (sequence, rows, first position, KV length), the flattened block
   tables and the layer index are scalar-prefetched into SMEM; K/V stay in HBM.
 * A program fetches only the pages its tile can see: with ``causal`` the keys up to its last
   row's position, with a sliding window the keys from its first row's window start. KV
   blocks outside that range, empty tiles and padding tiles issue no DMA at all. Pages come
   in blocks of ``pages_per_compute_block`` through the decode kernel's double-buffered,
-  one-DMA-per-page loop (``attend_pages``); per-row causal/window masks apply inside.
+  one-DMA-per-page loop; per-row causal/window masks apply inside.
 * Rows past a tile's real rows and rows from ``cu_q_lens[num_seqs]`` on come back as zeros.
 
 Cost to know: q and the output are rearranged into tiles by one XLA gather each (about
@@ -38,72 +39,81 @@ from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu
 
 def _ragged_kernel(
     tables_ref, layer_ref, seq_ref, rows_ref, pos0_ref, kv_len_ref,  # scalar prefetch
-    q_ref, k_hbm, v_hbm,  # inputs
-    o_ref,  # output
+    q_ref, k_hbm, v_hbm,  # inputs: q [tb, R, H] block, K/V in HBM
+    o_ref,  # output [tb, R, H] block
     k_buf, v_buf, sems,  # scratch
     *, width, group, causal, sm_scale, logits_soft_cap, sliding_window,
 ):  # fmt: skip
-    i, h = pl.program_id(0), pl.program_id(1)
+    c, h = pl.program_id(0), pl.program_id(1)
+    tb, R, _ = q_ref.shape
     C = k_buf.shape[2]
-    R = q_ref.shape[0]
-    b, nrows, pos0, kv_len = seq_ref[i], rows_ref[i], pos0_ref[i], kv_len_ref[i]
+    cdt = decode.compute_dtype(q_ref.dtype, k_buf.dtype)
 
-    # Row r of the tile is token r // G of the tile (query head r % G of KV head h). The
-    # division runs in f32: (r + 0.5) / G is at least 0.5 / G away from an integer.
-    r_R1 = lax.broadcasted_iota(jnp.int32, (R, 1), 0).astype(jnp.float32)
-    tok_R1 = jnp.floor((r_R1 + 0.5) * (1.0 / group)).astype(jnp.int32)
-    pos_R1 = pos0 + tok_R1
-    last_key = kv_len - 1
-    row_hi = jnp.minimum(pos_R1, last_key) if causal else jnp.full_like(pos_R1, last_key)
-    row_hi = jnp.where(tok_R1 < nrows, row_hi, -1)  # rows past the tile's real rows see nothing
-    row_lo = 0 if sliding_window is None else pos_R1 - (sliding_window - 1)
+    def visible_keys(i):
+        """Keys [lo, hi] that some row of tile i sees, and the tile's scalars."""
+        nrows, pos0, kv_len = rows_ref[i], pos0_ref[i], kv_len_ref[i]
+        hi = jnp.minimum(pos0 + nrows - 1, kv_len - 1) if causal else kv_len - 1
+        lo = 0 if sliding_window is None else jnp.maximum(pos0 - (sliding_window - 1), 0)
+        return lo, hi, nrows, pos0, kv_len
 
-    # Keys any row of the tile can see: [lo, hi].
-    hi = jnp.minimum(pos0 + nrows - 1, last_key) if causal else last_key
-    lo = 0 if sliding_window is None else jnp.maximum(pos0 - (sliding_window - 1), 0)
-    first_page = lax.div(lo, C)  # operands are >= 0
-    num_pages = jnp.where((nrows > 0) & (hi >= lo), lax.div(hi, C) + 1 - first_page, 0)
+    def span(j):
+        i = c * tb + j
+        lo, hi, nrows, _, _ = visible_keys(i)
+        first_page = lax.div(lo, C)  # operands are >= 0
+        num_pages = jnp.where((nrows > 0) & (hi >= lo), lax.div(hi, C) + 1 - first_page, 0)
+        return decode.Span(seq_ref[i] * width, first_page, num_pages)
 
-    q_RH = q_ref[...].astype(decode.compute_dtype(q_ref.dtype, k_buf.dtype))
-    o_RH = decode.attend_pages(
-        q_RH,
+    def masks(j):
+        _, hi, nrows, pos0, kv_len = visible_keys(c * tb + j)
+        # Row r is token r // G of the tile (query head r % G of KV head h). The division
+        # runs in f32: (r + 0.5) / G is at least 0.5 / G away from an integer.
+        r_R1 = lax.broadcasted_iota(jnp.int32, (R, 1), 0).astype(jnp.float32)
+        tok_R1 = jnp.floor((r_R1 + 0.5) * (1.0 / group)).astype(jnp.int32)
+        pos_R1 = pos0 + tok_R1
+        row_hi = jnp.minimum(pos_R1, kv_len - 1) if causal else jnp.full_like(pos_R1, kv_len - 1)
+        row_hi = jnp.where(tok_R1 < nrows, row_hi, -1)  # rows past the real ones see nothing
+        row_lo = 0 if sliding_window is None else pos_R1 - (sliding_window - 1)
+        return decode.Masks(key_hi=hi, row_lo=row_lo, row_hi=row_hi)
+
+    def store_o(j, o_RH):
+        o_ref[j] = o_RH.astype(o_ref.dtype)
+
+    decode.attend_items(
+        num_items=tb,
+        span=span,
+        masks=masks,
+        load_q=lambda j: q_ref[j].astype(cdt),
+        store_o=store_o,
         k_hbm=k_hbm,
         v_hbm=v_hbm,
         k_buf=k_buf,
         v_buf=v_buf,
         sems=sems,
         tables_ref=tables_ref,
-        table_base=b * width,
         layer=layer_ref[0],
         head=h,
-        first_page=first_page,
-        num_pages=num_pages,
-        key_hi=hi,
-        row_lo=row_lo,
-        row_hi=row_hi,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
     )
-    o_ref[...] = o_RH.astype(o_ref.dtype)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
         "sm_scale", "causal", "logits_soft_cap", "sliding_window", "block_q",
-        "pages_per_compute_block", "interpret",
+        "pages_per_compute_block", "tiles_per_program", "interpret",
     ),
 )  # fmt: skip
 def _ragged_tpu(
     q_TNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer_1, *,
     sm_scale, causal, logits_soft_cap, sliding_window, block_q, pages_per_compute_block,
-    interpret,
+    tiles_per_program, interpret,
 ):  # fmt: skip
     T, N, H = q_TNH.shape
     _, K, _, C, _ = k_pages_LKPCH.shape
     W = tables_BW.shape[1]
     G = N // K
-    bq, ppcb = block_q, pages_per_compute_block
+    bq, ppcb, tb = block_q, pages_per_compute_block, tiles_per_program
     R = bq * G
 
     tmap = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
@@ -111,13 +121,19 @@ def _ragged_tpu(
         kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=bq, tmap=tmap
     )
     NT = tiles.seq.shape[0]
+    pad = -NT % tb  # padded tiles have no rows: no DMA, zero output
+
+    def padded(x):
+        return jnp.pad(x, (0, pad))
+
     # q -> [NT, K, bq * G, H]; rows past a tile's real rows gather row 0 (masked in-kernel).
     j_Q = jnp.arange(bq, dtype=jnp.int32)
     src_NQ = jnp.where(j_Q[None, :] < tiles.q_rows[:, None], tiles.q_start[:, None] + j_Q, 0)
     q_NQKGH = q_TNH.reshape(T, K, G, H)[jnp.clip(src_NQ, 0, T - 1)]
     q_NKRH = q_NQKGH.transpose(0, 2, 1, 3, 4).reshape(NT, K, R, H)
+    q_NKRH = jnp.pad(q_NKRH, ((0, pad), (0, 0), (0, 0), (0, 0)))
 
-    spec = pl.BlockSpec((None, None, R, H), lambda i, h, *_: (i, h, 0, 0))
+    spec = pl.BlockSpec((tb, None, R, H), lambda c, h, *_: (c, h, 0, 0))
     kernel = functools.partial(
         _ragged_kernel,
         width=W,
@@ -131,7 +147,7 @@ def _ragged_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(NT, K),
+            grid=((NT + pad) // tb, K),
             in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=spec,
             scratch_shapes=[
@@ -143,19 +159,20 @@ def _ragged_tpu(
         out_shape=jax.ShapeDtypeStruct(q_NKRH.shape, q_TNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-        name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}",
+        name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}_tb{tb}",
     )(
         tables_BW.reshape(-1),
         layer_1,
-        tiles.seq,
-        tiles.q_rows,
-        tiles.pos0,
-        tiles.kv_len,
+        padded(tiles.seq),
+        padded(tiles.q_rows),
+        padded(tiles.pos0),
+        padded(tiles.kv_len),
         q_NKRH,
         k_pages_LKPCH,
         v_pages_LKPCH,
     )
     # [NT, K, bq, G, H] -> [NT * bq, N, H], then back to the rows of q.
+    o_NKRH = o_NKRH[:NT]
     o_XNH = o_NKRH.reshape(NT, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(NT * bq, N, H)
     o_TNH = o_XNH[tiles.tile_T * bq + tiles.row_T]
     return jnp.where(tmap.valid_T[:, None, None], o_TNH, 0).astype(q_TNH.dtype)
@@ -217,6 +234,7 @@ def ragged_paged_attention_pallas_tpu(
     interpret: Any = False,
     block_q: int | None = None,
     pages_per_compute_block: int | None = None,
+    tiles_per_program: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention on Mosaic TPU.
 
@@ -239,6 +257,8 @@ def ragged_paged_attention_pallas_tpu(
       block_q: query tokens per tile (the tile has ``block_q * G`` rows); default from
         ``tuning_tpu.ragged_block_sizes``.
       pages_per_compute_block: pages per KV block; default from the same heuristic.
+      tiles_per_program: query tiles one program streams through as one DMA pipeline (the
+        grid is ``(ceil(NT / tiles_per_program), K)``); default from the same heuristic.
 
     Returns:
       [T, N, H] in ``q.dtype``; padding rows and rows that see no key are zeros.
@@ -262,7 +282,10 @@ def ragged_paged_attention_pallas_tpu(
     block_q = defaults["block_q"] if block_q is None else block_q
     ppcb = defaults["pages_per_compute_block"]
     ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
-    for name, value in (("block_q", block_q), ("pages_per_compute_block", ppcb)):
+    tb = defaults["tiles_per_program"] if tiles_per_program is None else tiles_per_program
+    for name, value in (
+        ("block_q", block_q), ("pages_per_compute_block", ppcb), ("tiles_per_program", tb),
+    ):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     k5, v5, layer_1 = decode.as_layered(k_pages, v_pages, layer)
@@ -281,5 +304,6 @@ def ragged_paged_attention_pallas_tpu(
         sliding_window=sliding_window,
         block_q=min(block_q, T),
         pages_per_compute_block=min(ppcb, W),
+        tiles_per_program=tb,
         interpret=decode.interpret_params(interpret),
     )

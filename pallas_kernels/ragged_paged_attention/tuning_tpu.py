@@ -4,7 +4,8 @@ A query tile holds ``block_q`` tokens of one sequence times the G query heads of
 head, i.e. ``block_q * G`` MXU rows. The default aims at 256 rows (the v6e/v7x MXU height),
 at most 32 tokens, and never more tokens than T. KV blocks use the decode heuristic of
 ``pallas_kernels/paged_attention/tuning_tpu.py``. In the TPU interpreter (CPU) tiles are
-8 rows so interpreted grids stay small. Nothing here was measured (no TPU available).
+8 rows so interpreted grids stay small. A program streams ``tiles_per_program`` tiles (4; 2
+in the interpreter) through one DMA pipeline. Nothing here was measured (no TPU available).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def ragged_block_sizes(
       gen: the generation; the current device's by default.
 
     Returns:
-      ``{"block_q": bq, "pages_per_compute_block": n}``.
+      ``{"block_q": bq, "tiles_per_program": tb, "pages_per_compute_block": n}``.
     """
     gen = current_generation() if gen is None else gen
     kv = decode_block_sizes(
@@ -47,4 +48,8 @@ def ragged_block_sizes(
     )
     target_rows, max_tokens = (8, 8) if gen is INTERPRET else (256, 32)
     block_q = max(1, min(target_rows // max(group, 1), max_tokens, num_tokens))
-    return {"block_q": block_q, **kv}
+    return {
+        "block_q": block_q,
+        "tiles_per_program": 2 if gen is INTERPRET else 4,
+        "pages_per_compute_block": kv["pages_per_compute_block"],
+    }
