@@ -126,6 +126,26 @@ def test_out_of_range_unused_entries_are_never_read():
     _check(q, kv, jnp.float32, interpret=True, pages_per_compute_block=2)
 
 
+def test_pages_before_the_window_are_never_fetched():
+    # Table entries of pages wholly before each sequence's window hold out-of-range ids: the
+    # interpreter raises on an out-of-bounds DMA, so passing means they were skipped.
+    C, window = 8, 10
+    q, kv = _case(6, C=8, K=2, G=2, H=64, dtype=jnp.float32, lengths=[40, 9, 0, 17, 33])
+    P = kv.k_pages.shape[-3]
+    tables = kv.block_tables.copy()
+    for b, n in enumerate(kv.lengths):
+        tables[b, : max(0, int(n) - window) // C] = P + 5
+    out = kernel_tpu.paged_attention_pallas_tpu(
+        q, kv.k_pages, kv.v_pages, tables, kv.lengths, sm_scale=0.125,
+        sliding_window=window, interpret=True, pages_per_compute_block=2,
+    )  # fmt: skip
+    ref = paged_attention_reference(
+        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=0.125,
+        sliding_window=window,
+    )  # fmt: skip
+    assert_close(out, ref, jnp.float32)
+
+
 def test_no_races_two_cores_random_order(capfd):
     # Two simulated TensorCores, parallel grid points visited in random order, and the
     # race detector on: the grid must be safe to split across cores (megacore).

@@ -97,6 +97,26 @@ def test_shapes_and_dtypes(C, K, G, H, dtype):
     _check(case, dtype, sliding_window=C + 3, pages_per_compute_block=2)
 
 
+def test_pages_outside_every_rows_window_are_never_fetched():
+    # Entries of pages before the window of a sequence's first query row hold out-of-range
+    # ids; an out-of-bounds DMA raises in the interpreter, so passing means they were skipped.
+    rng = np.random.default_rng(29)
+    C, window = 8, 6
+    case = make_ragged_case(rng, (40, 9, 30), (3, 9, 1), head_dim=64)
+    q, k, v, tables, kv_lens, cu, ns = case.args
+    P = k.shape[-3]
+    poisoned = tables.copy()
+    for b in range(int(ns)):
+        pos0 = int(kv_lens[b]) - int(cu[b + 1] - cu[b])
+        poisoned[b, : max(0, pos0 - window + 1) // C] = P + 5
+    out = kernel_tpu.ragged_paged_attention_pallas_tpu(
+        q, k, v, poisoned, kv_lens, cu, ns, sm_scale=0.125, sliding_window=window,
+        interpret=True, block_q=2, pages_per_compute_block=1,
+    )  # fmt: skip
+    ref = _ref(*case.args, sm_scale=0.125, sliding_window=window)
+    assert_close(out, ref, jnp.float32)
+
+
 def test_layered_pool_with_traced_layer():
     rng = np.random.default_rng(23)
     case = make_ragged_case(rng, (9, 20), (4, 6), head_dim=64, num_layers=3, extra_seqs=0)

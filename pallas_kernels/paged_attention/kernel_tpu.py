@@ -2,16 +2,18 @@
 
 Design (see ``docs/architecture.md`` for the contract):
 
-* Grid ``(B, K)``, both dimensions ``"parallel"``: every program owns one sequence and one
-  KV head and carries no state to the next program, so Mosaic may split the grid across
-  the two TensorCores of a megacore chip (v4, v5p) or of a v7x chip.
+* Grid ``(ceil(B / seqs_per_program), K)``, both dimensions ``"parallel"``: a program owns
+  a few consecutive sequences and one KV head and carries no state to the next program, so
+  Mosaic may split the grid across the two TensorCores of a megacore chip (v4, v5p).
 * The G query heads of the KV head are the rows of one ``[G, H]`` tile, so each K/V page
   is fetched once per KV head, not once per query head.
-* Block tables (flattened), lengths and the layer index are scalar-prefetched into SMEM.
-  K/V stay in HBM (``pl.ANY``). A program walks its visible pages in blocks of
+* Block tables (flattened), lengths and the layer index are scalar-prefetched into SMEM
+  (a batch whose tables do not fit runs as several calls). K/V stay in HBM (``pl.ANY``).
+  A program walks the visible pages of its sequences in blocks of
   ``pages_per_compute_block`` pages: one DMA per page into a double-buffered VMEM scratch
-  ``[2, pages, C, H]`` with one DMA semaphore per (K/V, slot); block ``i + 1`` is in
-  flight while block ``i`` is computed (online softmax in f32).
+  ``[2, pages, C, H]`` with one DMA semaphore per (K/V, slot). The blocks of all its
+  sequences form one stream: block ``i + 1`` (of the same sequence or of the next one with
+  pages) is in flight while block ``i`` is computed (online softmax in f32).
 * DMAs are issued and awaited by a ``fori_loop`` over the pages of a block, so each step
   holds one page id in a scalar register whatever the block size (no SREG spill for long
   sequences), and the trip count stops at the sequence's last page: no page past
@@ -20,7 +22,7 @@ Design (see ``docs/architecture.md`` for the contract):
 * Pages are copied as stored (``[C, H]``): head dim 64 is not padded to 128 in HBM, so it
   moves half the bytes of head dim 128.
 
-``attend_pages`` is the shared inner loop; the ragged kernel
+``attend_items`` is the shared pipeline; the ragged kernel
 (``pallas_kernels/ragged_paged_attention/kernel_tpu.py``) reuses it with per-row masks.
 """
 
