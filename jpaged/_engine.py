@@ -301,6 +301,9 @@ class LLM:
         req.salt = cache_salt
         self._requests[request_id] = req
         if isinstance(params, BeamSearchParams):
+            if 0 < self.max_model_len - len(tokens) < params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(tokens))
+                req.params = params
             stops = set(params.stop_token_ids) | (
                 set() if params.ignore_eos else self.eos_token_ids
             )
@@ -605,38 +608,34 @@ class LLM:
         for it in items:
             it.seq.num_computed += it.num_new
             self._commit_pages(it.request, it.seq)
+        by_item: dict[int, list[int]] = {}
+        for r, (b, _) in enumerate(rows):
+            by_item.setdefault(b, []).append(r)
         beams: dict[str, list[tuple[Seq, int]]] = {}
-        for r, (b, i) in enumerate(rows):
+        for b, rs in by_item.items():
             it = items[b]
             req = it.request
             if req.finished:
                 continue
             if req.is_beam:
-                beams.setdefault(req.request_id, []).append((it.seq, r))
-            elif req.fan_out > 1 and not req.forked:
-                self._fan_out_token(req, it.seq, i, int(tok_R[r]), float(lp_R[r]))
-            else:
-                self._append(req, it.seq, int(tok_R[r]), float(lp_R[r]))
+                beams.setdefault(req.request_id, []).append((it.seq, rs[0]))
+                continue
+            targets = [it.seq]
+            if len(rs) > 1:  # n > 1: the prompt is done; fork it into the n completions
+                targets += [self._fork(req, it.seq, i, it.seq.seed + i) for i in range(1, len(rs))]
+                req.forked = True
+            for seq, r in zip(targets, rs, strict=True):
+                self._append(req, seq, int(tok_R[r]), float(lp_R[r]))
         for rid, entries in beams.items():
             self._beam_step(self._requests[rid], entries, top)
 
-    def _fan_out_token(self, req: Request, seq0: Seq, i: int, token: int, lp: float) -> None:
-        if i == 0:
-            self._pending_children = []
-            target = seq0
-        else:
-            target = Seq(next(self._seq_ids), i, list(seq0.tokens), seq0.num_prompt,
-                         seq0.seed + i, seq0.num_computed)  # fmt: skip
-            self.alloc.fork(seq0.seq_id, target.seq_id)
-            req.seqs.append(target)
-        if i == req.fan_out - 1:
-            req.forked = True
-        # seq0 must not grow before all children forked from its prompt.
-        self._pending_children.append((target, token, lp))
-        if req.forked:
-            for t, tok, l in self._pending_children:
-                self._append(req, t, tok, l)
-            self._pending_children = []
+    def _fork(self, req: Request, parent: Seq, index: int, seed: int) -> Seq:
+        """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""
+        child = Seq(next(self._seq_ids), index, list(parent.tokens), parent.num_prompt, seed,
+                    parent.num_computed, cumulative_logprob=parent.cumulative_logprob)  # fmt: skip
+        self.alloc.fork(parent.seq_id, child.seq_id)
+        req.seqs.append(child)
+        return child
 
     def _append(self, req: Request, seq: Seq, token: int, lp: float) -> None:
         seq.tokens.append(token)
@@ -680,9 +679,7 @@ class LLM:
                 used.add(ch.parent)
                 child = parent
             else:
-                child = Seq(next(self._seq_ids), j, list(parent.tokens), parent.num_prompt,
-                            parent.seed, parent.num_computed)  # fmt: skip
-                self.alloc.fork(parent.seq_id, child.seq_id)
+                child = self._fork(req, parent, j, parent.seed)
             new_seqs.append((child, ch))
         for k, s in enumerate(seqs):
             if k not in used:

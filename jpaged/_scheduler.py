@@ -303,6 +303,12 @@ class Scheduler:
             # `i` stays: retry `req` (or move on if it was the victim and got removed).
         if not preempted:
             self._admit(out, budget)
+        if not out.scheduled and not self.running and self.waiting:
+            # Nothing runs and the head cannot be admitted into an empty pool: fail it rather
+            # than spin (validation at add time makes this unreachable for sane settings).
+            head = self.waiting[0]
+            self.fail(head, f"request {head.request_id!r} cannot be admitted: "
+                      + self._cannot_fit_message(head))  # fmt: skip
         return out
 
     def _plan(self, req: Request, budget: int, seq_room: int) -> list[Scheduled] | None:
