@@ -93,17 +93,17 @@ def test_paged_forward_updates_the_pool_in_place():
     """The cache is a scan carry written by index: with donation, no copy of the pool."""
     config = models.tiny(num_layers=4)
     graphdef, state = nnx.split(models.LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    shape = (config.num_layers, config.num_kv_heads, 2048, 16, config.head_dim)  # 2 x 16 MiB
+    shape = (config.num_layers, config.num_kv_heads, 1024, 16, config.head_dim)  # 2 x 8 MiB
     pool = jax.ShapeDtypeStruct(shape, jnp.float32)
     cache = jpaged.PagedKVCache(k_pages=pool, v_pages=pool)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     B = 8
     md = models.AttentionMetadata(
-        slot_mapping=i32(B), block_tables=i32(B, 32), kv_lens=i32(B), cu_q_lens=i32(B + 1),
+        slot_mapping=i32(B), block_tables=i32(B, 8), kv_lens=i32(B), cu_q_lens=i32(B + 1),
         num_seqs=i32(), logits_indices=i32(B),
     )  # fmt: skip
     compiled = _paged.lower(graphdef, state, i32(B), i32(B), cache, md, True).compile()
     memory = compiled.memory_analysis()
     pool_bytes = 2 * int(np.prod(shape)) * 4
     assert memory.alias_size_in_bytes == pool_bytes  # the output cache is the donated input
-    assert memory.temp_size_in_bytes < pool_bytes // 16  # measured ~0.7 MB vs 32 MiB
+    assert memory.temp_size_in_bytes < pool_bytes // 16  # measured ~0.7 MB vs 16 MiB

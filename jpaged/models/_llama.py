@@ -10,6 +10,8 @@ pool by index (never slicing the pool).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,12 +62,42 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_param(name: str, shape, dtype, key) -> jax.Array:
-    if "norm" in name:
-        return jnp.ones(shape, dtype)
-    if name.split(".")[-1].startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (_INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _draw(shapes: Mapping[str, tuple[int, ...]], key: jax.Array, dtype: Any) -> dict:
+    """normal(0.02) weights, unit norms, zero biases; all weights from one flat draw."""
+    params, weights = {}, {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            params[name] = jnp.ones(shape, dtype)
+        elif name.split(".")[-1].startswith("b"):
+            params[name] = jnp.zeros(shape, dtype)
+        else:
+            weights[name] = shape
+    flat = jax.random.normal(key, (sum(math.prod(s) for s in weights.values()),), dtype)
+    flat = flat * jnp.asarray(_INIT_STD, dtype)
+    offset = 0
+    for name, shape in weights.items():
+        size = math.prod(shape)
+        params[name] = flat[offset : offset + size].reshape(shape)
+        offset += size
+    return params
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
+def _random_params(config: ModelConfig, key: jax.Array, dtype: Any) -> dict[str, jax.Array]:
+    """Random init in one jitted call, on device.
+
+    Layers are drawn one at a time under ``lax.map``, so temporaries stay at one layer's size
+    (the RNG's bits are several times the weights), and one flat draw per program (instead of
+    one per parameter) keeps the compile short.
+    """
+    shapes = param_shapes(config)
+    top = {n: s for n, s in shapes.items() if not n.startswith("layers.")}
+    per_layer = {n: s[1:] for n, s in shapes.items() if n.startswith("layers.")}
+    key_top, key_layers = jax.random.split(key)
+    params = _draw(top, key_top, dtype)
+    layer_keys = jax.random.split(key_layers, config.num_layers)
+    params |= jax.lax.map(lambda k: _draw(per_layer, k, dtype), layer_keys)
+    return params
 
 
 class DecoderLayers(nnx.Module):
@@ -147,10 +179,7 @@ class LlamaForCausalLM(nnx.Module):
         if (rngs is None) == (params is None):
             raise ValueError("pass exactly one of rngs= (random init) or params= (loaded)")
         if params is None:
-            params = {
-                name: _random_param(name, shape, dtype, rngs.params())
-                for name, shape in shapes.items()
-            }
+            params = _random_params(config, rngs.params(), jnp.dtype(dtype))
         _check_params(params, shapes)
         self.embed_VD = nnx.Param(params["embed_VD"])
         self.norm_D = nnx.Param(params["norm_D"])
@@ -303,10 +332,10 @@ def _check_params(params: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
 def init_random(
     config: ModelConfig, *, seed: int = 0, dtype: Any = jnp.bfloat16
 ) -> LlamaForCausalLM:
-    """A random-weight model initialized on the default device in one jitted call.
+    """A random-weight model whose weights are created on the default device.
 
     For benchmarks at real sizes (``llama3_8b()``, ``llama3_2_1b()``) without a checkpoint:
-    the weights are created on device, never on the host.
+    one jitted call draws every parameter on device (nothing is built on the host).
 
     Args:
       config: the model's shapes.
@@ -316,9 +345,4 @@ def init_random(
     Returns:
       A ``LlamaForCausalLM`` whose parameters live on the default device.
     """
-
-    @nnx.jit
-    def create():
-        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype)
-
-    return create()
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype)
