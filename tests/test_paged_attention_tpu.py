@@ -239,6 +239,18 @@ def test_lowers_for_tpu(dtype, C, K, G, H, window, cap):
     assert "tpu_custom_call" in text
 
 
+def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
+    from jpaged import _attention, _backend
+
+    monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    kw = dict(sm_scale=0.1, logits_soft_cap=None, sliding_window=None, layer=None)
+    for H, expected in ((128, "pallas_tpu"), (96, "xla")):  # H = 96 is not supported
+        args = (S((2, 4, H), jnp.bfloat16), S((2, 9, 16, H), jnp.bfloat16))
+        args = (*args, args[1], S((2, 3), i32), S((2,), i32))
+        assert _attention._resolve("paged_attention", None, None, args, kw) == expected
+
+
 def test_tuning_heuristic():
     for gen in (*tuning_tpu.GENERATIONS.values(), tuning_tpu.DEFAULT, tuning_tpu.INTERPRET):
         for C, H, itemsize, W in ((16, 128, 2, 64), (8, 64, 4, 3), (256, 256, 4, 512)):

@@ -209,6 +209,19 @@ def test_lowers_for_tpu(dtype, C, G, H, causal, window):
     assert "tpu_custom_call" in text
 
 
+def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
+    from jpaged import _attention, _backend
+
+    monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    kw = dict(sm_scale=0.1, causal=True, logits_soft_cap=None, sliding_window=None, layer=None)
+    for H, expected in ((128, "pallas_tpu"), (96, "xla")):  # H = 96 is not supported
+        kv = S((2, 9, 16, H), jnp.bfloat16)
+        args = (S((10, 4, H), jnp.bfloat16), kv, kv, S((2, 3), i32), S((2,), i32))
+        args = (*args, S((3,), i32), S((), i32))
+        assert _attention._resolve("ragged_paged_attention", None, None, args, kw) == expected
+
+
 def test_tuning_heuristic():
     for gen in (*GENERATIONS.values(), tuning_tpu.INTERPRET):
         for G, T in ((1, 1), (4, 1000), (8, 5), (3, 64)):
