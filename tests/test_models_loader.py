@@ -174,3 +174,22 @@ def test_doctests(module, monkeypatch):
     monkeypatch.chdir(ROOT.parent)  # the examples use repo-relative checkpoint paths
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_transformers_4_config_keys():
+    """transformers 4.x writes `rope_theta` + `rope_scaling` (Llama 3.1 / linear style)."""
+    base = json.loads((CKPT / "llama2" / "config.json").read_text())
+    del base["rope_parameters"]
+    llama31 = models.ModelConfig.from_hf(base | {
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    })  # fmt: skip
+    assert llama31.rope_theta == 500000.0 and llama31.rope_scaling.rope_type == "llama3"
+    assert llama31.rope_scaling.original_max_position_embeddings == 8192
+    linear = models.ModelConfig.from_hf(base | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.rope_theta == 10000.0 and linear.rope_scaling.factor == 2.0
+    inv = _rope.inverse_frequencies(16, 10000.0, linear.rope_scaling)
+    np.testing.assert_allclose(inv, _rope.inverse_frequencies(16, 10000.0) / 2, rtol=1e-7)
+    plain = models.ModelConfig.from_hf(base | {"rope_scaling": None})
+    assert plain.rope_scaling is None
