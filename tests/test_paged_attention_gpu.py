@@ -82,10 +82,10 @@ def _run_case(
     "C,splits,extra",
     [
         (16, 1, {}),
-        (8, 3, {"soft_cap": 20.0, "window": 37}),
+        (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
     ],
-    ids=["C16", "C8-split3-cap-window", "C128-split2-layer"],
+    ids=["C16-T128", "C8-T64-split3-cap-window", "C128-T128-split2-layer"],
 )
 def test_interpret_matches_reference(C, splits, extra):
     rng = np.random.default_rng(C)
@@ -99,7 +99,8 @@ _VARIANTS = [
     dict(),
     dict(num_splits=4, logits_soft_cap=30.0, sliding_window=100),
     dict(H=256, C=256, num_splits=2),
-    dict(H=64, C=8, K=4, dtype=jnp.float16, L=3),
+    dict(H=64, C=8, K=4, dtype=jnp.float16, L=3),  # H=64: T=128 by default
+    dict(H=64, C=64, block_kv=64, num_splits=3),
     dict(N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(N=64, K=8, C=64, num_stages=2, longest_first=False),  # G = 8
 ]
@@ -213,8 +214,8 @@ GPU_PRODUCT = [
     for C in (8, 16, 32, 64, 128, 256)
     for G in (1, 4, 8)
     for H in (64, 128, 256)
-    for dtype in (jnp.bfloat16, jnp.float16)
-    if (C + G + H) % 3 == 0 or (C == 16 and dtype == jnp.bfloat16)  # a spread, not the full cube
+    for dtype in ("bfloat16", "float16")
+    if (C + G + H) % 3 == 0 or (C == 16 and dtype == "bfloat16")  # a spread, not the full cube
 ]
 
 
@@ -223,7 +224,7 @@ GPU_PRODUCT = [
 def test_gpu_matches_reference(C, G, H, dtype):
     rng = np.random.default_rng(C * 1000 + G * 10 + H)
     lengths = [0, 1, C - 1, C, C + 1, 2 * C + 5, int(rng.integers(300, 1500))]
-    _run_case(rng, lengths, K=2, G=G, H=H, C=C, dtype=dtype)
+    _run_case(rng, lengths, K=2, G=G, H=H, C=C, dtype=jnp.dtype(dtype))
 
 
 @pytest.mark.gpu

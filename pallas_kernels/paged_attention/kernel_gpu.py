@@ -82,6 +82,12 @@ def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2
     return q + kv + p + 1024  # barriers and alignment
 
 
+def default_block_kv(head_dim: int) -> int:
+    """Tokens per K/V tile: 128 for H=64 (same bytes per tile as H=128; +10-20% on the H200,
+    run 3 in docs/gpu_test_log.md), else 64 (T=128 at H>=128 costs the 2nd CTA per SM)."""
+    return 128 if head_dim == 64 else 64
+
+
 def default_num_stages(head_dim: int, block_kv: int = 64) -> int:
     """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2."""
     for stages in (4, 3):
@@ -110,7 +116,7 @@ def unsupported_reason(
     logits_soft_cap=None,
     sliding_window=None,
     layer=None,
-    block_kv: int = 64,
+    block_kv: int | None = None,
     check_backend: bool = True,
 ) -> str | None:
     """Why this kernel cannot run these arguments, or None if it can.
@@ -119,7 +125,7 @@ def unsupported_reason(
       q: [B, N, H]; k_pages, v_pages: [K, P, C, H] or [L, K, P, C, H]; block_tables: i32[B, W];
         lengths: i32[B]. Only shapes and dtypes are read.
       sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
-      block_kv: the token tile T the kernel would use.
+      block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``).
       check_backend: also require an sm90+ GPU as the default backend.
     """
     del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
@@ -136,6 +142,7 @@ def unsupported_reason(
             "bfloat16 or all float16"
         )
     *_, C, H = k_pages.shape
+    block_kv = default_block_kv(H) if block_kv is None else block_kv
     if H not in SUPPORTED_HEAD_DIMS:
         reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
     if C < 8 or (block_kv % C and C % block_kv):
@@ -377,7 +384,7 @@ def paged_attention_pallas_gpu(
     sliding_window: int | None = None,
     layer=None,
     interpret: bool = False,
-    block_kv: int = 64,
+    block_kv: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
     longest_first: bool | None = None,
@@ -396,7 +403,7 @@ def paged_attention_pallas_gpu(
         before the window are never read.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
       interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
-      block_kv: tokens per K/V tile T (64 or 128).
+      block_kv: tokens per K/V tile T, 64 or 128 (default ``default_block_kv(H)``).
       num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device argsort); default B >= 16.
@@ -408,6 +415,8 @@ def paged_attention_pallas_gpu(
       ValueError: if the kernel cannot run these shapes/dtypes (``unsupported_reason``) or a
         tuning knob is out of range.
     """
+    if block_kv is None:
+        block_kv = default_block_kv(q.shape[-1])
     reason = unsupported_reason(
         q, k_pages, v_pages, block_tables, lengths, block_kv=block_kv, check_backend=False
     )
