@@ -39,10 +39,17 @@ def _case(seed, *, C, K, G, H, dtype, lengths=None, num_layers=None, **kw):
 
 
 def _check(q, kv, dtype, *, interpret, layer=None, scale=1.0, **kw):
-    out = jpaged.paged_attention(
-        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, layer=layer,
-        implementation="pallas_tpu", interpret=interpret, **kw,
-    )  # fmt: skip
+    args = (q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
+    if isinstance(interpret, pltpu.InterpretParams):  # the public API takes only a bool
+        sm_scale = kw.pop("sm_scale", None) or 1.0 / np.sqrt(q.shape[-1])
+        out = kernel_tpu.paged_attention_pallas_tpu(
+            *args, sm_scale=sm_scale, layer=layer, interpret=interpret, **kw
+        )
+        kw["sm_scale"] = sm_scale
+    else:
+        out = jpaged.paged_attention(
+            *args, layer=layer, implementation="pallas_tpu", interpret=interpret, **kw
+        )
     for knob in ("pages_per_compute_block", "seqs_per_program"):
         kw.pop(knob, None)
     ref = paged_attention_reference(
@@ -146,13 +153,32 @@ def test_pages_before_the_window_are_never_fetched():
     assert_close(out, ref, jnp.float32)
 
 
+def _record_core(cores: set[int]):
+    """A ``grid_point_recorder`` that collects the simulated cores that ran grid points."""
+
+    def record(token, grid_point, core):
+        del grid_point
+        cores.add(int(core))
+        return token
+
+    return record
+
+
 def test_no_races_two_cores_random_order(capfd):
     # Two simulated TensorCores, parallel grid points visited in random order, and the
     # race detector on: the grid must be safe to split across cores (megacore).
     q, kv = _case(9, C=8, K=2, G=2, H=64, dtype=jnp.float32, lengths=[9, 0, 30, 17])
-    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=3)
-    _check(q, kv, jnp.float32, interpret=params, sliding_window=12, pages_per_compute_block=2)
+    cores = set()
+    params = pltpu.InterpretParams(
+        detect_races=True, num_cores_or_threads=2, random_seed=3,
+        grid_point_recorder=_record_core(cores),
+    )  # fmt: skip
+    _check(
+        q, kv, jnp.float32, interpret=params, sliding_window=12, pages_per_compute_block=2,
+        seqs_per_program=2,
+    )  # fmt: skip
     assert "RACE DETECTED" not in capfd.readouterr().out
+    assert cores == {0, 1}, "both simulated TensorCores must have run grid points"
 
 
 def test_new_lengths_compile_nothing():

@@ -31,9 +31,16 @@ def _ref(*args, layer=None, sm_scale=None, **kw):
 
 
 def _check(case, dtype=jnp.float32, *, interpret=True, layer=None, **opts):
-    out = jpaged.ragged_paged_attention(
-        *case.args, layer=layer, implementation="pallas_tpu", interpret=interpret, **opts
-    )
+    if isinstance(interpret, pltpu.InterpretParams):  # the public API takes only a bool
+        sm_scale = opts.pop("sm_scale", None) or 1.0 / np.sqrt(case.args[0].shape[-1])
+        out = kernel_tpu.ragged_paged_attention_pallas_tpu(
+            *case.args, sm_scale=sm_scale, layer=layer, interpret=interpret, **opts
+        )
+        opts["sm_scale"] = sm_scale
+    else:
+        out = jpaged.ragged_paged_attention(
+            *case.args, layer=layer, implementation="pallas_tpu", interpret=interpret, **opts
+        )
     for knob in ("block_q", "pages_per_compute_block", "tiles_per_program"):
         opts.pop(knob, None)
     q, cu, ns = case.args[0], case.args[5], int(case.args[6])
@@ -134,12 +141,31 @@ def test_layered_pool_with_traced_layer():
         assert_close(out, ref, jnp.float32, err_msg=f"{layer=}")
 
 
+def _record_core(cores: set[int]):
+    """A ``grid_point_recorder`` that collects the simulated cores that ran grid points."""
+
+    def record(token, grid_point, core):
+        del grid_point
+        cores.add(int(core))
+        return token
+
+    return record
+
+
 def test_no_races_two_cores_random_order(capfd):
     rng = np.random.default_rng(24)
     case = make_ragged_case(rng, (9, 0, 20), (9, 0, 5), head_dim=64)
-    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=5)
-    _check(case, interpret=params, block_q=4, pages_per_compute_block=2, sliding_window=7)
+    cores = set()
+    params = pltpu.InterpretParams(
+        detect_races=True, num_cores_or_threads=2, random_seed=5,
+        grid_point_recorder=_record_core(cores),
+    )  # fmt: skip
+    _check(
+        case, interpret=params, block_q=4, pages_per_compute_block=2, tiles_per_program=2,
+        sliding_window=7,
+    )  # fmt: skip
     assert "RACE DETECTED" not in capfd.readouterr().out
+    assert cores == {0, 1}, "both simulated TensorCores must have run grid points"
 
 
 def test_num_seqs_zero_gives_zeros():
