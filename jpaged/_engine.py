@@ -461,7 +461,7 @@ class LLM:
             outputs=outs,
             finished=req.finished,
             error=req.error,
-            num_cached_tokens=req.seqs[0].num_cached_prompt if req.seqs else 0,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
     def _decode(self, ids: list[int]) -> str | None:
@@ -477,8 +477,8 @@ class LLM:
                 if self.enable_prefix_caching:
                     cached = self.alloc.allocate_with_prefix(seq.seq_id, seq.tokens, req.salt)
                     seq.num_computed = cached
-                    if seq.num_generated == 0:
-                        seq.num_cached_prompt = cached
+                    if req.num_cached_tokens is None:
+                        req.num_cached_tokens = cached
                 else:
                     self.alloc.allocate(seq.seq_id, seq.num_tokens)
                     seq.num_computed = 0

@@ -65,7 +65,6 @@ class Sequence:
     num_computed: int = 0
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
-    num_cached_prompt: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +115,7 @@ class Request:
     prompt_text: str | None = None
     salt: str | None = None
     forked: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
 
     @property
     def is_beam(self) -> bool:
