@@ -19,8 +19,11 @@ Design (see ``docs/architecture.md`` for the contract):
   sequences), and the trip count stops at the sequence's last page: no page past
   ``ceil(length / C) - 1`` is read, zero-length sequences issue no DMA at all, and with a
   sliding window the pages before the window are never fetched.
-* Pages are copied as stored (``[C, H]``): head dim 64 is not padded to 128 in HBM, so it
-  moves half the bytes of head dim 128.
+* Pages are copied as stored (``[C, H]``): the kernel adds no padding of its own, so head
+  dim 64 moves half the bytes of head dim 128 as far as the pool's HBM layout allows. Caveat
+  (unverified, no TPU here): XLA's default TPU tiling of an array whose minor dim is 64 may
+  itself pad lanes to 128 in HBM; removing that needs a packed pool layout (two tokens per
+  128-lane row, as RPA v3's hd64 kernel does), which the cache does not use today.
 
 ``attend_items`` is the shared pipeline; the ragged kernel
 (``pallas_kernels/ragged_paged_attention/kernel_tpu.py``) reuses it with per-row masks.
