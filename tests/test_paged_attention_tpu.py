@@ -106,6 +106,11 @@ def test_bf16_window_cap_head_dim_256():
     )  # fmt: skip
 
 
+def test_f32_queries_on_bf16_pages():
+    q, kv = _case(12, C=16, K=2, G=2, H=64, dtype=jnp.bfloat16, lengths=[5, 16, 0, 33])
+    _check(q.astype(jnp.float32), kv, jnp.bfloat16, interpret=True, pages_per_compute_block=2)
+
+
 def test_layered_pool_with_traced_layer():
     q, kv = _case(3, C=8, K=2, G=2, H=64, dtype=jnp.float32, num_layers=3)
 

@@ -289,6 +289,8 @@ def _decode_kernel(
         length = lengths_ref[b]
         first_page = lax.div(window_start(length), C)  # operands are >= 0
         num_pages = jnp.where(length > 0, lax.div(length + C - 1, C) - first_page, 0)
+        # Lengths past W * C break the contract; never read past the table row regardless.
+        num_pages = jnp.clip(num_pages, 0, width - first_page)
         return Span(b * width, first_page, num_pages)
 
     def masks(j):

@@ -61,6 +61,8 @@ def _ragged_kernel(
         lo, hi, nrows, _, _ = visible_keys(i)
         first_page = lax.div(lo, C)  # operands are >= 0
         num_pages = jnp.where((nrows > 0) & (hi >= lo), lax.div(hi, C) + 1 - first_page, 0)
+        # kv_lens past W * C break the contract; never read past the table row regardless.
+        num_pages = jnp.clip(num_pages, 0, width - first_page)
         return decode.Span(seq_ref[i] * width, first_page, num_pages)
 
     def masks(j):
