@@ -433,6 +433,8 @@ def paged_attention_pallas_tpu(
     """
     B, W = block_tables.shape
     K = k_pages.shape[-4]
+    if B == 0:
+        return jnp.zeros(q.shape, q.dtype)
     defaults = tuning_tpu.decode_block_sizes(
         page_size=k_pages.shape[-2],
         head_dim=k_pages.shape[-1],
