@@ -10,6 +10,8 @@ an out-of-range page id raises. Grids stay at most 32 steps (B * K).
 
 from __future__ import annotations
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -302,6 +304,11 @@ def test_tuning_heuristic():
     assert tuning_tpu._generation_from_kind("TPU7x").name == "v7x"
     assert tuning_tpu._generation_from_kind("TPU v4").name == "v4"
     assert tuning_tpu._generation_from_kind("something new").name == "default"
+
+
+def test_doctests():
+    result = doctest.testmod(kernel_tpu, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.tpu

@@ -8,6 +8,7 @@ awaited, scratch starts as NaN, out-of-range DMAs raise). Grids stay at most 32 
 
 from __future__ import annotations
 
+import doctest
 import functools
 
 import jax
@@ -261,6 +262,11 @@ def test_tuning_heuristic():
         page_size=8, head_dim=64, itemsize=4, width=4, group=2, num_tokens=100,
         gen=tuning_tpu.INTERPRET,
     )["block_q"] == 4  # fmt: skip
+
+
+def test_doctests():
+    result = doctest.testmod(kernel_tpu, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.tpu

@@ -430,6 +430,13 @@ def paged_attention_pallas_tpu(
 
     Raises:
       ValueError: if a knob is not a positive int.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((1, 2, 64)); kv = jnp.ones((1, 3, 8, 64))
+    >>> out = paged_attention_pallas_tpu(q, kv, kv, jnp.array([[2, 0]], jnp.int32),
+    ...     jnp.array([11], jnp.int32), sm_scale=0.125, interpret=True)
+    >>> out.shape, float(out[0, 1, 0])
+    ((1, 2, 64), 1.0)
     """
     B, W = block_tables.shape
     K = k_pages.shape[-4]

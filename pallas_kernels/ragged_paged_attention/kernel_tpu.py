@@ -267,6 +267,14 @@ def ragged_paged_attention_pallas_tpu(
 
     Raises:
       ValueError: if a block size is not a positive int.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((3, 2, 64)); kv = jnp.ones((1, 2, 8, 64))  # row 2 is padding
+    >>> out = ragged_paged_attention_pallas_tpu(q, kv, kv, jnp.array([[1, 0]], jnp.int32),
+    ...     jnp.array([5], jnp.int32), jnp.array([0, 2], jnp.int32), jnp.array(1, jnp.int32),
+    ...     sm_scale=0.125, interpret=True)
+    >>> out[:, 0, 0].tolist()
+    [1.0, 1.0, 0.0]
     """
     T, N, H = q.shape
     K, _, C, _ = k_pages.shape[-4:]
