@@ -1,4 +1,4 @@
-"""Paged decode attention on Mosaic GPU (Hopper sm90 and newer).
+"""Paged decode attention on Mosaic GPU (Hopper, sm90).
 
 One CTA (one warpgroup) per (KV head, split, sequence). It reads each K/V byte once: the G query
 heads of a KV head are one 64-row wgmma tile (rows past G hold neighbouring heads' queries and are
@@ -16,9 +16,12 @@ Long sequences are split across ``num_splits`` CTAs (split-KV); each writes its 
 partial output and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is
 chosen from static shapes only (no host sync; jit- and CUDA-graph safe).
 
-Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): f32,
-page sizes below 8 or not dividing / divided by the tile, head dims other than 64/128/256,
-groups G > 64.
+Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
+other than Hopper (sm90: the kernel is built on wgmma; Blackwell would need tcgen05), f32, page
+sizes below 8 or neither dividing nor divided by the tile (64 tokens; 128 at H=64), head dims
+other than 64/128/256, groups G > 56 unless a multiple of 8 up to 64. Pages below 8 tokens fall
+back because a TMA row slice of the (8, 64)-tiled SMEM ring must start on an 8-row boundary;
+a per-row gather was not built.
 """
 
 from __future__ import annotations
@@ -126,15 +129,18 @@ def unsupported_reason(
         lengths: i32[B]. Only shapes and dtypes are read.
       sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
       block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``).
-      check_backend: also require an sm90+ GPU as the default backend.
+      check_backend: also require a Hopper (sm90) GPU as the default backend.
     """
     del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
     reasons = []
     if check_backend:
         from jpaged import _backend
 
-        if not _backend.has_mosaic_gpu():
-            reasons.append("Mosaic GPU needs an NVIDIA GPU with compute capability >= 9.0")
+        cc = _backend.gpu_compute_capability()
+        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
+            reasons.append(
+                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
+            )
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         reasons.append(
