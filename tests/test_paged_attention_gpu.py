@@ -36,11 +36,13 @@ def _run_case(
     soft_cap=None,
     window=None,
     sm_scale=None,
+    out_of_range_tail=False,
     **tuning,
 ):
     kv = make_paged_kv(
-        rng, lengths, num_kv_heads=K, head_dim=H, page_size=C, dtype=dtype, num_layers=num_layers
-    )
+        rng, lengths, num_kv_heads=K, head_dim=H, page_size=C, dtype=dtype,
+        num_layers=num_layers, out_of_range_tail=out_of_range_tail,
+    )  # fmt: skip
     q = np.asarray(
         jnp.asarray(rng.standard_normal((len(lengths), K * G, H)), dtype).astype(jnp.float32)
     )
@@ -81,11 +83,11 @@ def _run_case(
 @pytest.mark.parametrize(
     "C,splits,extra",
     [
-        (16, 1, {}),
+        (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
     ],
-    ids=["C16-T128", "C8-T64-split3-cap-window", "C128-T128-split2-layer"],
+    ids=["C16-T128-bad-ids", "C8-T64-split3-cap-window", "C128-T128-split2-layer"],
 )
 def test_interpret_matches_reference(C, splits, extra):
     rng = np.random.default_rng(C)
@@ -266,6 +268,7 @@ def test_gpu_long_32k(splits):
         dict(num_layers=3, layer=jnp.int32(2)),
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
+        dict(out_of_range_tail=True, num_splits=2),
     ],
     ids=str,
 )
