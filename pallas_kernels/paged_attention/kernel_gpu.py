@@ -86,8 +86,8 @@ def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2
 
 
 def default_block_kv(head_dim: int) -> int:
-    """Tokens per K/V tile: 128 for H=64 (same bytes per tile as H=128; +10-20% on the H200,
-    run 3 in docs/gpu_test_log.md), else 64 (T=128 at H>=128 costs the 2nd CTA per SM)."""
+    """Tokens per K/V tile: 128 for H=64 (same bytes per tile as H=128: 2.22 -> 2.72 TB/s on the
+    H200, run 3 in docs/gpu_test_log.md), else 64 (at H=128, T=128 was 1-14% slower)."""
     return 128 if head_dim == 64 else 64
 
 
