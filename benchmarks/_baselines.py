@@ -1,0 +1,420 @@
+"""Contiguous-KV-cache baselines, the same model and KV budget as jpaged (vLLM paper, 6.1).
+
+- `StaticBatching` (FasterTransformer-style, the common Flax/HF ``generate`` loop): when
+  idle, take up to B of the earliest arrived requests, prefill them as one padded batch and
+  decode the whole batch until its longest request finishes. The cache is a contiguous
+  ``[B, max_len]`` per layer, ``B = budget_tokens // max_len``.
+- `Orca` (continuous batching, iteration-level scheduling) with a contiguous per-request
+  reservation: ``"max"`` reserves ``max_len`` tokens (Orca-Max), ``"pow2"`` the prompt plus
+  the output length rounded up to a power of two (Orca-Pow2), ``"oracle"`` exactly prompt +
+  true output length (Orca-Oracle). A request is admitted (FCFS) when a slot is free and
+  the reserved tokens of all running requests stay within ``budget_tokens``. Each step
+  prefills the newly admitted requests (one padded batch) and decodes every request that was
+  already running.
+
+Device side (`ContiguousLM`): the model's own weights, split per layer once, run by an
+unrolled layer loop over per-layer caches ``k, v: [num_slots, max_len, K, H]`` (donated, so
+the K/V writes are in place: no cache copy per step), with attention by
+``jax.nn.dot_product_attention`` (cuDNN on GPU; ``key_value_seq_lengths`` masks the unused
+tail). Decode computes the projections and the MLP for the first ``nb`` slots only (``nb``
+a power-of-two bucket covering the highest busy slot; slots are handed out lowest first) and
+attends over all slots with the idle ones at length 1. Orca-Oracle and Orca-Pow2 hold
+``max_num_seqs`` slots of ``max_len`` on device, more than the budget: their admission obeys
+the budget, the larger buffer only spares them an allocator (it favours the baseline).
+
+Tokens are greedy (argmax); output lengths are enforced as in the paper (EOS ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.models._rope import apply_rope, inverse_frequencies
+
+__all__ = ["ContiguousLM", "KVUsage", "Orca", "StaticBatching", "bucket"]
+
+_TRACES = [0]  # traces (= compiles) of the baseline programs in this process
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """The smallest power-of-two multiple of ``minimum`` >= n, capped at ``maximum``.
+
+    >>> bucket(5, 8, 64), bucket(100, 8, 64)
+    (8, 64)
+    """
+    b = minimum
+    while b < n:
+        b *= 2
+    return min(b, maximum)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVUsage:
+    """KV memory accounting at one instant, in token slots.
+
+    Attributes:
+      pool_slots: the KV budget (the same for every system).
+      allocated_slots: slots reserved by running requests (pages held, for jpaged).
+      live_tokens: slots holding a token that a running request will read again.
+      num_seqs: sequences holding KV memory.
+    """
+
+    pool_slots: int
+    allocated_slots: int
+    live_tokens: int
+    num_seqs: int = 0
+
+
+def _rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def _qkv(cfg, p, x, positions):
+    """q [..., N, H], k and v [..., K, H] of one layer (RoPE applied)."""
+    inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    h = _rms_norm(x, p["attn_norm_LD"], cfg.rms_norm_eps)
+    q = jnp.einsum("...d,dnh->...nh", h, p["wq_LDNH"])
+    k = jnp.einsum("...d,dkh->...kh", h, p["wk_LDKH"])
+    v = jnp.einsum("...d,dkh->...kh", h, p["wv_LDKH"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq_LNH"], k + p["bk_LKH"], v + p["bv_LKH"]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _out_and_mlp(cfg, p, x, o):
+    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"])
+    if cfg.o_bias:
+        attn = attn + p["bo_LD"]
+    x = x + attn
+    h = _rms_norm(x, p["mlp_norm_LD"], cfg.rms_norm_eps)
+    gate = jnp.einsum("...d,df->...f", h, p["w_gate_LDF"])
+    up = jnp.einsum("...d,df->...f", h, p["w_up_LDF"])
+    if cfg.mlp_bias:
+        gate, up = gate + p["b_gate_LF"], up + p["b_up_LF"]
+    down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, p["w_down_LFD"])
+    if cfg.mlp_bias:
+        down = down + p["b_down_LD"]
+    return x + down
+
+
+def _next_tokens(cfg, w, x_BD):
+    x_BD = _rms_norm(x_BD, w["norm"], cfg.rms_norm_eps)
+    head = w["embed"].T if w["lm_head"] is None else w["lm_head"]
+    logits_BV = jnp.einsum("bd,dv->bv", x_BD, head, preferred_element_type=jnp.float32)
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _prefill(cfg, w, cache, tokens_BS, lens_B, slots_B):
+    _TRACES[0] += 1
+    B, S = tokens_BS.shape
+    x = w["embed"][tokens_BS]
+    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    new_cache = []
+    for p, (kc, vc) in zip(w["layers"], cache, strict=True):
+        q, k, v = _qkv(cfg, p, x, positions_BS)
+        k, v = k.astype(kc.dtype), v.astype(vc.dtype)
+        kc = kc.at[slots_B, :S].set(k, mode="drop")
+        vc = vc.at[slots_B, :S].set(v, mode="drop")
+        o = jax.nn.dot_product_attention(
+            q.astype(kc.dtype), k, v, is_causal=True, query_seq_lengths=lens_B,
+            key_value_seq_lengths=lens_B,
+        )  # fmt: skip
+        x = _out_and_mlp(cfg, p, x, o)
+        new_cache.append((kc, vc))
+    last_BD = x[jnp.arange(B), lens_B - 1]
+    return tuple(new_cache), _next_tokens(cfg, w, last_BD)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode(cfg, w, cache, tokens_b, pos_b, active_b):
+    _TRACES[0] += 1
+    nb = tokens_b.shape[0]
+    num_slots, max_len = cache[0][0].shape[:2]
+    x = w["embed"][tokens_b][:, None]  # [nb, 1, D]
+    rows_b = jnp.arange(nb)
+    write_b = jnp.where(active_b, pos_b, max_len)  # out of range: dropped
+    kv_lens = jnp.ones(num_slots, jnp.int32).at[:nb].set(jnp.where(active_b, pos_b + 1, 1))
+    new_cache = []
+    for p, (kc, vc) in zip(w["layers"], cache, strict=True):
+        q, k, v = _qkv(cfg, p, x, pos_b[:, None])
+        kc = kc.at[rows_b, write_b].set(k[:, 0].astype(kc.dtype), mode="drop")
+        vc = vc.at[rows_b, write_b].set(v[:, 0].astype(vc.dtype), mode="drop")
+        q_full = jnp.zeros((num_slots, *q.shape[1:]), kc.dtype).at[:nb].set(q.astype(kc.dtype))
+        o = jax.nn.dot_product_attention(q_full, kc, vc, key_value_seq_lengths=kv_lens)[:nb]
+        x = _out_and_mlp(cfg, p, x, o)
+        new_cache.append((kc, vc))
+    return tuple(new_cache), _next_tokens(cfg, w, x[:, 0])
+
+
+class ContiguousLM:
+    """A Llama-family model (``jpaged.models.LlamaForCausalLM``) on a contiguous slot cache.
+
+    Args:
+      model: the model; its weights are copied per layer (device memory: one more copy).
+      num_slots: sequences the cache holds.
+      max_len: tokens per slot.
+      cache_dtype: K/V dtype (default: the embedding's dtype).
+
+    Raises:
+      ValueError: the model has a sliding window (not modelled here) or a size is < 1.
+    """
+
+    def __init__(self, model, *, num_slots: int, max_len: int, cache_dtype=None):
+        cfg = model.config
+        if cfg.sliding_window is not None:
+            raise ValueError(f"sliding_window={cfg.sliding_window} is not supported here")
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"{num_slots=} and {max_len=} must be >= 1")
+        self.config, self.num_slots, self.max_len = cfg, int(num_slots), int(max_len)
+        stacked = model.layers.arrays()
+        self.weights = {
+            "embed": model.embed_VD[...],
+            "norm": model.norm_D[...],
+            "lm_head": None if model.lm_head_DV is None else model.lm_head_DV[...],
+            "layers": [{k: v[i] for k, v in stacked.items()} for i in range(cfg.num_layers)],
+        }
+        dtype = cache_dtype if cache_dtype is not None else self.weights["embed"].dtype
+        shape = (self.num_slots, self.max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.cache = tuple(
+            (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)
+        )
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_tokens: int) -> np.ndarray:
+        """Writes the prompts' K/V into ``slots``; returns each prompt's next token, i32[n].
+
+        Shapes are bucketed: prompts to a power of two >= 16 tokens (at most ``max_len``),
+        rows to a power of two, capped by ``max_tokens`` padded tokens where possible.
+        """
+        n, longest = len(prompts), max(len(p) for p in prompts)
+        S = bucket(longest, 16, self.max_len)
+        B = bucket(n, 1, max(n, max_tokens // S, 1))
+        tokens = np.zeros((B, S), np.int32)
+        lens = np.ones(B, np.int32)
+        rows = np.full(B, self.num_slots, np.int32)  # out of range: not written
+        for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
+            tokens[i, : len(p)], lens[i], rows[i] = p, len(p), s
+        self.cache, nxt = _prefill(self.config, self.weights, self.cache, tokens, lens, rows)
+        return np.asarray(nxt)[:n]
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """One decode step of slots ``0 .. nb-1`` (arrays of length nb, a bucket); i32[nb]."""
+        self.cache, nxt = _decode(self.config, self.weights, self.cache,
+                                  np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                                  np.asarray(active, bool))  # fmt: skip
+        return np.asarray(nxt)
+
+
+@dataclasses.dataclass
+class _Req:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    slot: int = -1
+    reserved: int = 0
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    generated: int = 0
+    last_token: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.max_tokens
+
+
+class _SlotSystem:
+    """Shared bookkeeping: a FIFO queue, slots handed out lowest first, decode of busy slots."""
+
+    name = "?"
+
+    def __init__(self, lm: ContiguousLM, budget_tokens: int, max_prefill_tokens: int):
+        self.lm, self.budget_tokens = lm, int(budget_tokens)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.waiting: deque[_Req] = deque()
+        self.running: dict[int, _Req] = {}  # slot -> request
+        self.free_slots = list(range(lm.num_slots))
+        self.outputs: dict[int, list[int]] = {}  # rid -> generated token ids
+
+    def add(self, rid: int, prompt: list[int], max_tokens: int) -> None:
+        if len(prompt) + max_tokens > self.lm.max_len:
+            raise ValueError(f"request {rid}: {len(prompt)} + {max_tokens} > {self.lm.max_len}")
+        self.waiting.append(_Req(rid, list(prompt), int(max_tokens)))
+        self.outputs[rid] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_compiles(self) -> int:
+        return _TRACES[0]
+
+    def _take_slot(self, req: _Req) -> None:
+        self.free_slots.sort()
+        req.slot = self.free_slots.pop(0)
+        self.running[req.slot] = req
+
+    def _prefill(self, reqs: list[_Req]) -> list[tuple[int, int, bool]]:
+        nxt = self.lm.prefill([r.prompt for r in reqs], [r.slot for r in reqs],
+                              self.max_prefill_tokens)  # fmt: skip
+        for r, t in zip(reqs, nxt, strict=True):
+            r.num_cached, r.generated, r.last_token = len(r.prompt), 1, int(t)
+            self.outputs[r.rid].append(r.last_token)
+        return [(r.rid, r.generated, r.done) for r in reqs]
+
+    def _decode(self, reqs: list[_Req]) -> list[tuple[int, int, bool]]:
+        nb = bucket(max(r.slot for r in reqs) + 1, 8, self.lm.num_slots)
+        toks, pos, act = np.zeros(nb, np.int32), np.zeros(nb, np.int32), np.zeros(nb, bool)
+        for r in reqs:
+            toks[r.slot], pos[r.slot], act[r.slot] = r.last_token, r.num_cached, True
+        nxt = self.lm.decode(toks, pos, act)
+        for r in reqs:
+            r.num_cached += 1
+            r.generated += 1
+            r.last_token = int(nxt[r.slot])
+            self.outputs[r.rid].append(r.last_token)
+        return [(r.rid, r.generated, r.done) for r in reqs]
+
+    def _release(self, req: _Req) -> None:
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)
+
+
+class StaticBatching(_SlotSystem):
+    """Static batching with a contiguous ``[B, max_len]`` cache (see the module docstring).
+
+    Args:
+      model: ``jpaged.models.LlamaForCausalLM``.
+      budget_tokens: the KV budget in token slots; ``B = budget_tokens // max_len``.
+      max_len: the longest request (prompt + output).
+      max_prefill_tokens: padded-token cap of the prefill batch's bucket (rows stay <= B).
+    """
+
+    name = "static"
+
+    def __init__(self, model, *, budget_tokens: int, max_len: int, max_prefill_tokens=2048):
+        B = budget_tokens // max_len
+        if B < 1:
+            raise ValueError(f"{budget_tokens=} must hold one sequence of {max_len=} tokens")
+        super().__init__(
+            ContiguousLM(model, num_slots=B, max_len=max_len), budget_tokens, max_prefill_tokens
+        )
+        self.batch: list[_Req] = []
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        if not self.batch:
+            while self.waiting and self.free_slots:
+                req = self.waiting.popleft()
+                self._take_slot(req)
+                self.batch.append(req)
+            # Prefill in row groups of at most max_prefill_tokens padded tokens (activations).
+            S = bucket(max(len(r.prompt) for r in self.batch), 16, self.lm.max_len)
+            rows = max(1, self.max_prefill_tokens // S)
+            out = []
+            for i in range(0, len(self.batch), rows):
+                out += self._prefill(self.batch[i : i + rows])
+            return out
+        # The whole batch decodes (finished rows too: their writes are masked, their compute
+        # is the static batch's cost) until its longest request finishes.
+        nb = bucket(len(self.batch), 8, self.lm.num_slots)
+        toks, pos, act = np.zeros(nb, np.int32), np.zeros(nb, np.int32), np.zeros(nb, bool)
+        live = [r for r in self.batch if not r.done]
+        for r in live:
+            toks[r.slot], pos[r.slot], act[r.slot] = r.last_token, r.num_cached, True
+        nxt = self.lm.decode(toks, pos, act)
+        for r in live:
+            r.num_cached += 1
+            r.generated += 1
+            r.last_token = int(nxt[r.slot])
+            self.outputs[r.rid].append(r.last_token)
+        out = [(r.rid, r.generated, r.done) for r in live]
+        if all(r.done for r in self.batch):
+            for r in self.batch:
+                self._release(r)
+            self.batch = []
+        return out
+
+    def kv_usage(self) -> KVUsage:
+        live = [r.num_cached for r in self.batch if not r.done]
+        return KVUsage(self.budget_tokens, len(self.batch) * self.lm.max_len, sum(live),
+                       len(self.batch))  # fmt: skip
+
+
+class Orca(_SlotSystem):
+    """Continuous batching with contiguous reservations (see the module docstring).
+
+    Args:
+      model: ``jpaged.models.LlamaForCausalLM``.
+      policy: ``"max"``, ``"pow2"`` or ``"oracle"``.
+      budget_tokens: the KV budget in token slots.
+      max_len: the longest request (prompt + output).
+      max_num_seqs: most running requests (slots) for ``"pow2"``/``"oracle"``.
+      max_prefill_tokens: prompt tokens prefilled per step (at least one request).
+    """
+
+    POLICIES = ("max", "pow2", "oracle")
+
+    def __init__(
+        self,
+        model,
+        *,
+        policy: str,
+        budget_tokens: int,
+        max_len: int,
+        max_num_seqs: int = 256,
+        max_prefill_tokens: int = 2048,
+    ):
+        if policy not in self.POLICIES:
+            raise ValueError(f"{policy=} must be one of {self.POLICIES}")
+        slots = budget_tokens // max_len if policy == "max" else max_num_seqs
+        if slots < 1:
+            raise ValueError(f"{budget_tokens=} must hold one sequence of {max_len=} tokens")
+        self.policy, self.name = policy, f"orca-{policy}"
+        super().__init__(ContiguousLM(model, num_slots=slots, max_len=max_len), budget_tokens,
+                         max_prefill_tokens)  # fmt: skip
+        self.reserved = 0
+
+    def _reservation(self, req: _Req) -> int:
+        p, o, M = len(req.prompt), req.max_tokens, self.lm.max_len
+        if self.policy == "max":
+            return M
+        if self.policy == "pow2":
+            return p + min(1 << math.ceil(math.log2(o)), M - p)
+        return p + o
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        before = list(self.running.values())
+        admitted, tokens = [], 0
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            need = self._reservation(req)
+            fits = self.reserved + need <= self.budget_tokens
+            if not fits or (admitted and tokens + len(req.prompt) > self.max_prefill_tokens):
+                break
+            self.waiting.popleft()
+            req.reserved, self.reserved, tokens = (
+                need,
+                self.reserved + need,
+                tokens + len(req.prompt),
+            )
+            self._take_slot(req)
+            admitted.append(req)
+        out = self._prefill(admitted) if admitted else []
+        if before:
+            out += self._decode(before)
+        for r in admitted + before:
+            if r.done:
+                self._release(r)
+                self.reserved -= r.reserved
+        return out
+
+    def kv_usage(self) -> KVUsage:
+        live = sum(r.num_cached for r in self.running.values())
+        return KVUsage(self.budget_tokens, self.reserved, live, len(self.running))

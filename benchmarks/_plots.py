@@ -1,0 +1,128 @@
+"""PNG plots of the serving and memory benchmarks' JSON (matplotlib: the ``plot`` extra).
+
+- `latency_vs_rate`: normalised latency (s/token) against request rate, one line per system
+  (the vLLM paper's Fig. 12 layout); runs that did not finish every request are hollow.
+- `kv_utilisation`: live tokens and allocated slots as fractions of the KV budget over time,
+  one panel per system, at one request rate.
+- `page_map`: the pool as a grid of pages, coloured by the request that holds each page,
+  shared pages (more than one holder) outlined in black, pages held by none left white.
+
+Every function takes the benchmark's JSON document (or a part of it) and a path, and
+returns the path written.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def _title(doc: dict, what: str) -> str:
+    env = doc.get("env", {})
+    return f"{what}\n{doc.get('model')} on {env.get('device')}, jax {env.get('jax')}, {env.get('date')}"
+
+
+def latency_vs_rate(doc: dict, path: str | pathlib.Path) -> pathlib.Path:
+    """Normalised latency against request rate per system (``serving.py`` JSON)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in doc["results"].items():
+        rates = [p["rate"] for p in points]
+        lat = [p["normalized_latency_s"] for p in points]
+        (line,) = ax.plot(rates, lat, marker="o", label=name)
+        bad = [(r, y) for r, y, p in zip(rates, lat, points, strict=True) if p["saturated"]]
+        if bad:
+            ax.scatter(*zip(*bad, strict=True), s=80, facecolors="white",
+                       edgecolors=line.get_color(), zorder=3)  # fmt: skip
+    slo = doc.get("summary", {}).get("slo_s_per_token")
+    if slo and math.isfinite(slo):
+        ax.axhline(slo, color="grey", ls="--", lw=1, label="SLO")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalised latency (s/token)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(_title(doc, f"{doc['workload'].get('dataset') or 'trace'}"), fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def kv_utilisation(doc: dict, path: str | pathlib.Path, rate_index: int = -1) -> pathlib.Path:
+    """KV live/allocated fractions over time per system at the ``rate_index``-th rate."""
+    names = list(doc["results"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(6, 1.6 * len(names) + 0.6), sharex=True,
+                             squeeze=False)  # fmt: skip
+    rate = None
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        point = doc["results"][name][rate_index]
+        rate = point["rate"]
+        u = np.asarray(point["usage"], dtype=float).reshape(-1, 4)
+        if len(u):
+            ax.fill_between(u[:, 0], u[:, 1], step="post", alpha=0.35, label="allocated")
+            ax.plot(u[:, 0], u[:, 2], drawstyle="steps-post", lw=1, label="live tokens")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel(name, fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle(_title(doc, f"KV budget use at {rate:g} req/s"), fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def page_map(snapshot: dict, path: str | pathlib.Path, title: str = "") -> pathlib.Path:
+    """The pool's pages coloured by holding request, shared ones outlined.
+
+    Args:
+      snapshot: ``{"num_pages": P, "owners": {page: [request index per holder]}}``.
+    """
+    P = int(snapshot["num_pages"])
+    owners = {int(k): v for k, v in snapshot["owners"].items()}
+    cols = math.ceil(math.sqrt(P * 2))
+    rows = math.ceil(P / cols)
+    grid = np.full((rows, cols), np.nan)
+    for page, holders in owners.items():
+        grid[page // cols, page % cols] = holders[0]
+    fig, ax = plt.subplots(figsize=(min(12, 0.12 * cols + 2), min(8, 0.12 * rows + 1.5)))
+    ax.imshow(grid, cmap="tab20", interpolation="nearest", vmin=0, vmax=19)
+    for page, holders in owners.items():
+        if len(holders) > 1:
+            r, c = divmod(page, cols)
+            ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=1.2, ec="k"))
+    shared = sum(1 for h in owners.values() if len(h) > 1)
+    ax.set_title(f"{title}\n{len(owners)} of {P} pages held, {shared} shared (outlined)",
+                 fontsize=9)  # fmt: skip
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def serving_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
+    """Both serving plots next to ``stem`` (``<stem>_latency.png``, ``<stem>_kv.png``)."""
+    stem = str(stem)
+    return [latency_vs_rate(doc, stem + "_latency.png"), kv_utilisation(doc, stem + "_kv.png")]
+
+
+def memory_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
+    """A page map per sharing run that found shared pages (``<stem>_pages_<kind><w>.png``)."""
+    paths = []
+    for r in doc.get("sharing", []):
+        snap = r.get("page_map", {})
+        if snap.get("owners"):
+            what = "beam width" if r["kind"] == "beam" else "parallel sampling n"
+            paths.append(page_map(snap, f"{stem}_pages_{r['kind']}{r['width']}.png",
+                                  _title(doc, f"{what} = {r['width']}")))  # fmt: skip
+    return paths

@@ -1,0 +1,479 @@
+"""Serving benchmark by the vLLM paper's method: jpaged vs contiguous-cache baselines.
+
+Requests with ShareGPT-like or Alpaca-like lengths (``_workloads``, or ``--trace`` JSON)
+arrive by a Poisson process at each swept request rate; output lengths are enforced (EOS
+ignored, greedy tokens). Every system serves the same trace with the same model and the same
+KV budget (``--kv-tokens`` token slots): jpaged (`jpaged.LLM`, paged pool of
+``kv_tokens / page_size`` pages), static batching, Orca-Max, Orca-Pow2 and Orca-Oracle
+(``_baselines``). Time is wall-clock in one process; each system first serves a warm-up
+burst (compiles), and every run records the compiles that still happened inside it.
+
+Metrics per (system, rate): throughput (requests/s, output tokens/s), normalised latency
+(mean over requests of end-to-end latency / output length, s/token: the paper's metric),
+TTFT and inter-token latency percentiles, KV utilisation over time (live tokens and
+allocated slots as fractions of the budget). The sustainable rate of a system is the highest
+swept rate whose normalised latency stays under ``--slo`` (default: 5x the lowest normalised
+latency measured at the lowest rate) with every request finished.
+
+    python benchmarks/serving.py --quick                      # tiny model, CPU-sized
+    python benchmarks/serving.py --model llama-8b --quick     # the H200 run (see BUILD.md)
+    python benchmarks/serving.py --model llama-8b --dataset sharegpt --rates 1,2,4,8,16
+
+Prints a table and writes JSON (``--out``, default ``benchmarks/results/``); ``--plot``
+also writes PNGs (matplotlib, the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _baselines
+import _workloads
+import jax
+import jax.numpy as jnp
+
+import jpaged
+from jpaged import models
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SYSTEMS = ("jpaged", "static", "orca-max", "orca-pow2", "orca-oracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A benchmark model and the serving sizes that go with it."""
+
+    config: models.ModelConfig
+    dtype: object
+    max_len: int  # longest request (prompt + output)
+    length_scale: dict[str, float]  # per dataset: multiplies its mean lengths
+    kv_tokens: int  # default KV budget in token slots
+    max_num_seqs: int
+    rates: tuple[float, ...]
+
+
+_FULL = {"sharegpt": 1.0, "alpaca": 1.0}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """``tiny`` (CPU smoke), ``llama-1b`` and ``llama-8b`` (random bf16 weights)."""
+    on_cpu = jax.default_backend() == "cpu"
+    if name == "tiny":
+        # 8 sequences of max_len fit the pool, as in the paper's regime (below).
+        return ModelSpec(models.tiny(), jnp.float32 if on_cpu else jnp.bfloat16, 512,
+                         {"sharegpt": 0.25, "alpaca": 1.0}, 8 * 512, 32,
+                         (4.0, 16.0, 64.0))  # fmt: skip
+    # The paper's regime: the KV pool, not compute, limits the batch (OPT-13B on an A100-40GB
+    # held about 7.5 sequences of 2048 tokens; here 16).
+    if name == "llama-1b":
+        return ModelSpec(models.llama3_2_1b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 256,
+                         (2.0, 4.0, 8.0, 16.0, 32.0))  # fmt: skip
+    if name == "llama-8b":
+        return ModelSpec(models.llama3_8b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 256,
+                         (1.0, 2.0, 4.0, 8.0, 12.0))  # fmt: skip
+    raise ValueError(f"model={name!r} must be one of tiny, llama-1b, llama-8b")
+
+
+class JpagedSystem:
+    """`jpaged.LLM` behind the harness's system interface (add / step / kv_usage).
+
+    ``n`` > 1 (parallel sampling) samples at temperature 1; ``n`` == 1 is greedy.
+    """
+
+    name = "jpaged"
+
+    def __init__(self, model, *, budget_tokens: int, page_size: int, max_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
+                 num_decode_steps: int = 8, enable_prefix_caching: bool = False, **kw):  # fmt: skip
+        self.page_size = page_size
+        self.llm = jpaged.LLM(
+            model, page_size=page_size, num_pages=budget_tokens // page_size,
+            max_num_seqs=max_num_seqs, max_model_len=max_len,
+            max_num_batched_tokens=max_num_batched_tokens, num_decode_steps=num_decode_steps,
+            enable_prefix_caching=enable_prefix_caching, eos_token_id=[], **kw,
+        )  # fmt: skip
+        self.outputs: dict[int, list[list[int]]] = {}
+        self.num_cached_tokens: dict[int, int] = {}
+        self._rid: dict[str, int] = {}  # engine request id -> harness id (reusable per run)
+
+    def add(self, rid: int, prompt: list[int], max_tokens: int, *, n: int = 1,
+            beam_width: int = 0) -> None:  # fmt: skip
+        if beam_width:
+            params = jpaged.BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens,
+                                             ignore_eos=True)  # fmt: skip
+        else:
+            params = jpaged.SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True,
+                                           temperature=0.0 if n == 1 else 1.0, seed=rid)  # fmt: skip
+        self._rid[self.llm.add_request(prompt, params)] = rid
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        events = []
+        for out in self.llm.step():
+            rid = self._rid[out.request_id]
+            if out.error:
+                raise RuntimeError(f"jpaged failed request {rid}: {out.error}")
+            self.outputs[rid] = [c.token_ids for c in out.outputs]
+            self.num_cached_tokens[rid] = out.num_cached_tokens
+            # Tokens of the request = its longest completion (n > 1 completions run together).
+            events.append((rid, max(len(c.token_ids) for c in out.outputs), out.finished))
+        return events
+
+    def has_work(self) -> bool:
+        return self.llm.has_unfinished_requests()
+
+    def kv_usage(self) -> _baselines.KVUsage:
+        s = self.llm.alloc.stats()
+        C = self.page_size
+        return _baselines.KVUsage(s.total_pages * C, s.used_pages * C, s.live_tokens, s.num_seqs)
+
+    @property
+    def num_compiles(self) -> int:
+        return self.llm.runner.num_compiles
+
+
+def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
+                max_num_seqs: int, max_num_batched_tokens: int = 2048,
+                num_decode_steps: int = 8):  # fmt: skip
+    """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget."""
+    if name == "jpaged":
+        return JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
+                            max_len=spec.max_len, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            num_decode_steps=num_decode_steps)  # fmt: skip
+    if name == "static":
+        return _baselines.StaticBatching(model, budget_tokens=budget_tokens,
+                                         max_len=spec.max_len,
+                                         max_prefill_tokens=max_num_batched_tokens)  # fmt: skip
+    if name.startswith("orca-"):
+        return _baselines.Orca(model, policy=name.removeprefix("orca-"),
+                               budget_tokens=budget_tokens, max_len=spec.max_len,
+                               max_num_seqs=max_num_seqs,
+                               max_prefill_tokens=max_num_batched_tokens)  # fmt: skip
+    raise ValueError(f"system={name!r} must be one of {SYSTEMS}")
+
+
+# ---------------------------------------------------------------------------------- harness
+
+
+def run_trace(
+    system,
+    trace: list[_workloads.RequestSpec],
+    prompts: list[list[int]],
+    *,
+    progress: bool = True,
+    desc: str = "",
+    sample_every_s: float = 0.05,
+    max_run_s: float = math.inf,
+    add_kwargs: dict | None = None,
+) -> dict:
+    """Serves ``trace`` in real time; returns per-request timings and KV usage samples.
+
+    Requests are handed to the system when the wall clock passes their arrival time; the
+    clock of a token is when the step that produced it returned. The run stops when every
+    request finished, or after ``max_run_s`` (``saturated`` is then True).
+
+    Returns:
+      ``{"requests": [{"arrival_s", "prompt_len", "output_len", "token_times"}],
+      "usage": [[t, allocated/pool, live/pool, seqs], ...], "wall_s", "saturated", "steps",
+      "compiles"}``.
+    """
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+    times: list[list[float]] = [[] for _ in trace]
+    finished = [False] * len(trace)
+    usage: list[list[float]] = []
+    compiles0, steps = system.num_compiles, 0
+    bar = tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=False)
+    nxt, last_sample, saturated = 0, -math.inf, False
+    start = time.perf_counter()
+    while True:
+        now = time.perf_counter() - start
+        while nxt < len(order) and trace[order[nxt]].arrival_s <= now:
+            i = order[nxt]
+            system.add(i, prompts[i], trace[i].output_len, **(add_kwargs or {}))
+            nxt += 1
+        if not system.has_work():
+            if nxt == len(order):
+                break
+            time.sleep(max(0.0, trace[order[nxt]].arrival_s - now))
+            continue
+        events = system.step()
+        steps += 1
+        t = time.perf_counter() - start
+        for rid, ntok, done in events:
+            times[rid].extend([t] * (ntok - len(times[rid])))
+            if done and not finished[rid]:
+                finished[rid] = True
+                bar.update(1)
+        if t - last_sample >= sample_every_s:
+            u = system.kv_usage()
+            usage.append([t, u.allocated_slots / u.pool_slots, u.live_tokens / u.pool_slots,
+                          u.num_seqs])  # fmt: skip
+            last_sample = t
+        if t > max_run_s:
+            saturated = True
+            break
+    bar.close()
+    wall = time.perf_counter() - start
+    reqs = [
+        {"arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": r.output_len,
+         "token_times": times[i], "finished": finished[i]}
+        for i, r in enumerate(trace)
+    ]  # fmt: skip
+    return {
+        "requests": reqs,
+        "usage": usage,
+        "wall_s": wall,
+        "saturated": saturated or not all(finished),
+        "steps": steps,
+        "compiles": system.num_compiles - compiles0,
+    }
+
+
+def _pct(x, q) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def summarize(run: dict) -> dict:
+    """The paper's metrics from a `run_trace` result (times in seconds)."""
+    done = [r for r in run["requests"] if r["finished"]]
+    end = max((r["token_times"][-1] for r in done), default=run["wall_s"])
+    ttft = [r["token_times"][0] - r["arrival_s"] for r in done]
+    norm = [(r["token_times"][-1] - r["arrival_s"]) / r["output_len"] for r in done]
+    itl = np.concatenate([np.diff(r["token_times"]) for r in done] or [np.zeros(0)])
+    out_tokens = sum(r["output_len"] for r in done)
+    u = np.asarray(run["usage"]).reshape(-1, 4)
+    return {
+        "num_finished": len(done),
+        "num_requests": len(run["requests"]),
+        "saturated": run["saturated"],
+        "duration_s": end,
+        "throughput_req_s": len(done) / end if end > 0 else float("nan"),
+        "throughput_tok_s": out_tokens / end if end > 0 else float("nan"),
+        "normalized_latency_s": float(np.mean(norm)) if norm else float("nan"),
+        "ttft_s": {"mean": float(np.mean(ttft)) if ttft else float("nan"),
+                   **{f"p{q}": _pct(ttft, q) for q in (50, 90, 99)}},
+        "itl_s": {"mean": float(itl.mean()) if itl.size else float("nan"),
+                  **{f"p{q}": _pct(itl, q) for q in (50, 90, 99)}},
+        "kv_allocated_mean": float(u[:, 1].mean()) if len(u) else 0.0,
+        "kv_live_mean": float(u[:, 2].mean()) if len(u) else 0.0,
+        "kv_waste_mean": float((u[:, 1] - u[:, 2]).mean()) if len(u) else 0.0,
+        "steps": run["steps"],
+        "compiles": run["compiles"],
+    }  # fmt: skip
+
+
+def sustainable_rate(points: list[dict], slo: float) -> float:
+    """Highest swept rate with every request finished and normalised latency <= ``slo``."""
+    ok = [p["rate"] for p in points
+          if not p["saturated"] and p["normalized_latency_s"] <= slo]  # fmt: skip
+    return max(ok, default=0.0)
+
+
+def _downsample(series: list, n: int = 400) -> list:
+    if len(series) <= n:
+        return series
+    idx = np.linspace(0, len(series) - 1, n).astype(int)
+    return [series[i] for i in idx]
+
+
+def _warm_up(system, trace, prompts) -> None:
+    """Compiles what a run will need: the trace's prompts as one burst, then one at a time.
+
+    Output lengths are capped (compiled shapes depend on prompt lengths and batch sizes).
+    """
+    short = [dataclasses.replace(r, output_len=min(r.output_len, 32), arrival_s=0.0)
+             for r in trace]  # fmt: skip
+    run_trace(system, short, prompts, progress=False)
+    for i, r in enumerate(short):
+        one = [dataclasses.replace(r, output_len=min(r.output_len, 8))]
+        run_trace(system, one, [prompts[i]], progress=False)
+
+
+def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_tokens: int,
+          page_size: int, max_num_seqs: int, max_num_batched_tokens: int = 2048,
+          num_decode_steps: int = 8, seed: int = 0, max_run_s: float = math.inf,
+          warmup: int = 16, progress: bool = True, on_result=None) -> dict:  # fmt: skip
+    """Every system at every rate (same lengths, fresh Poisson arrivals per rate).
+
+    Returns ``{system: [point, ...]}`` where a point is `summarize`'s dict plus ``rate`` and
+    the KV usage series ``usage`` ([t, allocated, live fractions, seqs], downsampled).
+    """
+    from tqdm.auto import tqdm
+
+    results: dict[str, list[dict]] = {}
+    outer = tqdm(total=len(systems) * len(rates), desc="sweep", unit="run", disable=not progress)
+
+    def build(name):
+        # A fresh system per run (no state carried over); the jitted programs are module-level,
+        # so a rebuilt system reuses what the warm-up compiled.
+        return make_system(name, model, budget_tokens=budget_tokens, spec=spec,
+                           page_size=page_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           num_decode_steps=num_decode_steps)  # fmt: skip
+
+    for name in systems:
+        if warmup:
+            _warm_up(build(name), trace[:warmup], prompts[:warmup])
+        results[name] = []
+        for rate in rates:
+            system = build(name)
+            timed = _workloads.with_arrivals(trace, rate, seed=seed + 1)
+            run = run_trace(system, timed, prompts, progress=progress, max_run_s=max_run_s,
+                            desc=f"{name} @ {rate:g} req/s")  # fmt: skip
+            del system
+            point = {"rate": rate, **summarize(run), "usage": _downsample(run["usage"])}
+            results[name].append(point)
+            outer.update(1)
+            outer.write(_row(name, point))
+            if on_result is not None:
+                on_result(results)
+    outer.close()
+    return results
+
+
+HEADER = (f"{'system':<12} {'rate':>6} {'done':>9} {'req/s':>7} {'tok/s':>8} {'norm lat':>9} "
+          f"{'ttft p50':>9} {'itl p50':>8} {'itl p99':>8} {'kv live':>7} {'kv waste':>8} "
+          f"{'comp':>4}")  # fmt: skip
+
+
+def _row(name: str, p: dict) -> str:
+    return (
+        f"{name:<12} {p['rate']:>6g} {p['num_finished']:>4}/{p['num_requests']:<4} "
+        f"{p['throughput_req_s']:>7.2f} {p['throughput_tok_s']:>8.1f} "
+        f"{p['normalized_latency_s'] * 1e3:>7.2f}ms {p['ttft_s']['p50'] * 1e3:>7.1f}ms "
+        f"{p['itl_s']['p50'] * 1e3:>6.2f}ms {p['itl_s']['p99'] * 1e3:>6.2f}ms "
+        f"{p['kv_live_mean']:>7.1%} {p['kv_waste_mean']:>8.1%} {p['compiles']:>4}"
+    )
+
+
+def environment() -> dict:
+    """Device, JAX version, date: recorded beside every figure."""
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
+def load_model(spec: ModelSpec, seed: int = 0):
+    return models.init_random(spec.config, seed=seed, dtype=spec.dtype)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", choices=("tiny", "llama-1b", "llama-8b"))
+    ap.add_argument("--dataset", default="sharegpt", choices=sorted(_workloads.DISTRIBUTIONS))
+    ap.add_argument("--trace", help="JSON trace (overrides --dataset/--num-requests)")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--rates", help="comma-separated request rates (req/s); 'inf' allowed")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV budget in token slots")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=None, help="longest request (tokens)")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--decode-steps", type=int, default=8, help="jpaged num_decode_steps")
+    ap.add_argument("--slo", type=float, default=None, help="normalised latency bound (s/tok)")
+    ap.add_argument("--max-run-s", type=float, default=600.0, help="cap per run (saturated)")
+    ap.add_argument("--warmup", type=int, default=16, help="requests of the warm-up burst")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="few requests and rates")
+    ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    spec = model_spec(args.model)
+    if args.max_len:
+        spec = dataclasses.replace(spec, max_len=args.max_len)
+    num = args.num_requests or (24 if args.quick else 200)
+    if args.trace:
+        trace = _workloads.read_trace(args.trace)
+    else:
+        trace = _workloads.make_trace(args.dataset, num, seed=args.seed, max_len=spec.max_len,
+                                      scale=spec.length_scale[args.dataset])  # fmt: skip
+    rates = spec.rates if args.rates is None else tuple(float(r) for r in args.rates.split(","))
+    if args.quick and args.rates is None:
+        rates = rates[:: max(1, len(rates) // 3)][:3]
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: {s!r} must be one of {SYSTEMS}")
+    kv_tokens = args.kv_tokens or spec.kv_tokens
+    kv_tokens -= kv_tokens % args.page_size
+    max_num_seqs = args.max_num_seqs or spec.max_num_seqs
+    model = load_model(spec, args.seed)
+    prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
+    tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
+    out = pathlib.Path(args.out) if args.out else RESULTS / f"serving_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "env": environment(),
+        "model": args.model,
+        "workload": {"dataset": None if args.trace else args.dataset, "trace": args.trace,
+                     **_workloads.summary(trace)},
+        "kv_budget_tokens": kv_tokens,
+        "page_size": args.page_size,
+        "max_len": spec.max_len,
+        "max_num_seqs": max_num_seqs,
+        "rates": list(rates),
+    }  # fmt: skip
+
+    def save(results):
+        doc["results"] = results
+        doc["summary"] = _sustainable(results, args.slo)
+        out.write_text(json.dumps(doc, indent=1, default=float))
+
+    print(f"{doc['env']['device']} jax {jax.__version__}: {args.model}, {len(trace)} requests,"
+          f" KV budget {kv_tokens} tokens, page {args.page_size}")  # fmt: skip
+    print(HEADER)
+    results = sweep(model, spec, trace, prompts, systems=systems, rates=rates,
+                    budget_tokens=kv_tokens, page_size=args.page_size,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    num_decode_steps=args.decode_steps, seed=args.seed,
+                    max_run_s=args.max_run_s, warmup=args.warmup,
+                    progress=not args.no_progress, on_result=save)  # fmt: skip
+    save(results)
+    print(json.dumps(doc["summary"], indent=1))
+    print(f"wrote {out}")
+    if args.plot:
+        import _plots
+
+        for path in _plots.serving_plots(doc, out.with_suffix("")):
+            print(f"wrote {path}")
+    return doc
+
+
+def _sustainable(results: dict, slo: float | None) -> dict:
+    lowest = [pts[0]["normalized_latency_s"] for pts in results.values() if pts]
+    lowest = [x for x in lowest if np.isfinite(x)]
+    if slo is None:
+        slo = 5 * min(lowest) if lowest else float("nan")
+    rates = {name: sustainable_rate(pts, slo) for name, pts in results.items()}
+    base = rates.get("jpaged", 0.0)
+    ratios = {f"jpaged_over_{n}": (base / r if r else None) for n, r in rates.items()
+              if n != "jpaged"}  # fmt: skip
+    return {"slo_s_per_token": slo, "sustainable_rate": rates, **ratios}
+
+
+if __name__ == "__main__":
+    main()

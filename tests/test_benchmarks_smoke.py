@@ -1,0 +1,215 @@
+"""Smoke tests of the serving and memory benchmarks (tiny model, a handful of requests, CPU).
+
+They check that the harness runs end to end and that what it measures is sane: the
+contiguous baselines generate exactly jpaged's greedy tokens (same model, same math), every
+request gets its enforced output length, jpaged's KV waste stays under one page per sequence
+while the contiguous caches waste more, and sharing and prefix caching save pages. Nothing
+here times anything. One shape configuration (``serving.model_spec("tiny")``, page 16) is
+used throughout, so the jitted programs compile once for the file.
+"""
+
+import functools
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import _baselines
+import _workloads
+import memory
+import serving
+
+C = 16
+SPEC = serving.model_spec("tiny")
+KV = 16 * 64  # 2 sequences of max_len for static / Orca-Max: the pool is the bottleneck
+MAX_LEN = 64
+SPEC = serving.ModelSpec(SPEC.config, SPEC.dtype, MAX_LEN, SPEC.length_scale, KV, 8, (50.0,))
+
+
+@functools.cache
+def _model():
+    return serving.load_model(SPEC)
+
+
+def _trace(lengths, rate=math.inf, seed=0):
+    trace = [_workloads.RequestSpec(p, o) for p, o in lengths]
+    return _workloads.with_arrivals(trace, rate, seed=seed)
+
+
+# Prompt lengths 1, C-1, C, C+1 and long; outputs cross page boundaries.
+LENGTHS = [(1, 9), (C - 1, 3), (C, 17), (C + 1, 1), (40, 20)]
+
+
+def _system(name, **kw):
+    return serving.make_system(name, _model(), budget_tokens=KV, spec=SPEC, page_size=C,
+                               max_num_seqs=8, **kw)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def test_workloads_are_seeded_and_match_their_documented_means():
+    a = _workloads.sample_lengths("sharegpt", 20000, seed=1, max_len=1 << 30)
+    assert a == _workloads.sample_lengths("sharegpt", 20000, seed=1, max_len=1 << 30)
+    for name in ("sharegpt", "alpaca"):
+        pairs = _workloads.sample_lengths(name, 20000, seed=2, max_len=1 << 30)
+        d = _workloads.DISTRIBUTIONS[name]
+        pm, om = np.mean([x for x, _ in pairs]), np.mean([y for _, y in pairs])
+        assert abs(pm / d.prompt_mean - 1) < 0.06 and abs(om / d.output_mean - 1) < 0.06, name
+    clipped = _workloads.sample_lengths("sharegpt", 500, seed=3, max_len=256)
+    assert all(p >= 1 and o >= 1 and p + o <= 256 for p, o in clipped)
+    gaps = np.diff(_workloads.poisson_arrivals(20000, 4.0, seed=0))
+    assert abs(gaps.mean() * 4.0 - 1) < 0.05 and (gaps >= 0).all()
+    assert not _workloads.poisson_arrivals(5, math.inf).any()
+
+
+def test_trace_json_roundtrip_and_bad_input(tmp_path):
+    trace = _workloads.make_trace("alpaca", 7, rate=3.0, seed=5)
+    path = tmp_path / "t.json"
+    _workloads.write_trace(path, trace, {"note": "x"})
+    assert _workloads.read_trace(path) == trace
+    path.write_text(json.dumps([{"prompt_len": 3}]))
+    with pytest.raises(ValueError, match="output_len"):
+        _workloads.read_trace(path)
+    with pytest.raises(ValueError, match="name="):
+        _workloads.sample_lengths("nope", 3)
+    with pytest.raises(ValueError, match="rate="):
+        _workloads.poisson_arrivals(3, 0.0)
+    with pytest.raises(ValueError, match="policy="):
+        _baselines.Orca(_model(), policy="pow3", budget_tokens=KV, max_len=MAX_LEN)
+
+
+# ------------------------------------------------------------------------------ baselines
+
+
+@functools.cache
+def _jpaged_greedy():
+    system = _system("jpaged")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, p).tolist() for p, _ in LENGTHS]
+    run = serving.run_trace(system, _trace(LENGTHS), prompts, progress=False)
+    assert not run["saturated"]
+    return prompts, {i: out[0] for i, out in system.outputs.items()}
+
+
+@pytest.mark.parametrize("name", ["static", "orca-max", "orca-pow2", "orca-oracle"])
+def test_baselines_generate_jpaged_greedy_tokens_within_budget(name):
+    prompts, want = _jpaged_greedy()
+    system = _system(name)
+    for i, (p, (_, o)) in enumerate(zip(prompts, LENGTHS, strict=True)):
+        system.add(i, p, o)
+    while system.has_work():
+        system.step()
+        u = system.kv_usage()
+        assert u.live_tokens <= u.allocated_slots <= u.pool_slots == KV
+    assert system.outputs == want
+    assert [len(system.outputs[i]) for i in range(len(LENGTHS))] == [o for _, o in LENGTHS]
+
+
+# ------------------------------------------------------------------------------ harness
+
+
+def test_serving_harness_end_to_end_gives_sane_metrics():
+    rng = np.random.default_rng(1)
+    lengths = [(int(p), int(o)) for p, o in zip(rng.integers(1, 40, 6), rng.integers(1, 20, 6),
+                                                strict=True)]  # fmt: skip
+    trace = _trace(lengths, rate=200.0, seed=3)
+    prompts = _workloads.prompt_tokens(trace, 256, seed=0)
+    points = []
+    for name in ("jpaged", "orca-max"):
+        run = serving.run_trace(_system(name), trace, prompts, progress=False,
+                                sample_every_s=0.0)  # fmt: skip
+        for r, spec in zip(run["requests"], trace, strict=True):
+            assert r["finished"] and len(r["token_times"]) == spec.output_len
+            assert r["token_times"][0] >= r["arrival_s"]
+            assert r["token_times"] == sorted(r["token_times"])
+        u = np.asarray(run["usage"])
+        assert ((u[:, 2] >= 0) & (u[:, 2] <= u[:, 1]) & (u[:, 1] <= 1)).all()
+        if name == "jpaged":  # paged: at most the unused tail of one page per sequence
+            assert ((u[:, 1] - u[:, 2]) * KV <= u[:, 3] * (C - 1) + 1e-9).all()
+        s = serving.summarize(run)
+        assert s["num_finished"] == 6 and not s["saturated"]
+        assert s["throughput_tok_s"] == pytest.approx(sum(o for _, o in lengths) / s["duration_s"])
+        assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"]
+        assert s["normalized_latency_s"] > 0 and s["itl_s"]["p50"] >= 0
+        points.append({"rate": 200.0, **s})
+    assert serving.sustainable_rate(points, slo=math.inf) == 200.0
+    assert serving.sustainable_rate([{**points[0], "saturated": True}], slo=math.inf) == 0.0
+
+
+def test_serving_main_writes_json(tmp_path):
+    out = tmp_path / "s.json"
+    doc = serving.main(["--num-requests", "3", "--rates", "100", "--systems", "jpaged,static",
+                        "--warmup", "0", "--no-progress", "--out", str(out),
+                        "--kv-tokens", str(KV), "--max-len", str(MAX_LEN),
+                        "--max-num-seqs", "8"])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["env"]["jax"] and saved["kv_budget_tokens"] == KV
+    for name in ("jpaged", "static"):
+        (p,) = saved["results"][name]
+        assert p["num_finished"] == 3 and p["throughput_req_s"] > 0
+    assert doc["summary"]["sustainable_rate"].keys() == {"jpaged", "static"}
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def test_waste_jpaged_under_one_page_per_sequence_contiguous_more():
+    rng = np.random.default_rng(2)
+    trace = _trace([(int(p), int(o)) for p, o in zip(rng.integers(1, 30, 8),
+                                                     rng.integers(5, 30, 8), strict=True)])  # fmt: skip
+    prompts = _workloads.prompt_tokens(trace, 256, seed=1)
+    w = memory.measure_waste(_model(), SPEC, trace, prompts, systems=("jpaged", "orca-max"),
+                             budget_tokens=KV, page_size=C, max_num_seqs=8,
+                             progress=False)  # fmt: skip
+    assert w["jpaged"]["all_finished"] and w["orca-max"]["all_finished"]
+    assert w["jpaged"]["waste_slots_per_seq_max"] <= C - 1
+    assert w["orca-max"]["waste_mean"] > 2 * w["jpaged"]["waste_mean"]
+    assert w["orca-max"]["live_of_allocated_mean"] < w["jpaged"]["live_of_allocated_mean"]
+
+
+@pytest.mark.parametrize("kind", ["n", "beam"])
+def test_sharing_saves_pages(kind):
+    trace = _trace([(2 * C + 3, 12), (C + 5, 20)])
+    prompts = _workloads.prompt_tokens(trace, 256, seed=2)
+    r = memory.measure_sharing(_model(), SPEC, trace, prompts, kind=kind, width=4,
+                               budget_tokens=KV, page_size=C, max_num_seqs=8,
+                               progress=False)  # fmt: skip
+    assert 0 < r["savings"] < 1
+    assert r["pages_used_step_sum"] < r["pages_unshared_step_sum"]
+    assert r["page_map"]["shared_pages"] >= 2  # both prompts' full pages are shared
+
+
+def test_prefix_caching_skips_the_shared_prompt():
+    trace = _trace([(3, 4), (5, 2), (1, 3), (C + 1, 2)])
+    prompts = _workloads.prompt_tokens(trace, 256, seed=3)
+    p = memory.measure_prefix(_model(), SPEC, trace, prompts, prefix_len=2 * C,
+                              budget_tokens=KV, page_size=C, max_num_seqs=8,
+                              progress=False)  # fmt: skip
+    assert p["on"]["shared_prefix_hit_fraction"] == 1.0
+    assert p["off"]["shared_prefix_hit_fraction"] == 0.0
+    assert p["off"]["prefill_tokens_computed"] == p["off"]["prompt_tokens"]
+    assert p["on"]["prefill_tokens_computed"] == p["on"]["prompt_tokens"] - 3 * 2 * C
+    assert p["prefill_saved_fraction"] > 0.5
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    import _plots
+
+    point = {"rate": 1.0, "normalized_latency_s": 0.01, "saturated": False,
+             "usage": [[0.0, 0.5, 0.4, 2], [0.1, 0.6, 0.55, 3]]}  # fmt: skip
+    doc = {"model": "tiny", "env": {}, "workload": {"dataset": "alpaca"},
+           "results": {"jpaged": [point, {**point, "rate": 2.0, "saturated": True}]},
+           "summary": {"slo_s_per_token": 0.05},
+           "sharing": [{"kind": "beam", "width": 2, "page_map": {
+               "num_pages": 10, "owners": {"0": [0, 1], "3": [1]}}}]}  # fmt: skip
+    paths = _plots.serving_plots(doc, tmp_path / "s") + _plots.memory_plots(doc, tmp_path / "m")
+    assert len(paths) == 3
+    for path in paths:
+        assert path.read_bytes()[:4] == b"\x89PNG"
