@@ -409,7 +409,8 @@ class LLM:
             return f"{req.fan_out} sequences exceed max_num_seqs={self.max_num_seqs}"
         C = self.page_size
         gen = min(req.params.max_tokens, self.max_model_len - n)
-        need = math.ceil(n / C) + req.fan_out * (math.ceil(gen / C) + 1)
+        # Full prompt pages are shared; each sequence owns the rest of its pages.
+        need = n // C + req.fan_out * (math.ceil((n + gen) / C) - n // C)
         usable = self.alloc.num_pages - self.alloc.watermark_pages
         if need > usable:
             return (
@@ -526,7 +527,12 @@ class LLM:
 
     def _swap_in(self, req: Request) -> None:
         ids = self._group_ids(req)
-        if not self.alloc.can_swap_in(ids):
+        pages = req.swapped["bytes"] // self.cache.bytes_per_page
+        running = self.scheduler.running
+        # Headroom of one page per sequence that will run, so the next decode step does not
+        # preempt it right back (swap ping-pong when the pool is nearly full).
+        headroom = sum(len(r.live_seqs()) for r in running) + len(ids) if running else 0
+        if not self.alloc.can_swap_in(ids) or self.alloc.num_free_pages - pages < headroom:
             raise OutOfPagesError(f"swap_in of request {req.request_id!r} does not fit yet")
         pairs = self.alloc.swap_in(ids)
         if pairs:

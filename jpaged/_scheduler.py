@@ -24,6 +24,7 @@ device immediately, so they are ordered before any later use of the pages.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
@@ -312,19 +313,34 @@ class Scheduler:
         return out
 
     def _plan(self, req: Request, budget: int, seq_room: int) -> list[Scheduled] | None:
+        """This step's tokens for the request's live sequences (None: nothing fits now)."""
         seqs = req.live_seqs()
         if len(seqs) > seq_room:
             return None
+        if req.is_beam and req.forked:
+            return self._plan_beams(req, seqs, budget)
         plan = []
         for seq in seqs:
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if num_new <= 0:
-                return plan if plan else None
-            if req.is_beam and num_new < seq.num_tokens - seq.num_computed and req.forked:
-                return None  # beams advance together: all of a beam group or none of it
+                break
             plan.append(Scheduled(seq, req, num_new))
             budget -= num_new
-        return plan
+        return plan or None
+
+    def _plan_beams(self, req: Request, seqs: list[Sequence], budget: int):
+        """Beams sample together: each beam first computes all but its last token (in chunks
+        after a recompute), then all beams run their last token in one step."""
+        remaining = [s.num_tokens - s.num_computed for s in seqs]
+        if all(r == 1 for r in remaining):
+            return [Scheduled(s, req, 1) for s in seqs] if len(seqs) <= budget else None
+        plan = []
+        for seq, r in zip(seqs, remaining, strict=True):
+            num_new = min(r - 1, budget)
+            if num_new > 0:
+                plan.append(Scheduled(seq, req, num_new))
+                budget -= num_new
+        return plan or None
 
     def _grow(self, req: Request, plan: list[Scheduled]) -> bool:
         """Gives each planned sequence slots for its new tokens; all or nothing."""
@@ -372,7 +388,9 @@ class Scheduler:
                     return
             self.waiting.popleft()
             req.status = Status.RUNNING
-            self.running.append(req)
+            # Oldest first, by arrival: a re-admitted request regains its place, so the
+            # youngest (by arrival) is always the next victim.
+            bisect.insort_right(self.running, req, key=lambda r: r.arrival)
             plan = self._plan(req, budget, seq_room)
             if plan is None or not self._grow(req, plan):
                 continue  # admitted; it gets its tokens next step
@@ -382,19 +400,21 @@ class Scheduler:
             out.num_tokens += used
 
     def _allocate_fresh(self, req: Request, budget: int) -> bool:
-        """Registers the request's sequences in the allocator (prefix hits attached)."""
+        """Registers the request's sequences in the allocator (prefix hits attached), keeping
+        the watermark free."""
         seqs = req.live_seqs()
-        C = self.alloc.page_size
-        needed = sum(-(-s.num_tokens // C) for s in seqs)
-        if len(seqs) == 1:
-            if not self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
-                                           salt=req.salt):  # fmt: skip
-                return False
-        elif needed > self.alloc.num_free_pages - self.alloc.watermark_pages:
+        if len(seqs) == 1 and not self.alloc.can_allocate(
+            seqs[0].num_tokens, token_ids=seqs[0].tokens, salt=req.salt
+        ):
             return False
         try:
             self._on_admit(req)  # creates the sequences (all or nothing)
         except OutOfPagesError:
+            return False
+        if self.alloc.num_free_pages < self.alloc.watermark_pages and self.running:
+            for s in seqs:  # a group (recomputed n > 1 or beams) that eats the watermark
+                self.alloc.free(s.seq_id)
+                s.num_computed = 0
             return False
         return True
 

@@ -122,11 +122,11 @@ def test_no_recompiles_after_warmup():
 
 
 def test_bad_requests_fail_alone_and_others_are_served():
-    llm = make_llm()
+    llm = make_llm(watermark=0.5)  # 32 of the 64 pages usable by one request
     good = random_prompts(5, (6,))[0]
     greedy = jpaged.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [[], good, list(range(3, 67)), [5, 400], random_prompts(6, (10,))[0]]
-    too_many = jpaged.SamplingParams(max_tokens=50, n=8)  # 8 x 50 tokens > 64 pages of 8
+    too_many = jpaged.SamplingParams(max_tokens=50, n=8)  # 8 x 50 tokens > 32 pages of 8
     params = [greedy, greedy, greedy, greedy, too_many]
     outs = llm.generate(prompts, params)
     errors = [o.error for o in outs]
@@ -169,3 +169,25 @@ def test_stream_yields_growing_outputs():
         seen.append(list(out.outputs[0].token_ids))
     assert [len(s) for s in seen] == [1, 2, 3, 4]
     assert seen[-1] == dense_greedy(prompt, 4)
+
+
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_stop_tokens_and_min_tokens(num_decode_steps):
+    prompt = random_prompts(9, (11,))[0]
+    full = dense_greedy(prompt, 16)
+    # A token whose first occurrence is at index k >= 2.
+    k = next(i for i in range(2, 16) if full[i] not in full[:i])
+    stop = full[k]
+    llm = make_llm(num_decode_steps=num_decode_steps)
+    out = llm.generate([prompt], jpaged.SamplingParams(max_tokens=16, temperature=0.0,
+                                                       stop_token_ids=[stop]))[0]  # fmt: skip
+    assert out.outputs[0].token_ids == full[: k + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    # With min_tokens past k, the first occurrence does not stop generation.
+    sp = jpaged.SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop],
+                               min_tokens=k + 2)  # fmt: skip
+    out = llm.generate([prompt], sp)[0]
+    later = [i for i in range(k + 1, 16) if full[i] == stop]
+    end = later[0] + 1 if later else 16
+    assert out.outputs[0].token_ids == full[:end]
+    assert out.outputs[0].finish_reason == ("stop" if later else "length")

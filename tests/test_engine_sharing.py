@@ -132,3 +132,28 @@ def test_beam_search_matches_transformers(name):
     assert peak["pages_shared"] >= 2  # the prompt's pages are shared by the beams
     assert llm.stats()["cow_copies"] > 0
     assert llm.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_under_preemption_still_matches_transformers(mode):
+    with open("tests/goldens/llama2.json") as f:
+        gold = json.load(f)["beam_search"]
+    others = random_prompts(3, (5, 6))
+    greedy = jpaged.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = make_llm().generate(others, greedy)
+    # 10 pages of 8: the beam group (2 shared prompt pages + 2 per beam) and two 45-token
+    # sequences cannot all fit, so the beams or the others are preempted mid-search.
+    llm = make_llm(num_pages=10, watermark=0.0, preemption_mode=mode,
+                   eos_token_id=gold["eos_token_id"])  # fmt: skip
+    a = llm.add_request(others[0], greedy)
+    beam = llm.add_request(
+        gold["prompt_ids"],
+        jpaged.BeamSearchParams(beam_width=4, max_tokens=12, early_stopping=True),
+    )
+    b = llm.add_request(others[1], greedy)
+    run_tracking(llm, [a, beam, b])
+    assert [c.token_ids for c in llm.get_output(beam).outputs] == gold["sequences"]
+    assert llm.get_output(a).outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.get_output(b).outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert llm.stats()[f"preemptions_{mode}"] >= 1
+    assert llm.stats()["pages_used"] == 0
