@@ -63,6 +63,7 @@ class ModelSpec:
     kv_tokens: int  # default KV budget in token slots
     max_num_seqs: int
     rates: tuple[float, ...]
+    quick_rates: tuple[float, ...]
 
 
 _FULL = {"sharegpt": 1.0, "alpaca": 1.0}
@@ -75,15 +76,15 @@ def model_spec(name: str) -> ModelSpec:
         # 8 sequences of max_len fit the pool, as in the paper's regime (below).
         return ModelSpec(models.tiny(), jnp.float32 if on_cpu else jnp.bfloat16, 512,
                          {"sharegpt": 0.25, "alpaca": 1.0}, 8 * 512, 32,
-                         (4.0, 16.0, 64.0))  # fmt: skip
+                         (4.0, 16.0, 64.0), (4.0, 64.0))  # fmt: skip
     # The paper's regime: the KV pool, not compute, limits the batch (OPT-13B on an A100-40GB
     # held about 7.5 sequences of 2048 tokens; here 16).
     if name == "llama-1b":
         return ModelSpec(models.llama3_2_1b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 256,
-                         (2.0, 4.0, 8.0, 16.0, 32.0))  # fmt: skip
+                         (2.0, 4.0, 8.0, 16.0, 32.0), (2.0, 8.0, 24.0))  # fmt: skip
     if name == "llama-8b":
         return ModelSpec(models.llama3_8b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 256,
-                         (1.0, 2.0, 4.0, 8.0, 12.0))  # fmt: skip
+                         (1.0, 2.0, 4.0, 8.0, 12.0), (1.0, 3.0, 8.0))  # fmt: skip
     raise ValueError(f"model={name!r} must be one of tiny, llama-1b, llama-8b")
 
 
@@ -392,12 +393,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--decode-steps", type=int, default=8, help="jpaged num_decode_steps")
     ap.add_argument("--slo", type=float, default=None, help="normalised latency bound (s/tok)")
-    ap.add_argument("--max-run-s", type=float, default=600.0, help="cap per run (saturated)")
+    ap.add_argument(
+        "--max-run-s",
+        type=float,
+        default=None,
+        help="cap per run, then 'saturated' (default 600 s, --quick 90 s)",
+    )
     ap.add_argument("--warmup", type=int, default=16, help="requests of the warm-up burst")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="few requests and rates")
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other systems' results already in --out (same settings)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -412,7 +423,7 @@ def main(argv=None) -> dict:
                                       scale=spec.length_scale[args.dataset])  # fmt: skip
     rates = spec.rates if args.rates is None else tuple(float(r) for r in args.rates.split(","))
     if args.quick and args.rates is None:
-        rates = rates[:: max(1, len(rates) // 3)][:3]
+        rates = spec.quick_rates
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -420,6 +431,7 @@ def main(argv=None) -> dict:
     kv_tokens = args.kv_tokens or spec.kv_tokens
     kv_tokens -= kv_tokens % args.page_size
     max_num_seqs = args.max_num_seqs or spec.max_num_seqs
+    max_run_s = args.max_run_s or (90.0 if args.quick else 600.0)
     model = load_model(spec, args.seed)
     prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
     tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
@@ -437,9 +449,11 @@ def main(argv=None) -> dict:
         "rates": list(rates),
     }  # fmt: skip
 
+    kept = _kept_results(out, doc, systems) if args.merge else {}
+
     def save(results):
-        doc["results"] = results
-        doc["summary"] = _sustainable(results, args.slo)
+        doc["results"] = {**kept, **results}
+        doc["summary"] = _sustainable(doc["results"], args.slo)
         out.write_text(json.dumps(doc, indent=1, default=float))
 
     print(f"{doc['env']['device']} jax {jax.__version__}: {args.model}, {len(trace)} requests,"
@@ -450,9 +464,13 @@ def main(argv=None) -> dict:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     num_decode_steps=args.decode_steps, seed=args.seed,
-                    max_run_s=args.max_run_s, warmup=args.warmup,
+                    max_run_s=max_run_s, warmup=args.warmup,
                     progress=not args.no_progress, on_result=save)  # fmt: skip
     save(results)
+    for name, points in doc["results"].items():
+        if name not in results:
+            for p in points:
+                print(_row(name, p) + "  (from --out)")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}")
     if args.plot:
@@ -461,6 +479,20 @@ def main(argv=None) -> dict:
         for path in _plots.serving_plots(doc, out.with_suffix("")):
             print(f"wrote {path}")
     return doc
+
+
+def _kept_results(out: pathlib.Path, doc: dict, systems: list[str]) -> dict:
+    """Results of other systems in an earlier ``out`` with the same settings (``--merge``)."""
+    if not out.exists():
+        return {}
+    old = json.loads(out.read_text())
+    keys = ("model", "workload", "kv_budget_tokens", "page_size", "max_len", "max_num_seqs",
+            "rates")  # fmt: skip
+    diff = [k for k in keys if old.get(k) != doc[k]]
+    if diff:
+        raise ValueError(f"--merge: {out} was measured with other settings ({diff}); "
+                         "pass another --out")  # fmt: skip
+    return {k: v for k, v in old.get("results", {}).items() if k not in systems}
 
 
 def _sustainable(results: dict, slo: float | None) -> dict:

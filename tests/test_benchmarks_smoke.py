@@ -28,7 +28,9 @@ C = 16
 SPEC = serving.model_spec("tiny")
 KV = 16 * 64  # 2 sequences of max_len for static / Orca-Max: the pool is the bottleneck
 MAX_LEN = 64
-SPEC = serving.ModelSpec(SPEC.config, SPEC.dtype, MAX_LEN, SPEC.length_scale, KV, 8, (50.0,))
+SPEC = serving.ModelSpec(
+    SPEC.config, SPEC.dtype, MAX_LEN, SPEC.length_scale, KV, 8, (50.0,), (50.0,)
+)
 
 
 @functools.cache
@@ -142,18 +144,31 @@ def test_serving_harness_end_to_end_gives_sane_metrics():
     assert serving.sustainable_rate([{**points[0], "saturated": True}], slo=math.inf) == 0.0
 
 
-def test_serving_main_writes_json(tmp_path):
+def test_serving_main_writes_json_and_merges(tmp_path):
     out = tmp_path / "s.json"
-    doc = serving.main(["--num-requests", "3", "--rates", "100", "--systems", "jpaged,static",
-                        "--warmup", "0", "--no-progress", "--out", str(out),
-                        "--kv-tokens", str(KV), "--max-len", str(MAX_LEN),
-                        "--max-num-seqs", "8"])  # fmt: skip
+    common = ["--num-requests", "3", "--rates", "100", "--warmup", "0", "--no-progress",
+              "--out", str(out), "--kv-tokens", str(KV), "--max-len", str(MAX_LEN),
+              "--max-num-seqs", "8"]  # fmt: skip
+    serving.main(["--systems", "jpaged", *common])
+    doc = serving.main(["--systems", "static", "--merge", *common])
     saved = json.loads(out.read_text())
     assert saved["env"]["jax"] and saved["kv_budget_tokens"] == KV
     for name in ("jpaged", "static"):
         (p,) = saved["results"][name]
         assert p["num_finished"] == 3 and p["throughput_req_s"] > 0
     assert doc["summary"]["sustainable_rate"].keys() == {"jpaged", "static"}
+    with pytest.raises(ValueError, match="other settings"):
+        serving.main(["--systems", "static", "--merge", *common, "--page-size", "8"])
+
+
+def test_doctests():
+    import doctest
+
+    import _plots
+
+    for mod in (_workloads, _baselines, _plots):
+        failed, _ = doctest.testmod(mod)
+        assert failed == 0, mod.__name__
 
 
 # ------------------------------------------------------------------------------ memory
