@@ -18,6 +18,11 @@ latency measured at the lowest rate) with every request finished.
     python benchmarks/serving.py --quick                      # tiny model, CPU-sized
     python benchmarks/serving.py --model llama-8b --quick     # the H200 run (see BUILD.md)
     python benchmarks/serving.py --model llama-8b --dataset sharegpt --rates 1,2,4,8,16
+    python benchmarks/serving.py --model llama-8b --profile-decode 64,128,256  # host time, MBU
+
+``--profile-decode`` (`profile_decode`) replaces the sweep: for each batch size it times
+jpaged's decode device calls against the whole ``LLM.step`` (host scheduling time) and
+reports MBU, (weight + live K/V bytes) per step / step time over the measured HBM roofline.
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/``); ``--plot``
 also writes PNGs (matplotlib, the ``plot`` extra).
@@ -362,6 +367,118 @@ def _row(name: str, p: dict) -> str:
     )
 
 
+class DeviceTimer:
+    """Wraps an engine's ``Runner`` so each device call is timed to completion.
+
+    The engine reads the sampled tokens right after each call anyway, so blocking inside the
+    wrapper moves no work; the rest of ``LLM.step`` is host time (scheduling, allocator,
+    batch building, bookkeeping).
+    """
+
+    def __init__(self, runner):
+        self.calls: list[dict] = []
+        for name in ("step", "decode_loop"):
+            setattr(runner, name, self._wrap(getattr(runner, name), name))
+
+    def _wrap(self, fn, name):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            steps = int(out[3]) if name == "decode_loop" else 1
+            decode = name == "decode_loop" or kwargs.get("decode", False)
+            self.calls.append({"device_s": time.perf_counter() - t0, "steps": steps,
+                               "decode": bool(decode)})  # fmt: skip
+            return out
+
+        return timed
+
+
+def _weight_bytes(model) -> int:
+    """Parameter bytes a decode step reads (the embedding table only when tied)."""
+    cfg = model.config
+    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    total = 0
+    for name, shape in models.param_shapes(cfg).items():
+        if name == "embed_VD" and not cfg.tie_word_embeddings:
+            continue  # a gather of B rows
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page_size: int,
+                   num_decode_steps: int = 8, roofline_bytes: int = 4 << 30,
+                   progress: bool = True) -> dict:  # fmt: skip
+    """Host scheduling time and memory-bandwidth utilisation of jpaged's decode, per batch size.
+
+    For each B: B requests of ``prompt_len`` prompt tokens and ``output_len`` outputs arrive
+    at once; the calls in which all B sequences decode are kept, from a second pass (the
+    first compiles). Per device call: host time = ``LLM.step`` wall time - device call time.
+    MBU = (weight bytes + live K/V bytes read) per decode step / device time per step, over
+    the HBM read roofline measured in the same process (``_timing.read_roofline_tbs``).
+    """
+    import _timing
+    from tqdm.auto import tqdm
+
+    roof_tbs, _ = _timing.read_roofline_tbs(roofline_bytes)
+    cfg = model.config
+    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    weights = _weight_bytes(model)
+    rows = []
+    for B in tqdm(batch_sizes, desc="decode profile", disable=not progress):
+        need = B * (math.ceil((prompt_len + output_len) / page_size) + 2) * page_size
+        for _ in range(2):  # the first pass compiles
+            system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
+                                  max_len=prompt_len + output_len + 1, max_num_seqs=B,
+                                  num_decode_steps=num_decode_steps,
+                                  max_num_batched_tokens=max(2048, prompt_len))  # fmt: skip
+            llm = system.llm
+            timer = DeviceTimer(llm.runner)
+            rng = np.random.default_rng(B)
+            for i in range(B):
+                system.add(i, rng.integers(0, cfg.vocab_size, prompt_len).tolist(), output_len)
+            samples = []
+            while system.has_work():
+                decoding = not llm.scheduler.waiting
+                live = llm.alloc.stats().logical_tokens if decoding else 0
+                running = len(llm.scheduler.running)
+                n_calls = len(timer.calls)
+                t0 = time.perf_counter()
+                system.step()
+                wall = time.perf_counter() - t0
+                calls = timer.calls[n_calls:]
+                if decoding and len(calls) == 1 and calls[0]["decode"]:
+                    samples.append({**calls[0], "wall_s": wall, "live_tokens": live,
+                                    "running": running})  # fmt: skip
+            del system, llm
+        full = [s for s in samples if s["running"] == B] or samples
+        dev = np.asarray([s["device_s"] for s in full])
+        steps = np.asarray([s["steps"] for s in full])
+        host = np.asarray([s["wall_s"] - s["device_s"] for s in full])
+        kv = np.asarray([s["live_tokens"] for s in full]) * kv_per_token
+        per_step = dev / steps
+        # Live K/V grows by B tokens per step inside a k-step call: B * (k - 1) / 2 on average.
+        read = weights + kv + B * (steps - 1) / 2 * kv_per_token
+        mbu = read / per_step / (roof_tbs * 1e12)
+        row = {
+            "batch": B, "calls": len(full),
+            "device_s_per_call": float(np.median(dev)),
+            "host_s_per_call": float(np.median(host)),
+            "steps_per_call": float(np.median(steps)),
+            "host_fraction": float(np.median(host / (host + dev))),
+            "step_s": float(np.median(per_step)),
+            "mbu": float(np.median(mbu)),
+        }  # fmt: skip
+        rows.append(row)
+        print(f"B={B:>4}: step {row['step_s'] * 1e3:7.3f} ms, host "
+              f"{row['host_s_per_call'] * 1e3:7.3f} ms per call of {row['steps_per_call']:.0f}"
+              f" steps ({row['host_fraction']:.1%} of the call), MBU {row['mbu']:.1%}")  # fmt: skip
+    return {"roofline_tbs": roof_tbs, "weight_bytes": weights,
+            "kv_bytes_per_token": kv_per_token, "prompt_len": prompt_len,
+            "output_len": output_len, "num_decode_steps": num_decode_steps,
+            "rows": rows}  # fmt: skip
+
+
 def environment() -> dict:
     """Device, JAX version, date: recorded beside every figure."""
     dev = jax.devices()[0]
@@ -405,6 +522,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
     ap.add_argument(
+        "--profile-decode",
+        metavar="B,B,...",
+        help="instead of the sweep: host time and MBU of jpaged decode per batch",
+    )
+    ap.add_argument("--profile-lens", default="512,64", help="prompt,output of --profile-decode")
+    ap.add_argument(
         "--merge",
         action="store_true",
         help="keep the other systems' results already in --out (same settings)",
@@ -433,6 +556,8 @@ def main(argv=None) -> dict:
     max_num_seqs = args.max_num_seqs or spec.max_num_seqs
     max_run_s = args.max_run_s or (90.0 if args.quick else 600.0)
     model = load_model(spec, args.seed)
+    if args.profile_decode:
+        return _profile_main(args, model)
     prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
     tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
     out = pathlib.Path(args.out) if args.out else RESULTS / f"serving_{tag}.json"
@@ -478,6 +603,22 @@ def main(argv=None) -> dict:
 
         for path in _plots.serving_plots(doc, out.with_suffix("")):
             print(f"wrote {path}")
+    return doc
+
+
+def _profile_main(args, model) -> dict:
+    p, o = (int(x) for x in args.profile_lens.split(","))
+    batches = [int(b) for b in args.profile_decode.split(",")]
+    on_cpu = jax.default_backend() == "cpu"
+    doc = {"env": environment(), "model": args.model,
+           **profile_decode(model, batch_sizes=batches, prompt_len=p, output_len=o,
+                            page_size=args.page_size, num_decode_steps=args.decode_steps,
+                            roofline_bytes=(64 << 20) if on_cpu else (4 << 30),
+                            progress=not args.no_progress)}  # fmt: skip
+    out = pathlib.Path(args.out) if args.out else RESULTS / f"decode_profile_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=float))
+    print(f"wrote {out}")
     return doc
 
 

@@ -228,3 +228,17 @@ def test_plots_write_pngs(tmp_path):
     assert len(paths) == 3
     for path in paths:
         assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_decode_profile_splits_host_and_device_time():
+    p = serving.profile_decode(_model(), batch_sizes=[4], prompt_len=C + 1, output_len=12,
+                               page_size=C, num_decode_steps=4, roofline_bytes=1 << 20,
+                               progress=False)  # fmt: skip
+    (row,) = p["rows"]
+    assert row["calls"] >= 2 and 1 <= row["steps_per_call"] <= 4
+    assert 0 < row["host_fraction"] < 1 and row["device_s_per_call"] > 0
+    assert row["mbu"] > 0 and p["roofline_tbs"] > 0
+    cfg = SPEC.config  # untied: the embedding table is not read by a decode step
+    assert p["weight_bytes"] == 4 * sum(
+        math.prod(s) for n, s in serving.models.param_shapes(cfg).items() if n != "embed_VD"
+    )
