@@ -44,12 +44,15 @@ def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_
     ("N", "C", "extra"),
     [
         (8, 16, {"num_wgs": 1}),  # G = 4: 16 tokens per warpgroup
-        (6, 8, {"sliding_window": 9, "logits_soft_cap": 3.0, "num_wgs": 2}),  # G = 3: pad rows
+        (6, 8, {"sliding_window": 9, "logits_soft_cap": 3.0}),  # G = 3: padded rows
         (2, 128, {"causal": False, "num_layers": 2, "layer": jnp.int32(1)}),  # G = 1, C > T
     ],
     ids=["G4-C16", "G3-C8-window-cap", "G1-C128-noncausal-layer"],
 )
 def test_interpret_matches_oracle(N, C, extra):
+    # One warpgroup only: num_wgs=2 also matched the oracle in the interpreter when run by hand,
+    # but the interpreter runs warpgroups as threads that block in host callbacks and it hung
+    # now and then on a 2-core machine. num_wgs=2 is cross-lowered here and run on the GPU.
     rng = np.random.default_rng(C + N)
     extra = dict(extra)
     L = extra.pop("num_layers", None)

@@ -198,13 +198,23 @@ def _kernel_body(
     def scoped(q_smem2, k_smem, v_smem, p_smem2, q_bar, k_bar, v_bar, c_bar):
         q_smem, p_smem = q_smem2.at[wg], p_smem2.at[wg]
 
-        def issue(step, slot):
-            tile_tok = (t_lo + step) * T
+        def tile_rows(step):
+            """Pool rows of the n_cp page copies of K/V tile ``step`` (clamped to real pages).
+
+            Loaded a whole step ahead of the copies so the block-table reads' latency hides
+            behind the current tile's math.
+            """
+            rows = []
             for j in range(n_cp):
-                tok = tile_tok + j * r
+                tok = (t_lo + step) * T + j * r
                 page = bt_ref[seq, jnp.minimum(tok // C, last_page)]
                 page = jnp.clip(page, 0, cfg.num_pages - 1)
-                row = pl.multiple_of(head_base + page * C + tok % C, 8)
+                rows.append(head_base + page * C + tok % C)
+            return rows
+
+        def issue(rows, slot):
+            for j, row in enumerate(rows):
+                row = pl.multiple_of(row, 8)
                 dst = pl.ds(j * r, r)
                 plgpu.copy_gmem_to_smem(
                     k_ref.at[pl.ds(row, r)], k_smem.at[slot, dst], k_bar.at[slot]
@@ -215,7 +225,7 @@ def _kernel_body(
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[wg])
         for s in range(stages):
-            pl.when((s < n) & (wg == 0))(functools.partial(issue, s, s))
+            pl.when((s < n) & (wg == 0))(functools.partial(issue, tile_rows(s), s))
         plgpu.barrier_wait(q_bar.at[wg])
 
         acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
@@ -228,6 +238,7 @@ def _kernel_body(
             acc, m, l = carry
             slot = lax.rem(st, jnp.int32(stages))
             tile_tok = (t_lo + st) * T
+            next_rows = tile_rows(st + stages)
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -292,7 +303,7 @@ def _kernel_body(
             def _refill():
                 if W > 1:  # every warpgroup is done with the slot
                     plgpu.barrier_wait(c_bar.at[slot])
-                issue(st + stages, slot)
+                issue(next_rows, slot)
 
             return acc, m_new, l
 
@@ -412,7 +423,8 @@ def ragged_paged_attention_pallas_gpu(
       block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``).
       num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
       num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, one shared K/V ring);
-        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches).
+        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
+        mode).
       longest_first: run the query tiles with the most K/V work first (an on-device argsort).
 
     Returns:
@@ -439,7 +451,13 @@ def ragged_paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     B = block_tables.shape[0]
-    wgs = tuning_gpu.default_num_wgs(T, B) if num_wgs is None else int(num_wgs)
+    if num_wgs is None:
+        # The interpreter runs each warpgroup as a Python thread whose barrier waits block
+        # inside host callbacks; with two of them it was seen to hang (thread starvation) on
+        # a 2-core machine, so interpret mode defaults to one warpgroup.
+        wgs = 1 if interpret else tuning_gpu.default_num_wgs(T, B)
+    else:
+        wgs = int(num_wgs)
     if wgs not in (1, 2):
         raise ValueError(f"num_wgs={wgs} must be 1 or 2")
     stages = (
