@@ -18,9 +18,11 @@ the K/V writes are in place: no cache copy per step), with attention by
 ``jax.nn.dot_product_attention`` (cuDNN on GPU; ``key_value_seq_lengths`` masks the unused
 tail). Decode computes the projections and the MLP for the first ``nb`` slots only (``nb``
 a power-of-two bucket covering the highest busy slot; slots are handed out lowest first) and
-attends over all slots with the idle ones at length 1. Orca-Oracle and Orca-Pow2 hold
-``max_num_seqs`` slots of ``max_len`` on device, more than the budget: their admission obeys
-the budget, the larger buffer only spares them an allocator (it favours the baseline).
+attends over all slots with the idle ones at length 1. ``jax.nn.dot_product_attention``
+defaults to its XLA path everywhere, so the cuDNN kernel is asked for explicitly on GPU.
+Orca-Oracle and Orca-Pow2 hold ``max_num_seqs`` slots of ``max_len`` on device, more than the
+budget: their admission obeys the budget, the larger buffer only spares them an allocator
+(it favours the baseline).
 
 Tokens are greedy (argmax); output lengths are enforced as in the paper (EOS ignored).
 """
@@ -113,8 +115,8 @@ def _next_tokens(cfg, w, x_BD):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _prefill(cfg, w, cache, tokens_BS, lens_B, slots_B):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _prefill(cfg, impl, w, cache, tokens_BS, lens_B, slots_B):
     _TRACES[0] += 1
     B, S = tokens_BS.shape
     x = w["embed"][tokens_BS]
@@ -127,7 +129,7 @@ def _prefill(cfg, w, cache, tokens_BS, lens_B, slots_B):
         vc = vc.at[slots_B, :S].set(v, mode="drop")
         o = jax.nn.dot_product_attention(
             q.astype(kc.dtype), k, v, is_causal=True, query_seq_lengths=lens_B,
-            key_value_seq_lengths=lens_B,
+            key_value_seq_lengths=lens_B, implementation=impl,
         )  # fmt: skip
         x = _out_and_mlp(cfg, p, x, o)
         new_cache.append((kc, vc))
@@ -135,8 +137,8 @@ def _prefill(cfg, w, cache, tokens_BS, lens_B, slots_B):
     return tuple(new_cache), _next_tokens(cfg, w, last_BD)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _decode(cfg, w, cache, tokens_b, pos_b, active_b):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _decode(cfg, impl, w, cache, tokens_b, pos_b, active_b):
     _TRACES[0] += 1
     nb = tokens_b.shape[0]
     num_slots, max_len = cache[0][0].shape[:2]
@@ -150,7 +152,9 @@ def _decode(cfg, w, cache, tokens_b, pos_b, active_b):
         kc = kc.at[rows_b, write_b].set(k[:, 0].astype(kc.dtype), mode="drop")
         vc = vc.at[rows_b, write_b].set(v[:, 0].astype(vc.dtype), mode="drop")
         q_full = jnp.zeros((num_slots, *q.shape[1:]), kc.dtype).at[:nb].set(q.astype(kc.dtype))
-        o = jax.nn.dot_product_attention(q_full, kc, vc, key_value_seq_lengths=kv_lens)[:nb]
+        o = jax.nn.dot_product_attention(
+            q_full, kc, vc, key_value_seq_lengths=kv_lens, implementation=impl
+        )[:nb]
         x = _out_and_mlp(cfg, p, x, o)
         new_cache.append((kc, vc))
     return tuple(new_cache), _next_tokens(cfg, w, x[:, 0])
@@ -164,12 +168,17 @@ class ContiguousLM:
       num_slots: sequences the cache holds.
       max_len: tokens per slot.
       cache_dtype: K/V dtype (default: the embedding's dtype).
+      attention: ``jax.nn.dot_product_attention``'s implementation: None picks ``"cudnn"``
+        on a GPU with a 16-bit cache, else ``"xla"`` (jax's own default is always XLA).
+        Should cuDNN reject a shape when first compiled, the call falls back to ``"xla"``,
+        prints why, and ``attention`` says so (benchmarks record it).
 
     Raises:
       ValueError: the model has a sliding window (not modelled here) or a size is < 1.
     """
 
-    def __init__(self, model, *, num_slots: int, max_len: int, cache_dtype=None):
+    def __init__(self, model, *, num_slots: int, max_len: int, cache_dtype=None,
+                 attention: str | None = None):  # fmt: skip
         cfg = model.config
         if cfg.sliding_window is not None:
             raise ValueError(f"sliding_window={cfg.sliding_window} is not supported here")
@@ -188,6 +197,22 @@ class ContiguousLM:
         self.cache = tuple(
             (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)
         )
+        if attention is None:
+            gpu16 = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+            attention = "cudnn" if gpu16 else "xla"
+        self.attention = attention
+        self.fallback: str | None = None
+
+    def _call(self, fn, *args):
+        try:
+            return fn(self.config, self.attention, self.weights, self.cache, *args)
+        except Exception as e:  # cuDNN rejected the shape at compile time: nothing ran yet
+            if self.attention != "cudnn":
+                raise
+            self.fallback = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"cuDNN attention unavailable ({self.fallback}); using xla")
+            self.attention = "xla"
+            return fn(self.config, self.attention, self.weights, self.cache, *args)
 
     def prefill(self, prompts: list[list[int]], slots: list[int], max_tokens: int) -> np.ndarray:
         """Writes the prompts' K/V into ``slots``; returns each prompt's next token, i32[n].
@@ -203,14 +228,17 @@ class ContiguousLM:
         rows = np.full(B, self.num_slots, np.int32)  # out of range: not written
         for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
             tokens[i, : len(p)], lens[i], rows[i] = p, len(p), s
-        self.cache, nxt = _prefill(self.config, self.weights, self.cache, tokens, lens, rows)
+        self.cache, nxt = self._call(_prefill, tokens, lens, rows)
         return np.asarray(nxt)[:n]
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
         """One decode step of slots ``0 .. nb-1`` (arrays of length nb, a bucket); i32[nb]."""
-        self.cache, nxt = _decode(self.config, self.weights, self.cache,
-                                  np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
-                                  np.asarray(active, bool))  # fmt: skip
+        self.cache, nxt = self._call(
+            _decode,
+            np.asarray(tokens, np.int32),
+            np.asarray(positions, np.int32),
+            np.asarray(active, bool),
+        )
         return np.asarray(nxt)
 
 

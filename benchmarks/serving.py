@@ -341,8 +341,11 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
             timed = _workloads.with_arrivals(trace, rate, seed=seed + 1)
             run = run_trace(system, timed, prompts, progress=progress, max_run_s=max_run_s,
                             desc=f"{name} @ {rate:g} req/s")  # fmt: skip
-            del system
-            point = {"rate": rate, **summarize(run), "usage": _downsample(run["usage"])}
+            lm = getattr(system, "lm", None)
+            attention = "paged (jpaged dispatch)" if lm is None else lm.attention
+            del system, lm
+            point = {"rate": rate, **summarize(run), "attention": attention,
+                     "usage": _downsample(run["usage"])}  # fmt: skip
             results[name].append(point)
             outer.update(1)
             outer.write(_row(name, point))
