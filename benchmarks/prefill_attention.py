@@ -124,7 +124,8 @@ def prefill_rows(args_ns, rng, results):
                 ref = cud(q4, kd, vd).reshape(B * T, N, H)
             except Exception as e:  # report, keep measuring the others
                 row["cudnn"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for name, tuning in [("jpaged", {}), *args_ns.variant_dicts]:
+        variants = args_ns.variant_dicts if T in args_ns.variant_lengths else []
+        for name, tuning in [("jpaged", {}), *variants]:
             try:
                 fn = _ragged_fn(args_ns.impl, tuning)
                 out = fn(*inp)
@@ -221,7 +222,8 @@ def main(argv=None):
     p.add_argument("--batch-tokens", type=int, default=32768, help="B = batch_tokens // T")
     p.add_argument("--impl", default="pallas_gpu")
     p.add_argument("--variants", nargs="*", default=[], help='extra tunings, "block_kv=128"')
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--variant-lengths", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--calls", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-decode", action="store_true")

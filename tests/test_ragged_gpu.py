@@ -191,8 +191,9 @@ def test_gpu_mixed_batch(C, G, H, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [1, 2], ids=["wgs1", "wgs2"])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_gpu_decode_only_and_prefill_only(kind):
+def test_gpu_decode_only_and_prefill_only(kind, wgs):
     rng = np.random.default_rng(3)
     if kind == "decode":
         kv_lens = tuple(int(x) for x in rng.integers(1, 3000, size=64))
@@ -202,8 +203,7 @@ def test_gpu_decode_only_and_prefill_only(kind):
     case = make_ragged_case(
         rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16
     )
-    for wgs in (1, 2):
-        _run(case, jnp.bfloat16, num_wgs=wgs)
+    _run(case, jnp.bfloat16, num_wgs=wgs)
 
 
 @pytest.mark.gpu
