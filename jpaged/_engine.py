@@ -473,15 +473,19 @@ class LLM:
     def _on_admit(self, req: Request) -> None:
         """Creates the request's sequences in the allocator (all or nothing)."""
         done = []
+        # After a recompute a forked group allocates its first sequence for the prompt only;
+        # the others are forked from it once the prompt is computed (`_refork`).
+        seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
         try:
-            for seq in req.live_seqs():
+            for seq in seqs:
+                tokens = req.prompt if req.refork else seq.tokens
                 if self.enable_prefix_caching:
-                    cached = self.alloc.allocate_with_prefix(seq.seq_id, seq.tokens, req.salt)
+                    cached = self.alloc.allocate_with_prefix(seq.seq_id, tokens, req.salt)
                     seq.num_computed = cached
                     if req.num_cached_tokens is None:
                         req.num_cached_tokens = cached
                 else:
-                    self.alloc.allocate(seq.seq_id, seq.num_tokens)
+                    self.alloc.allocate(seq.seq_id, len(tokens))
                     seq.num_computed = 0
                 done.append(seq)
         except OutOfPagesError:
@@ -614,6 +618,8 @@ class LLM:
         for it in items:
             it.seq.num_computed += it.num_new
             self._commit_pages(it.request, it.seq)
+            if it.request.refork and it.seq.num_computed == len(it.request.prompt):
+                self._refork(it.request, it.seq)
         by_item: dict[int, list[int]] = {}
         for r, (b, _) in enumerate(rows):
             by_item.setdefault(b, []).append(r)
@@ -634,6 +640,14 @@ class LLM:
                 self._append(req, seq, int(tok_R[r]), float(lp_R[r]))
         for rid, entries in beams.items():
             self._beam_step(self._requests[rid], entries, top)
+
+    def _refork(self, req: Request, seq0: Seq) -> None:
+        """The recomputed prompt is in ``seq0``'s pages: the group's other sequences share them
+        again (each then recomputes its own generated tokens)."""
+        for seq in req.live_seqs()[1:]:
+            self.alloc.fork(seq0.seq_id, seq.seq_id)
+            seq.num_computed = seq0.num_computed
+        req.refork = False
 
     def _fork(self, req: Request, parent: Seq, index: int, seed: int) -> Seq:
         """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""
@@ -701,10 +715,12 @@ class LLM:
     # ------------------------------------------------------------------ multi-step decode
 
     def _can_loop(self, sched) -> bool:
-        if self.num_decode_steps <= 1 or not sched.decode_only or self.scheduler.waiting:
+        # Waiting requests that were not admitted this step (no pages or seats) wait for the
+        # loop to end: at most k - 1 steps later than with single steps.
+        if self.num_decode_steps <= 1 or not sched.decode_only:
             return False
         return all(
-            not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)
+            it.samples and not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)
             for it in sched.scheduled
         )
 

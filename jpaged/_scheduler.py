@@ -116,6 +116,7 @@ class Request:
     prompt_text: str | None = None
     salt: str | None = None
     forked: bool = False
+    refork: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
 
     @property
@@ -304,7 +305,7 @@ class Scheduler:
             # `i` stays: retry `req` (or move on if it was the victim and got removed).
         if not preempted:
             self._admit(out, budget)
-        if not out.scheduled and not self.running and self.waiting:
+        if not preempted and not out.scheduled and not self.running and self.waiting:
             # Nothing runs and the head cannot be admitted into an empty pool: fail it rather
             # than spin (validation at add time makes this unreachable for sane settings).
             head = self.waiting[0]
@@ -317,6 +318,10 @@ class Scheduler:
         seqs = req.live_seqs()
         if len(seqs) > seq_room:
             return None
+        if req.refork:  # after a recompute: only the first sequence, up to the prompt's end
+            seq = seqs[0]
+            num_new = min(len(req.prompt) - seq.num_computed, budget)
+            return [Scheduled(seq, req, num_new)] if num_new > 0 else None
         if req.is_beam and req.forked:
             return self._plan_beams(req, seqs, budget)
         plan = []
@@ -402,7 +407,7 @@ class Scheduler:
     def _allocate_fresh(self, req: Request, budget: int) -> bool:
         """Registers the request's sequences in the allocator (prefix hits attached), keeping
         the watermark free."""
-        seqs = req.live_seqs()
+        seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
         if len(seqs) == 1 and not self.alloc.can_allocate(
             seqs[0].num_tokens, token_ids=seqs[0].tokens, salt=req.salt
         ):
@@ -440,6 +445,9 @@ class Scheduler:
                 amount += seq.num_computed
                 self.alloc.free(seq.seq_id)
                 seq.num_computed = 0
+            # A forked group recomputes its prompt once (first sequence), then forks it again
+            # so the prompt's pages are shared as before (see `_plan`).
+            req.refork = req.forked and len(req.live_seqs()) > 1
             req.status = Status.WAITING
         self.counters[f"preemptions_{mode}"] += 1
         self.events.append(PreemptionEvent(req.request_id, mode, amount, self.step_index))
@@ -454,8 +462,9 @@ class Scheduler:
             return "swap" if fits else "recompute"
         if self.preemption_mode == "recompute":
             return "recompute"
-        if req.is_beam and req.forked:
-            # Recomputing a beam group re-prefills every beam separately; swap keeps sharing.
+        if len(req.live_seqs()) > 1:
+            # A forked group (n > 1, beams) recomputes each sequence separately and keeps only
+            # what the prefix cache still holds of the shared prompt; swap keeps the sharing.
             return "swap" if fits else "recompute"
         _, recompute_s = self._recompute_cost(req)
         return "swap" if fits and swap_s < recompute_s else "recompute"

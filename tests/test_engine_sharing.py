@@ -157,3 +157,55 @@ def test_beam_search_under_preemption_still_matches_transformers(mode):
     assert llm.get_output(b).outputs[0].token_ids == ref[1].outputs[0].token_ids
     assert llm.stats()[f"preemptions_{mode}"] >= 1
     assert llm.stats()["pages_used"] == 0
+
+
+def _mixed_workload(seed):
+    """Ten requests: greedy with a stop token, top-k/top-p sampling, n = 2-3, beam search,
+    some sharing a 16-token prefix with the first."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(10):
+        prompt = rng.integers(3, 300, size=int(rng.integers(1, 24))).tolist()
+        if reqs and rng.random() < 0.3:
+            prompt = reqs[0][0][:16] + prompt
+        kind, max_tokens = int(rng.integers(0, 4)), int(rng.integers(1, 30))
+        if kind == 0:
+            sp = jpaged.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                       stop_token_ids=[int(rng.integers(3, 300))])  # fmt: skip
+        elif kind == 1:
+            sp = jpaged.SamplingParams(
+                max_tokens=max_tokens, temperature=1.0, seed=int(rng.integers(0, 1000)),
+                top_k=int(rng.integers(0, 50)), top_p=float(rng.uniform(0.5, 1.0)),
+            )  # fmt: skip
+        elif kind == 2:
+            sp = jpaged.SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i,
+                                       n=int(rng.integers(2, 4)))  # fmt: skip
+        else:
+            sp = jpaged.BeamSearchParams(beam_width=int(rng.integers(2, 4)),
+                                         max_tokens=min(max_tokens, 12))  # fmt: skip
+        reqs.append((prompt, sp))
+    return reqs
+
+
+def _run_workload(reqs, **kw):
+    llm = make_llm(**kw)
+    ids = [llm.add_request(p, sp) for p, sp in reqs]
+    run_tracking(llm, ids)
+    outs = [llm.get_output(i) for i in ids]
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], outs, llm
+
+
+@functools.cache
+def _unconstrained(seed):
+    return _run_workload(_mixed_workload(seed))[0]
+
+
+@pytest.mark.parametrize("mode", ["auto", "recompute", "swap"])
+def test_mixed_workload_under_a_tiny_pool_equals_unconstrained(mode):
+    reqs = _mixed_workload(1)
+    got, outs, llm = _run_workload(reqs, num_pages=14, watermark=0.0, preemption_mode=mode)
+    assert [o.error for o in outs] == [None] * len(reqs)
+    assert got == _unconstrained(1)
+    s = llm.stats()
+    assert s["preemptions_recompute"] + s["preemptions_swap"] >= 1
+    assert s["pages_used"] == 0 and s["pages_shared"] == 0
