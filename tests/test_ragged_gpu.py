@@ -22,7 +22,7 @@ from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 
 
 def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_tuning):
-    knobs = ("block_kv", "num_stages", "num_wgs", "longest_first")
+    knobs = ("block_kv", "num_stages", "num_wgs", "producer", "longest_first")
     tuning = {k: opts_and_tuning.pop(k) for k in knobs if k in opts_and_tuning}
     opts = opts_and_tuning
     H = case.args[0].shape[-1]
@@ -50,9 +50,10 @@ def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_
     ids=["G4-C16", "G3-C8-window-cap", "G1-C128-noncausal-layer"],
 )
 def test_interpret_matches_oracle(N, C, extra):
-    # One warpgroup only: num_wgs=2 also matched the oracle in the interpreter when run by hand,
-    # but the interpreter runs warpgroups as threads that block in host callbacks and it hung
-    # now and then on a 2-core machine. num_wgs=2 is cross-lowered here and run on the GPU.
+    # One warpgroup only: num_wgs=2 and producer=True (1 or 2 compute warpgroups) also matched
+    # the oracle in the interpreter when run by hand, but the interpreter runs warpgroups as
+    # threads that block in host callbacks and it hung now and then on a 2-core machine. Those
+    # variants are cross-lowered here and run on the GPU.
     rng = np.random.default_rng(C + N)
     extra = dict(extra)
     L = extra.pop("num_layers", None)
@@ -70,6 +71,8 @@ _VARIANTS = [
     {},
     {"num_wgs": 1},
     {"num_wgs": 2, "block_kv": 128, "num_stages": 2},
+    {"num_wgs": 2, "producer": True},
+    {"num_wgs": 1, "producer": True, "sliding_window": 50, "num_stages": 3},
     {"causal": False},
     {"sliding_window": 100, "logits_soft_cap": 30.0},
     {"H": 256, "C": 256, "N": 8, "K": 8},
@@ -267,3 +270,16 @@ def test_gpu_auto_dispatch_picks_the_kernel():
     assert kernel_gpu.unsupported_reason(*case.args) is None
     out = jpaged.ragged_paged_attention(*case.args)
     assert_close(out, dense_ragged_attention(case), jnp.bfloat16)
+
+
+# Last in the file: the warp-specialized variant (a hang here would not hide earlier results).
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [1, 2], ids=["wgs1", "wgs2"])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 300, "logits_soft_cap": 30.0}], ids=str)
+def test_gpu_producer_warpgroup(wgs, opts):
+    rng = np.random.default_rng(9)
+    case = make_ragged_case(
+        rng, (0, 1, 15, 16, 17, 99, 1000, 2500), (0, 1, 1, 16, 5, 99, 1, 1200),
+        num_q_heads=16, num_kv_heads=4, head_dim=128, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    _run(case, jnp.bfloat16, num_wgs=wgs, producer=True, **opts)

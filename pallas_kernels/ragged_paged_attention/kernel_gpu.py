@@ -66,6 +66,7 @@ class _Config:
     block_kv: int
     num_stages: int
     num_wgs: int  # compute warpgroups per CTA (64 rows each), sharing the K/V ring
+    producer: bool  # an extra warpgroup issues every K/V copy (FA3-style warp specialization)
     longest_first: bool
     interpret: bool
 
@@ -167,7 +168,9 @@ def _kernel_body(
     Tq = cfg.block_q // W  # tokens per warpgroup
 
     h = lax.axis_index("h")
-    wg = lax.axis_index("wg") if W > 1 else jnp.int32(0)
+    threads = W + int(cfg.producer)
+    wg = lax.axis_index("wg") if threads > 1 else jnp.int32(0)
+    cwg = jnp.minimum(wg, W - 1)  # compute warpgroup index (the producer's is unused)
     i = order_ref[lax.axis_index("i")]
     seq = seq_ref[i]
     ntok = ntok_ref[i]  # real query tokens in the tile (0: empty tile)
@@ -193,10 +196,10 @@ def _kernel_body(
         n_full = jnp.clip(kv_len // T, 0, n)
     last_page = jnp.clip((kv_len + C - 1) // C - 1, 0, bt_ref.shape[1] - 1)
     head_base = base_ref[0] + h * (cfg.num_pages * C)
-    q_row = pl.multiple_of(((h * NT + i) * W + wg) * _ROWS, _ROWS)
+    q_row = pl.multiple_of(((h * NT + i) * W + cwg) * _ROWS, _ROWS)
 
     def scoped(q_smem2, k_smem, v_smem, p_smem2, q_bar, k_bar, v_bar, c_bar):
-        q_smem, p_smem = q_smem2.at[wg], p_smem2.at[wg]
+        q_smem, p_smem = q_smem2.at[cwg], p_smem2.at[cwg]
 
         def tile_rows(step):
             """Pool rows of the n_cp page copies of K/V tile ``step`` (clamped to real pages).
@@ -223,99 +226,139 @@ def _kernel_body(
                     v_ref.at[pl.ds(row, r)], v_smem.at[slot, dst], v_bar.at[slot]
                 )
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[wg])
-        for s in range(stages):
-            pl.when((s < n) & (wg == 0))(functools.partial(issue, tile_rows(s), s))
-        plgpu.barrier_wait(q_bar.at[wg])
+        def drain_consumed():
+            """Observes each slot's last 'consumed' completion (the refills skipped them).
 
-        acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(
-            jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            Free on hardware (nothing is refilled after them); keeps every completion observed,
+            which the Mosaic GPU interpreter checks when the barrier is freed.
+            """
+            for d in range(stages):
+                pl.when(d < n)(lambda d=d: plgpu.barrier_wait(c_bar.at[lax.rem(n - 1 - d, stages)]))
 
-        def step(masked: bool, st, carry):
-            acc, m, l = carry
-            slot = lax.rem(st, jnp.int32(stages))
-            tile_tok = (t_lo + st) * T
-            next_rows = tile_rows(st + stages)
-            plgpu.barrier_wait(k_bar.at[slot])
+        def compute():
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[cwg])
+            if not cfg.producer:
+                for s in range(stages):
+                    pl.when((s < n) & (wg == 0))(functools.partial(issue, tile_rows(s), s))
+            plgpu.barrier_wait(q_bar.at[cwg])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
+            acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+            m = plgpu.layout_cast(
+                jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
-            sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
-            if cfg.logits_soft_cap:
-                cap = cfg.logits_soft_cap
-                sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
-            else:
-                sc = sc * (cfg.sm_scale * _LOG2E)
-            if masked:
-                shape = (_ROWS, T)
-                col = tile_tok + plgpu.broadcasted_iota(
-                    jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
-                )
-                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                # Padding rows (token >= ntok) repeat the last real token: never all-masked.
-                tok = jnp.minimum(wg * Tq + lax.div(row, jnp.int32(G)), ntok - 1)
-                pos = pos0 + tok
-                visible = col < kv_len
-                if cfg.causal:
-                    visible = visible & (col <= pos)
-                if cfg.sliding_window is not None:
-                    visible = visible & (pos - col < cfg.sliding_window)
-                sc = jnp.where(visible, sc, -jnp.inf)
-            m_new = jnp.maximum(m, sc.max(axis=1))
-            if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            else:
-                m_use = m_new
-            alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(sc - lax.broadcast_in_dim(m_use, sc.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
-            if masked:
+            def step(masked: bool, st, carry):
+                acc, m, l = carry
+                slot = lax.rem(st, jnp.int32(stages))
+                tile_tok = (t_lo + st) * T
+                next_rows = None if cfg.producer else tile_rows(st + stages)
+                plgpu.barrier_wait(k_bar.at[slot])
 
-                @pl.when(tile_tok + T > kv_len)
-                def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
-                    # (with several warpgroups each writes the same values: a benign overlap)
-                    tile = v_smem.at[slot]
-                    rows = tile_tok + plgpu.broadcasted_iota(
-                        jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+                if cfg.logits_soft_cap:
+                    cap = cfg.logits_soft_cap
+                    sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+                else:
+                    sc = sc * (cfg.sm_scale * _LOG2E)
+                if masked:
+                    shape = (_ROWS, T)
+                    col = tile_tok + plgpu.broadcasted_iota(
+                        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
                     )
-                    vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-                    tile[...] = jnp.where(rows < kv_len, vals, jnp.zeros_like(vals))
-                    plgpu.commit_smem()
+                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    # Padding rows (token >= ntok) repeat the last real token: never all-masked.
+                    tok = jnp.minimum(cwg * Tq + lax.div(row, jnp.int32(G)), ntok - 1)
+                    pos = pos0 + tok
+                    visible = col < kv_len
+                    if cfg.causal:
+                        visible = visible & (col <= pos)
+                    if cfg.sliding_window is not None:
+                        visible = visible & (pos - col < cfg.sliding_window)
+                    sc = jnp.where(visible, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1))
+                if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(sc - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked:
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
+                    @pl.when(tile_tok + T > kv_len)
+                    def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+                        # (with several warpgroups each writes the same values: a benign overlap)
+                        tile = v_smem.at[slot]
+                        rows = tile_tok + plgpu.broadcasted_iota(
+                            jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
+                        )
+                        vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+                        tile[...] = jnp.where(rows < kv_len, vals, jnp.zeros_like(vals))
+                        plgpu.commit_smem()
 
-            o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-            if W > 1:
-                plgpu.barrier_arrive(c_bar.at[slot])
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
 
-            @pl.when((st + stages < n) & (wg == 0))
-            def _refill():
-                if W > 1:  # every warpgroup is done with the slot
+                o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                if W > 1 or cfg.producer:
+                    plgpu.barrier_arrive(c_bar.at[slot])
+
+                if not cfg.producer:
+
+                    @pl.when((st + stages < n) & (wg == 0))
+                    def _refill():
+                        if W > 1:  # every warpgroup is done with the slot
+                            plgpu.barrier_wait(c_bar.at[slot])
+                        issue(next_rows, slot)
+
+                return acc, m_new, l
+
+            carry = lax.fori_loop(0, n_full, functools.partial(step, False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
+            if W > 1 and not cfg.producer:
+                pl.when(wg == 0)(drain_consumed)
+            empty = l == 0.0
+            inv_l = 1.0 / jnp.where(empty, 1.0, l)
+            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            q_smem[...] = out.astype(dtype)  # Q is no longer needed: reuse its tile for O
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q_row, _ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        if not cfg.producer:
+            compute()
+            return
+
+        @pl.when(wg == W)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n)
+            def _(st):
+                slot = lax.rem(st, jnp.int32(stages))
+
+                @pl.when(st >= stages)
+                def _():  # every compute warpgroup is done with the slot
                     plgpu.barrier_wait(c_bar.at[slot])
-                issue(next_rows, slot)
 
-            return acc, m_new, l
+                issue(tile_rows(st), slot)
 
-        carry = lax.fori_loop(0, n_full, functools.partial(step, False), (acc, m, l))
-        acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
-        empty = l == 0.0
-        inv_l = 1.0 / jnp.where(empty, 1.0, l)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        q_smem[...] = out.astype(dtype)  # Q is no longer needed: reuse its tile for O
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q_row, _ROWS)])
-        plgpu.wait_smem_to_gmem(0)
+            drain_consumed()
+
+        @pl.when(wg < W)
+        def _compute():
+            plgpu.set_max_registers(232 if W == 2 else 240, action="increase")
+            compute()
 
     tr = _smem_transforms()
     pl.run_scoped(
@@ -327,8 +370,8 @@ def _kernel_body(
         plgpu.Barrier(num_arrivals=1, num_barriers=W),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=W, num_barriers=stages) if W > 1 else None,
-        **({"collective_axes": "wg"} if W > 1 else {}),
+        plgpu.Barrier(num_arrivals=W, num_barriers=stages) if threads > 1 else None,
+        **({"collective_axes": "wg"} if threads > 1 else {}),
     )
 
 
@@ -338,6 +381,7 @@ def _ragged_attention(
 ):
     T, N, H = q_TNH.shape
     K, P, C, G, W = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.num_wgs
+    threads = W + int(cfg.producer)
     Tw = tuning_gpu.tokens_per_tile(G)  # tokens per warpgroup (64 rows)
     Tq = W * Tw  # tokens per query tile (CTA)
     tm = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
@@ -360,7 +404,7 @@ def _ragged_attention(
     else:
         order = jnp.arange(NT, dtype=jnp.int32)
     name = (
-        f"ragged_paged_mgpu_wg{W}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
+        f"ragged_paged_mgpu_wg{W}{'p' if cfg.producer else ''}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
         f"{'_causal' if cfg.causal else ''}"
     )
     body = functools.partial(_kernel_body, cfg)
@@ -370,8 +414,8 @@ def _ragged_attention(
         out_type=jax.ShapeDtypeStruct((K * NT * W * _ROWS, H), cfg.dtype),
         grid=(NT, K),
         grid_names=("i", "h"),
-        num_threads=W if W > 1 else None,
-        thread_name="wg" if W > 1 else None,
+        num_threads=threads if threads > 1 else None,
+        thread_name="wg" if threads > 1 else None,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )
@@ -404,6 +448,7 @@ def ragged_paged_attention_pallas_gpu(
     block_kv: int | None = None,
     num_stages: int | None = None,
     num_wgs: int | None = None,
+    producer: bool = False,
     longest_first: bool = True,
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
@@ -425,6 +470,9 @@ def ragged_paged_attention_pallas_gpu(
       num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, one shared K/V ring);
         default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
         mode).
+      producer: add a warpgroup that only issues the K/V copies (FA3-style warp
+        specialization); compute warpgroups then never wait on the block table or each other.
+        Not runnable in the interpreter (several warpgroups).
       longest_first: run the query tiles with the most K/V work first (an on-device argsort).
 
     Returns:
@@ -480,6 +528,7 @@ def ragged_paged_attention_pallas_gpu(
         block_kv=block_kv,
         num_stages=stages,
         num_wgs=wgs,
+        producer=bool(producer),
         longest_first=bool(longest_first),
         interpret=bool(interpret),
     )
