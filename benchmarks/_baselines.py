@@ -115,26 +115,38 @@ def _next_tokens(cfg, w, x_BD):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _prefill(cfg, impl, w, cache, tokens_BS, lens_B, slots_B):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _prefill(cfg, impl, dtype, w, tokens_BS, lens_B):
+    """The prompts' K/V per layer ([B, S, K, H] each) and next tokens; the cache is untouched,
+    so one compile per (B, S) serves every system whatever its slot count."""
     _TRACES[0] += 1
     B, S = tokens_BS.shape
     x = w["embed"][tokens_BS]
     positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    new_cache = []
-    for p, (kc, vc) in zip(w["layers"], cache, strict=True):
+    ks, vs = [], []
+    for p in w["layers"]:
         q, k, v = _qkv(cfg, p, x, positions_BS)
-        k, v = k.astype(kc.dtype), v.astype(vc.dtype)
-        kc = kc.at[slots_B, :S].set(k, mode="drop")
-        vc = vc.at[slots_B, :S].set(v, mode="drop")
+        k, v = k.astype(dtype), v.astype(dtype)
         o = jax.nn.dot_product_attention(
-            q.astype(kc.dtype), k, v, is_causal=True, query_seq_lengths=lens_B,
+            q.astype(dtype), k, v, is_causal=True, query_seq_lengths=lens_B,
             key_value_seq_lengths=lens_B, implementation=impl,
         )  # fmt: skip
         x = _out_and_mlp(cfg, p, x, o)
-        new_cache.append((kc, vc))
+        ks.append(k)
+        vs.append(v)
     last_BD = x[jnp.arange(B), lens_B - 1]
-    return tuple(new_cache), _next_tokens(cfg, w, last_BD)
+    return tuple(ks), tuple(vs), _next_tokens(cfg, w, last_BD)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_prefill(cache, ks, vs, slots_B):
+    """Writes prompt K/V into rows ``slots_B`` (out of range: skipped) of every layer, in place."""
+    _TRACES[0] += 1
+    S = ks[0].shape[1]
+    return tuple(
+        (kc.at[slots_B, :S].set(k, mode="drop"), vc.at[slots_B, :S].set(v, mode="drop"))
+        for (kc, vc), k, v in zip(cache, ks, vs, strict=True)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
@@ -205,36 +217,71 @@ class ContiguousLM:
 
     def _call(self, fn, *args):
         try:
-            return fn(self.config, self.attention, self.weights, self.cache, *args)
+            return fn(self.config, self.attention, *args)
         except Exception as e:  # cuDNN rejected the shape at compile time: nothing ran yet
             if self.attention != "cudnn":
                 raise
             self.fallback = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"cuDNN attention unavailable ({self.fallback}); using xla")
             self.attention = "xla"
-            return fn(self.config, self.attention, self.weights, self.cache, *args)
+            return fn(self.config, self.attention, *args)
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], max_tokens: int) -> np.ndarray:
+    def prefill_shape(self, n: int, longest: int) -> tuple[int, int]:
+        """The padded (rows, tokens) of a prefill of ``n`` prompts of at most ``longest``."""
+        return bucket(n, 1, 1 << 30), bucket(longest, 16, self.max_len)
+
+    def precompile(self, max_prefill_tokens: int, progress: bool = False) -> int:
+        """Compiles every prefill shape with rows x tokens <= ``max_prefill_tokens`` (or one
+        row) and every decode bucket, on dummy inputs that write nothing; returns the count."""
+        from tqdm.auto import tqdm
+
+        shapes = []
+        S = 16
+        while True:
+            B = 1
+            while self.num_slots >= B and (B == 1 or max_prefill_tokens >= B * S):
+                shapes.append(("prefill", B, S))
+                B *= 2
+            if self.max_len <= S:
+                break
+            S = min(2 * S, self.max_len)
+        nb = 8
+        while True:
+            shapes.append(("decode", min(nb, self.num_slots), 0))
+            if nb >= self.num_slots:
+                break
+            nb *= 2
+        for kind, B, S in tqdm(shapes, desc="precompile", disable=not progress, leave=False):
+            if kind == "prefill":
+                self.prefill([[0] * S] * B, [self.num_slots] * B)
+            else:
+                self.decode(np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, bool))
+        return len(shapes)
+
+    def prefill(self, prompts: list[list[int]], slots: list[int]) -> np.ndarray:
         """Writes the prompts' K/V into ``slots``; returns each prompt's next token, i32[n].
 
-        Shapes are bucketed: prompts to a power of two >= 16 tokens (at most ``max_len``),
-        rows to a power of two, capped by ``max_tokens`` padded tokens where possible.
+        Shapes are bucketed (`prefill_shape`): rows to a power of two, prompts to a power of
+        two >= 16 tokens (at most ``max_len``). A slot ``>= num_slots`` is not written.
         """
         n, longest = len(prompts), max(len(p) for p in prompts)
-        S = bucket(longest, 16, self.max_len)
-        B = bucket(n, 1, max(n, max_tokens // S, 1))
+        B, S = self.prefill_shape(n, longest)
         tokens = np.zeros((B, S), np.int32)
         lens = np.ones(B, np.int32)
         rows = np.full(B, self.num_slots, np.int32)  # out of range: not written
         for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
             tokens[i, : len(p)], lens[i], rows[i] = p, len(p), s
-        self.cache, nxt = self._call(_prefill, tokens, lens, rows)
+        dtype = self.cache[0][0].dtype
+        ks, vs, nxt = self._call(_prefill, dtype, self.weights, tokens, lens)
+        self.cache = _write_prefill(self.cache, ks, vs, rows)
         return np.asarray(nxt)[:n]
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
         """One decode step of slots ``0 .. nb-1`` (arrays of length nb, a bucket); i32[nb]."""
         self.cache, nxt = self._call(
             _decode,
+            self.weights,
+            self.cache,
             np.asarray(tokens, np.int32),
             np.asarray(positions, np.int32),
             np.asarray(active, bool),
@@ -290,8 +337,7 @@ class _SlotSystem:
         self.running[req.slot] = req
 
     def _prefill(self, reqs: list[_Req]) -> list[tuple[int, int, bool]]:
-        nxt = self.lm.prefill([r.prompt for r in reqs], [r.slot for r in reqs],
-                              self.max_prefill_tokens)  # fmt: skip
+        nxt = self.lm.prefill([r.prompt for r in reqs], [r.slot for r in reqs])
         for r, t in zip(reqs, nxt, strict=True):
             r.num_cached, r.generated, r.last_token = len(r.prompt), 1, int(t)
             self.outputs[r.rid].append(r.last_token)
@@ -344,7 +390,7 @@ class StaticBatching(_SlotSystem):
                 self.batch.append(req)
             # Prefill in row groups of at most max_prefill_tokens padded tokens (activations).
             S = bucket(max(len(r.prompt) for r in self.batch), 16, self.lm.max_len)
-            rows = max(1, self.max_prefill_tokens // S)
+            rows = 1 << max(0, (self.max_prefill_tokens // S).bit_length() - 1)  # a power of 2
             out = []
             for i in range(0, len(self.batch), rows):
                 out += self._prefill(self.batch[i : i + rows])
@@ -419,19 +465,18 @@ class Orca(_SlotSystem):
 
     def step(self) -> list[tuple[int, int, bool]]:
         before = list(self.running.values())
-        admitted, tokens = [], 0
+        admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
             need = self._reservation(req)
             fits = self.reserved + need <= self.budget_tokens
-            if not fits or (admitted and tokens + len(req.prompt) > self.max_prefill_tokens):
+            # The padded prefill batch stays within max_prefill_tokens (one prompt always fits).
+            longest = max([len(req.prompt)] + [len(r.prompt) for r in admitted])
+            B, S = self.lm.prefill_shape(len(admitted) + 1, longest)
+            if not fits or (admitted and self.max_prefill_tokens < B * S):
                 break
             self.waiting.popleft()
-            req.reserved, self.reserved, tokens = (
-                need,
-                self.reserved + need,
-                tokens + len(req.prompt),
-            )
+            req.reserved, self.reserved = need, self.reserved + need
             self._take_slot(req)
             admitted.append(req)
         out = self._prefill(admitted) if admitted else []

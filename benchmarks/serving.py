@@ -298,10 +298,14 @@ def _downsample(series: list, n: int = 400) -> list:
 
 
 def _warm_up(system, trace, prompts) -> None:
-    """Compiles what a run will need: the trace's prompts as one burst, then one at a time.
+    """Compiles what a run will need: the trace's prompts as one burst, then one at a time
+    (and, for a baseline, every prefill and decode shape first).
 
     Output lengths are capped (compiled shapes depend on prompt lengths and batch sizes).
     """
+    lm = getattr(system, "lm", None)
+    if lm is not None:  # a baseline: compile every shape it can meet
+        lm.precompile(system.max_prefill_tokens)
     short = [dataclasses.replace(r, output_len=min(r.output_len, 32), arrival_s=0.0)
              for r in trace]  # fmt: skip
     run_trace(system, short, prompts, progress=False)

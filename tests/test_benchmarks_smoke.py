@@ -113,6 +113,19 @@ def test_baselines_generate_jpaged_greedy_tokens_within_budget(name):
     assert [len(system.outputs[i]) for i in range(len(LENGTHS))] == [o for _, o in LENGTHS]
 
 
+def test_baseline_precompile_covers_every_shape_a_run_meets():
+    prompts, want = _jpaged_greedy()
+    system = _system("orca-oracle", max_num_batched_tokens=64)
+    assert system.lm.precompile(64) > 0
+    before = system.num_compiles
+    for i, (p, (_, o)) in enumerate(zip(prompts, LENGTHS, strict=True)):
+        system.add(i, p, o)
+    while system.has_work():
+        system.step()
+    assert system.num_compiles == before
+    assert system.outputs == want  # the dummy precompile calls wrote nothing
+
+
 # ------------------------------------------------------------------------------ harness
 
 
