@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import pathlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -205,6 +206,8 @@ class LLM:
         self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._steps = self._device_calls = self._tokens_generated = 0
+        self._failed_at_add: set[str] = set()
+        self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s"), 0.0)
 
     # ------------------------------------------------------------------ public API
 
@@ -317,6 +320,7 @@ class LLM:
             req.error = error
             req.seqs[0].finish_reason = "error"
             req.status = Status.FINISHED
+            self._failed_at_add.add(request_id)
         else:
             self.scheduler.add(req)
         return request_id
@@ -337,7 +341,10 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self._timing["schedule_s"] += t1 - t0
         touched = {s.request.request_id for s in sched.scheduled}
         touched |= {rid for rid, _ in sched.preempted}
         if sched.scheduled:
@@ -346,19 +353,14 @@ class LLM:
                 self._run_loop(sched)
             else:
                 self._run_step(sched)
+        self._timing["step_s"] += time.perf_counter() - t1
         if self.debug:
             self.alloc.check_invariants()
-        # Requests that failed or finished this step without being scheduled (errors).
-        for req in self._requests.values():
-            if req.finished and not getattr(req, "_reported", False):
-                touched.add(req.request_id)
-        outs = []
-        for rid in touched:
-            req = self._requests[rid]
-            outs.append(self._output(req))
-            if req.finished:
-                req._reported = True
-        return outs
+        # Requests that finished or failed this step, scheduled or not (errors, aborts).
+        touched |= {r.request_id for r in self.scheduler.take_finished()}
+        touched |= self._failed_at_add
+        self._failed_at_add = set()
+        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)]
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
@@ -386,6 +388,9 @@ class LLM:
             "steps": self._steps,
             "device_calls": self._device_calls,
             "tokens_generated": self._tokens_generated,
+            # Host time scheduling, host + device time in steps, and of that the time spent
+            # waiting for device results (so host work per step = step_s - device_wait_s).
+            **{f"time_{k}": v for k, v in self._timing.items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
@@ -612,14 +617,20 @@ class LLM:
             self.cache, batch, decode=decode, num_top=num_top
         )
         self._device_calls += 1
-        tok_R, lp_R = np.asarray(tok_R), np.asarray(lp_R)
-        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
-        # Book-keeping: K/V of the scheduled tokens are now in the cache.
+        for x in (tok_R, lp_R) if top is None else (tok_R, lp_R, *top):
+            x.copy_to_host_async()
+        # While the device runs: book-keeping that needs no sampled token (prefix-cache
+        # hashing, re-forks). K/V of the scheduled tokens are in the cache once it finishes,
+        # and every later device call is ordered after this one.
         for it in items:
             it.seq.num_computed += it.num_new
             self._commit_pages(it.request, it.seq)
             if it.request.refork and it.seq.num_computed == len(it.request.prompt):
                 self._refork(it.request, it.seq)
+        t = time.perf_counter()
+        tok_R, lp_R = np.asarray(tok_R), np.asarray(lp_R)
+        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
+        self._timing["device_wait_s"] += time.perf_counter() - t
         by_item: dict[int, list[int]] = {}
         for r, (b, _) in enumerate(rows):
             by_item.setdefault(b, []).append(r)
@@ -776,7 +787,9 @@ class LLM:
         )
         self.cache, out_KB, lp_KB, _ = self.runner.decode_loop(self.cache, batch, num_steps=k)
         self._device_calls += 1
+        t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
+        self._timing["device_wait_s"] += time.perf_counter() - t
         for b, it in enumerate(items):
             seq, req = it.seq, it.request
             start = seq.num_computed
@@ -793,6 +806,10 @@ class LLM:
                 self.alloc.append_slots(seq.seq_id, accepted - 1)
                 self.alloc.truncate(seq.seq_id, start + accepted)
                 self._commit_pages(req, seq)
+
+
+def _id_order(request_id: str):
+    return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
 
 
 def _sampling_arrays(samp: np.ndarray, R: int) -> SamplingArrays:

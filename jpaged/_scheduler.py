@@ -220,6 +220,7 @@ class Scheduler:
         self.events: list[PreemptionEvent] = []
         self.counters = collections.Counter()
         self.step_index = 0
+        self._finished: list[Request] = []
 
     # ------------------------------------------------------------------ queue management
 
@@ -271,6 +272,12 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
+        self._finished.append(request)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished (or failed, or aborted) since the last call."""
+        done, self._finished = self._finished, []
+        return done
 
     # ------------------------------------------------------------------ scheduling
 
