@@ -17,7 +17,6 @@ import pytest
 from _tolerances import assert_close
 from test_ragged_reference import dense_ragged_attention, make_ragged_case
 
-import jpaged
 from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 
 
@@ -268,6 +267,8 @@ def test_gpu_auto_dispatch_picks_the_kernel():
         rng, (30, 200), (30, 1), num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16
     )
     assert kernel_gpu.unsupported_reason(*case.args) is None
+    import jpaged  # here, not at module level: the kernel tests above need only the kernel
+
     out = jpaged.ragged_paged_attention(*case.args)
     assert_close(out, dense_ragged_attention(case), jnp.bfloat16)
 
