@@ -175,7 +175,8 @@ GPU_PRODUCT = [
     for G in (1, 4, 8)
     for H in (64, 128, 256)
     for dtype in (jnp.bfloat16, jnp.float16)
-    if (C + G + H) % 3 == 0 or (C == 16 and dtype == jnp.bfloat16)  # a spread, not the full cube
+    # a spread over every value of each axis, not the full cube (device time is scarce)
+    if (C + G + H + (dtype == jnp.bfloat16)) % 5 == 0 or (C, H, dtype) == (16, 128, jnp.bfloat16)
 ]
 
 
@@ -201,7 +202,7 @@ def test_gpu_decode_only_and_prefill_only(kind, wgs):
         kv_lens = tuple(int(x) for x in rng.integers(1, 3000, size=64))
         q_lens = (1,) * 64
     else:
-        kv_lens = q_lens = (2048, 513, 64, 1)
+        kv_lens = q_lens = (1536, 513, 64, 1)
     case = make_ragged_case(
         rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16
     )
