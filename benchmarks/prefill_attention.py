@@ -226,7 +226,7 @@ def _parse_variant(text):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 8192, 2048, 1024, 512])
     p.add_argument("--batch-tokens", type=int, default=32768, help="B = batch_tokens // T")
     p.add_argument("--impl", default="pallas_gpu")
     p.add_argument("--variants", nargs="*", default=[], help='extra tunings, "block_kv=128"')
@@ -249,19 +249,26 @@ def main(argv=None):
         "impl": a.impl,
     }
     print(json.dumps(meta))
-    rng = np.random.default_rng(0)
-    results: list[dict] = []
-    prefill_rows(a, rng, results)
-    if not a.skip_decode:
-        decode_and_mixed_rows(a, rng, results)
     out = a.out
     if out is None:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M")
         folder = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
         out = os.path.join(folder, f"prefill_{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": results}, f, indent=1)
+
+    class Rows(list):
+        """Rows that rewrite the JSON after every append (a killed run keeps what it measured)."""
+
+        def append(self, row):
+            super().append(row)
+            with open(out, "w") as f:
+                json.dump({"meta": meta, "rows": list(self)}, f, indent=1)
+
+    rng = np.random.default_rng(0)
+    results: list[dict] = Rows()
+    prefill_rows(a, rng, results)
+    if not a.skip_decode:
+        decode_and_mixed_rows(a, rng, results)
     print(f"wrote {out}")
     # Summary: jpaged / cuDNN at each length.
     for row in results:
