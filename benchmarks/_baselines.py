@@ -18,7 +18,9 @@ the K/V writes are in place: no cache copy per step), with attention by
 ``jax.nn.dot_product_attention`` (cuDNN on GPU; ``key_value_seq_lengths`` masks the unused
 tail). Decode computes the projections and the MLP for the first ``nb`` slots only (``nb``
 a power-of-two bucket covering the highest busy slot; slots are handed out lowest first) and
-attends over all slots with the idle ones at length 1. ``jax.nn.dot_product_attention``
+attends (cuDNN) over all slots with the idle ones at length 1, or (XLA) over the first ``nb``
+slots (XLA on CPU copies that slice: temporaries of the busy rows' K/V of one layer, not the
+whole cache). ``jax.nn.dot_product_attention``
 defaults to its XLA path everywhere, so the cuDNN kernel is asked for explicitly on GPU.
 Orca-Oracle and Orca-Pow2 hold ``max_num_seqs`` slots of ``max_len`` on device, more than the
 budget: their admission obeys the budget, the larger buffer only spares them an allocator
@@ -163,10 +165,15 @@ def _decode(cfg, impl, w, cache, tokens_b, pos_b, active_b):
         q, k, v = _qkv(cfg, p, x, pos_b[:, None])
         kc = kc.at[rows_b, write_b].set(k[:, 0].astype(kc.dtype), mode="drop")
         vc = vc.at[rows_b, write_b].set(v[:, 0].astype(vc.dtype), mode="drop")
-        q_full = jnp.zeros((num_slots, *q.shape[1:]), kc.dtype).at[:nb].set(q.astype(kc.dtype))
-        o = jax.nn.dot_product_attention(
-            q_full, kc, vc, key_value_seq_lengths=kv_lens, implementation=impl
-        )[:nb]
+        q = q.astype(kc.dtype)
+        if impl == "xla":  # attend over the busy slots' rows only
+            o = jax.nn.dot_product_attention(q, kc[:nb], vc[:nb],
+                                             key_value_seq_lengths=kv_lens[:nb])  # fmt: skip
+        else:  # a custom call: the whole cache as operand (a slice would be copied)
+            q_full = jnp.zeros((num_slots, *q.shape[1:]), kc.dtype).at[:nb].set(q)
+            o = jax.nn.dot_product_attention(
+                q_full, kc, vc, key_value_seq_lengths=kv_lens, implementation=impl
+            )[:nb]
         x = _out_and_mlp(cfg, p, x, o)
         new_cache.append((kc, vc))
     return tuple(new_cache), _next_tokens(cfg, w, x[:, 0])
