@@ -233,7 +233,9 @@ def _kernel_body(
             which the Mosaic GPU interpreter checks when the barrier is freed.
             """
             for d in range(stages):
-                pl.when(d < n)(lambda d=d: plgpu.barrier_wait(c_bar.at[lax.rem(n - 1 - d, stages)]))
+                pl.when(d < n)(
+                    lambda d=d: plgpu.barrier_wait(c_bar.at[lax.rem(n - 1 - d, jnp.int32(stages))])
+                )
 
         def compute():
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[cwg])
