@@ -94,8 +94,9 @@ class LLM:
         following ``jpaged.models.PagedModel``, e.g. ``jpaged.models.LlamaForCausalLM``).
       page_size: C, tokens per page.
       num_pages: P, pages in the pool; default from ``kv_cache_memory``.
-      kv_cache_memory: bytes for the pool (K and V); default 512 MiB, capped at what
-        ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
+      kv_cache_memory: bytes for the pool (K and V); default 60% of the device memory left
+        after loading the model (512 MiB where the backend reports none, e.g. CPU), capped at
+        what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
       max_num_seqs: most sequences in one step.
       max_model_len: longest sequence (prompt + generated); default the model's
         ``max_position_embeddings``.
@@ -170,7 +171,7 @@ class LLM:
             cache_dtype = _model_dtype(m)
         L, K, H = m.num_layers, m.num_kv_heads, m.head_dim
         if num_pages is None:
-            budget = kv_cache_memory if kv_cache_memory is not None else 512 << 20
+            budget = kv_cache_memory if kv_cache_memory is not None else _default_kv_bytes()
             num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
         self.cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
         bpp = self.cache.bytes_per_page
@@ -412,6 +413,11 @@ class LLM:
             return f"prompt token ids must lie in [0, vocab_size={V})"
         if req.fan_out > self.max_num_seqs:
             return f"{req.fan_out} sequences exceed max_num_seqs={self.max_num_seqs}"
+        if req.is_beam and req.fan_out > self.max_num_batched_tokens:
+            return (
+                f"beam_width={req.fan_out} exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} (all beams decode in one step)"
+            )
         C = self.page_size
         gen = min(req.params.max_tokens, self.max_model_len - n)
         # Full prompt pages are shared; each sequence owns the rest of its pages.
@@ -806,6 +812,17 @@ class LLM:
                 self.alloc.append_slots(seq.seq_id, accepted - 1)
                 self.alloc.truncate(seq.seq_id, start + accepted)
                 self._commit_pages(req, seq)
+
+
+def _default_kv_bytes() -> int:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # backends without memory stats
+        stats = {}
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    if not limit:
+        return 512 << 20
+    return max(int(0.6 * (limit - used)), 1 << 20)
 
 
 def _id_order(request_id: str):

@@ -170,26 +170,35 @@ def sample(
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B).astype(jnp.float32)
     scaled_BV = logits_BV / safe_t_B[:, None]
-    # Sorted descending; ties keep the lower token id first (stable sort of the negation).
-    order_BV = jnp.argsort(-scaled_BV, axis=-1, stable=True)
-    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
-    rank_V = jnp.arange(V, dtype=jnp.int32)
-    k_B = jnp.where(top_k_B <= 0, V, jnp.minimum(top_k_B, V))
-    keep_BV = rank_V[None, :] < k_B[:, None]
-    sorted_BV = jnp.where(keep_BV, sorted_BV, _MASK_VALUE)
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    # Keep token r while the mass of the tokens before it is < top_p (so at least one is kept).
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = keep_BV & (mass_before_BV < top_p_B[:, None])
-    sorted_BV = jnp.where(keep_BV, sorted_BV, _MASK_VALUE)
 
     def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
         return jax.random.gumbel(key, (V,), jnp.float32)
 
+    # Noise indexed by token id, so a row draws the same token with or without truncation.
     g_BV = jax.vmap(gumbel)(seed_B.astype(jnp.uint32), position_B.astype(jnp.uint32))
-    pick_B = jnp.argmax(jnp.where(keep_BV, sorted_BV + g_BV, -jnp.inf), axis=-1)
-    sampled_B = jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
+
+    def plain():
+        return jnp.argmax(scaled_BV + g_BV, axis=-1)
+
+    def truncated():
+        # Sorted descending; ties keep the lower token id first (stable sort of the negation).
+        order_BV = jnp.argsort(-scaled_BV, axis=-1, stable=True)
+        sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+        rank_V = jnp.arange(V, dtype=jnp.int32)
+        k_B = jnp.where(top_k_B <= 0, V, jnp.minimum(top_k_B, V))
+        keep_BV = rank_V[None, :] < k_B[:, None]
+        probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, _MASK_VALUE), axis=-1)
+        # Keep rank r while the mass before it is < top_p (so at least one token is kept).
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        keep_BV = keep_BV & (mass_before_BV < top_p_B[:, None])
+        noisy_BV = sorted_BV + jnp.take_along_axis(g_BV, order_BV, axis=-1)
+        pick_B = jnp.argmax(jnp.where(keep_BV, noisy_BV, -jnp.inf), axis=-1)
+        return jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
+
+    # The full-vocabulary sort runs only when some sampling row truncates.
+    truncating_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0))
+    sampled_B = jax.lax.cond(jnp.any(truncating_B), truncated, plain)
     greedy_tok_B = jnp.argmax(logits_BV, axis=-1)
     tokens_B = jnp.where(greedy_B, greedy_tok_B, sampled_B).astype(jnp.int32)
     logprob_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]

@@ -129,3 +129,22 @@ def test_invalid_sampling_params_raise(kwargs, match):
 def test_invalid_beam_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jpaged.BeamSearchParams(**kwargs)
+
+
+def test_truncation_elsewhere_in_the_batch_does_not_change_a_row():
+    # Row 0 samples without truncation; whether row 1 truncates (the sorting path runs) or
+    # not, row 0 draws the same token.
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    for seed in range(32):
+        seeds = np.array([seed, 4])
+        plain, _ = _rows(logits, seeds=seeds, positions=np.array([7, 7]))
+        trunc, _ = _sample(
+            jnp.asarray(logits),
+            jnp.ones(2, jnp.float32),
+            jnp.asarray([0, 3], jnp.int32),
+            jnp.asarray([1.0, 0.5], jnp.float32),
+            jnp.asarray(seeds, jnp.int32),
+            jnp.asarray([7, 7], jnp.int32),
+        )
+        assert int(plain[0]) == int(trunc[0])
