@@ -28,7 +28,12 @@ def _model():
 
 
 def make_llm(**kw):
-    return jpaged.LLM(_model(), **{**ENGINE, **kw})
+    """An engine whose whole pool starts as NaN: reading any slot not written first (a stale
+    page, a page past a sequence's length, the tail of its last page) poisons the logits."""
+    llm = jpaged.LLM(_model(), **{**ENGINE, **kw})
+    nan = jnp.full_like(llm.cache.k_pages, jnp.nan)
+    llm.cache = jpaged.PagedKVCache(k_pages=nan, v_pages=jnp.full_like(nan, jnp.nan))
+    return llm
 
 
 @functools.cache

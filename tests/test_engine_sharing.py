@@ -6,6 +6,7 @@ All engines run with ``debug=True`` (allocator invariants checked after every st
 import functools
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,7 +25,11 @@ def _model():
 
 
 def make_llm(**kw):
-    return jpaged.LLM(_model(), **{**ENGINE, **kw})
+    """An engine whose pool starts as NaN (see tests/test_engine.py)."""
+    llm = jpaged.LLM(_model(), **{**ENGINE, **kw})
+    nan = jnp.full_like(llm.cache.k_pages, jnp.nan)
+    llm.cache = jpaged.PagedKVCache(k_pages=nan, v_pages=jnp.full_like(nan, jnp.nan))
+    return llm
 
 
 def random_prompts(seed, lengths):
