@@ -224,6 +224,7 @@ def test_prefix_caching_skips_the_shared_prompt():
     assert p["off"]["prefill_tokens_computed"] == p["off"]["prompt_tokens"]
     assert p["on"]["prefill_tokens_computed"] == p["on"]["prompt_tokens"] - 3 * 2 * C
     assert p["prefill_saved_fraction"] > 0.5
+    assert p["on"]["compiles"] == p["off"]["compiles"] == 0  # the warm-up compiled every shape
 
 
 def test_plots_write_pngs(tmp_path):
