@@ -36,8 +36,7 @@ from jpaged._errors import OutOfPagesError
 from jpaged._sampling import BeamSearchParams, SamplingParams
 from jpaged._scheduler import Request, Scheduler, Status
 from jpaged._scheduler import Sequence as Seq
-from jpaged._step import LoopBatch, Runner, SamplingArrays, StepBatch, bucket, pad_to
-from jpaged.models._protocol import AttentionMetadata
+from jpaged._step import LoopBatch, Runner, SamplingArrays, bucket, build_step_batch, pad_to
 
 Prompt = Sequence[int] | str
 
@@ -490,6 +489,7 @@ class LLM:
         try:
             for seq in seqs:
                 tokens = req.prompt if req.refork else seq.tokens
+                seq.num_committed = 0
                 if self.enable_prefix_caching:
                     cached = self.alloc.allocate_with_prefix(seq.seq_id, tokens, req.salt)
                     seq.num_computed = cached
@@ -574,47 +574,27 @@ class LLM:
 
     def _run_step(self, sched) -> None:
         items = sched.scheduled
-        B = len(items)
-        rows = []  # (item index, kind, child index)
-        toks, pos, slots, tables, kv_lens, cu = [], [], [], [], [], [0]
+        rows = []  # (item index, completion index) of each sampled row
         for b, it in enumerate(items):
-            seq, start, n = it.seq, it.seq.num_computed, it.num_new
-            toks.extend(seq.tokens[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.append(self.alloc.slots(seq.seq_id, start, n))
-            tables.append(pad_to(np.asarray(self.alloc.block_table(seq.seq_id), np.int32),
-                                 self.width, 0))  # fmt: skip
-            kv_lens.append(start + n)
-            cu.append(cu[-1] + n)
             if it.samples:
                 req = it.request
                 fan = 1 if (req.forked or req.is_beam) else req.fan_out
-                for i in range(fan):
-                    rows.append((b, i))
-        T = len(toks)
+                rows.extend((b, i) for i in range(fan))
+        samp = [self._sampling_row(items[b].request, items[b].seq, items[b].seq.seed + i)
+                for b, i in rows]  # fmt: skip
         decode = sched.decode_only
-        Bp = self._seq_bucket(max(B, len(rows)))
-        Tp = Bp if decode else bucket(T, 16, max(self.max_num_batched_tokens, 16))
-        logits_idx = [cu[b + 1] - 1 for b, _ in rows]
-        samp = []
-        for b, i in rows:
-            it = items[b]
-            samp.append(self._sampling_row(it.request, it.seq, it.seq.seed + i))
-        samp = np.asarray(samp, np.float64).reshape(-1, 5)
-        meta = AttentionMetadata(
-            slot_mapping=pad_to(np.concatenate(slots).astype(np.int32), Tp, -1),
-            block_tables=pad_to(np.stack(tables), Bp, 0),
-            kv_lens=pad_to(np.asarray(kv_lens, np.int32), Bp, 0),
-            cu_q_lens=pad_to(np.asarray(cu, np.int32), Bp + 1, T),
-            num_seqs=np.int32(B),
-            logits_indices=pad_to(np.asarray(logits_idx, np.int32), Bp, 0),
-        )
-        batch = StepBatch(
-            tokens=pad_to(np.asarray(toks, np.int32), Tp, 0),
-            positions=pad_to(np.asarray(pos, np.int32), Tp, 0),
-            metadata=meta,
-            sampling=_sampling_arrays(samp, Bp),
-        )
+        Bp = self._seq_bucket(max(len(items), len(rows)))
+        batch = build_step_batch(
+            [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
+            [self.alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
+            [self.alloc.block_table(it.seq.seq_id) for it in items],
+            [b for b, _ in rows],
+            _sampling_arrays(np.asarray(samp, np.float64), Bp),
+            width=self.width,
+            num_rows=Bp,
+            num_tokens=Bp if decode else bucket(sched.num_tokens, 16,
+                                                max(self.max_num_batched_tokens, 16)),
+        )  # fmt: skip
         num_top = 0
         if any(it.request.is_beam for it in items):
             num_top = bucket(2 * max(it.request.fan_out for it in items if it.request.is_beam),
@@ -663,13 +643,14 @@ class LLM:
         again (each then recomputes its own generated tokens)."""
         for seq in req.live_seqs()[1:]:
             self.alloc.fork(seq0.seq_id, seq.seq_id)
-            seq.num_computed = seq0.num_computed
+            seq.num_computed, seq.num_committed = seq0.num_computed, seq0.num_committed
         req.refork = False
 
     def _fork(self, req: Request, parent: Seq, index: int, seed: int) -> Seq:
         """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""
         child = Seq(next(self._seq_ids), index, list(parent.tokens), parent.num_prompt, seed,
-                    parent.num_computed, cumulative_logprob=parent.cumulative_logprob)  # fmt: skip
+                    parent.num_computed, cumulative_logprob=parent.cumulative_logprob,
+                    num_committed=parent.num_committed)  # fmt: skip
         self.alloc.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
         return child
@@ -689,8 +670,12 @@ class LLM:
             self.scheduler.finish_seq(req, seq, reason)
 
     def _commit_pages(self, req: Request, seq: Seq) -> None:
-        if self.enable_prefix_caching and not seq.finished and seq.seq_id in self.alloc:
-            self.alloc.commit_full_pages(seq.seq_id, seq.tokens[: seq.num_computed], req.salt)
+        """Registers newly computed full pages in the prefix cache (only on a page boundary)."""
+        full = seq.num_computed // self.page_size * self.page_size
+        if not self.enable_prefix_caching or full <= seq.num_committed or seq.finished:
+            return
+        self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt)
+        seq.num_committed = full
 
     def _beam_step(self, req: Request, entries: list[tuple[Seq, int]], top) -> None:
         lp_RK, ids_RK = top

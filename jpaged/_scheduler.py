@@ -28,7 +28,6 @@ import bisect
 import collections
 import dataclasses
 import enum
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +65,7 @@ class Sequence:
     num_computed: int = 0
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
+    num_committed: int = 0  # tokens of full pages registered in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -451,7 +451,7 @@ class Scheduler:
             for seq in req.live_seqs():
                 amount += seq.num_computed
                 self.alloc.free(seq.seq_id)
-                seq.num_computed = 0
+                seq.num_computed = seq.num_committed = 0
             # A forked group recomputes its prompt once (first sequence), then forks it again
             # so the prompt's pages are shared as before (see `_plan`).
             req.refork = req.forked and len(req.live_seqs()) > 1
@@ -475,7 +475,3 @@ class Scheduler:
             return "swap" if fits else "recompute"
         _, recompute_s = self._recompute_cost(req)
         return "swap" if fits and swap_s < recompute_s else "recompute"
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return math.ceil(num_tokens / page_size)

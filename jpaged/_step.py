@@ -234,3 +234,55 @@ def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:
         return x[:n]
     pad = np.full((n - x.shape[0], *x.shape[1:]), fill, dtype=x.dtype)
     return np.concatenate([x, pad])
+
+
+def build_step_batch(
+    seqs: list[tuple[list[int], int, int]],
+    slots: list[np.ndarray],
+    tables: list[list[int]],
+    row_seq: list[int],
+    sampling: SamplingArrays,
+    *,
+    width: int,
+    num_rows: int,
+    num_tokens: int,
+) -> StepBatch:
+    """Packs B scheduled sequences into a padded ragged ``StepBatch`` (host NumPy).
+
+    Args:
+      seqs: per sequence ``(tokens, start, n)``: its tokens ``[start, start + n)`` run.
+      slots: per sequence i32[n] cache slots of those tokens.
+      tables: per sequence its page ids.
+      row_seq: per logits row, the sequence whose last token's logits it samples from
+        (several rows may share one: n > 1 completions of one prompt).
+      sampling: the rows' ``SamplingArrays``, padded to ``num_rows``.
+      width: W, block-table width.
+      num_rows: the sequence/row bucket (>= B and >= len(row_seq)).
+      num_tokens: the token bucket T (>= the total of the n's).
+
+    Returns:
+      The batch; padding tokens have slot -1, padding sequences zero tokens and length.
+    """
+    toks, pos, cu = [], [], [0]
+    for tokens, start, n in seqs:
+        toks.extend(tokens[start : start + n])
+        pos.extend(range(start, start + n))
+        cu.append(cu[-1] + n)
+    T = len(toks)
+    table_BW = np.zeros((num_rows, width), np.int32)
+    for b, table in enumerate(tables):
+        table_BW[b, : len(table)] = table[:width]
+    meta = AttentionMetadata(
+        slot_mapping=pad_to(np.concatenate(slots).astype(np.int32), num_tokens, -1),
+        block_tables=table_BW,
+        kv_lens=pad_to(np.asarray([s + n for _, s, n in seqs], np.int32), num_rows, 0),
+        cu_q_lens=pad_to(np.asarray(cu, np.int32), num_rows + 1, T),
+        num_seqs=np.int32(len(seqs)),
+        logits_indices=pad_to(np.asarray([cu[b + 1] - 1 for b in row_seq], np.int32), num_rows, 0),
+    )
+    return StepBatch(
+        tokens=pad_to(np.asarray(toks, np.int32), num_tokens, 0),
+        positions=pad_to(np.asarray(pos, np.int32), num_tokens, 0),
+        metadata=meta,
+        sampling=sampling,
+    )
