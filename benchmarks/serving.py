@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 
 import jpaged
 from jpaged import models
+from jpaged.models import AttentionMetadata
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SYSTEMS = ("jpaged", "static", "orca-max", "orca-pow2", "orca-oracle")
@@ -148,6 +150,46 @@ class JpagedSystem:
     @property
     def num_compiles(self) -> int:
         return self.llm.runner.num_compiles
+
+
+def precompile_jpaged(llm, *, progress: bool = False) -> int:
+    """Compiles every step shape a `jpaged.LLM` can meet, on dummy inputs that write nothing.
+
+    The shapes mirror ``jpaged._engine``'s bucketing (sequence buckets from 8 to
+    ``max_num_seqs``, token buckets from 16 to ``max_num_batched_tokens``, the decode step and
+    the multi-step loop, no beam search). It calls ``llm.runner`` (an engine internal): should
+    the engine change its batches, the smoke test that checks a run compiles nothing after
+    this fails. Returns the number of shapes.
+    """
+    from tqdm.auto import tqdm
+
+    from jpaged._step import LoopBatch, SamplingArrays, StepBatch, bucket
+
+    W, top = llm.width, max(llm.max_num_batched_tokens, 16)
+    seq_buckets = sorted({bucket(n, 8, llm.max_num_seqs) for n in range(1, llm.max_num_seqs + 1)})
+    tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
+    shapes = [("decode", B, B) for B in seq_buckets] + [("loop", B, 0) for B in seq_buckets]
+    shapes += [("mixed", B, T) for B in seq_buckets for T in tok_buckets]
+    i32 = functools.partial(np.zeros, dtype=np.int32)
+
+    def sampling(R):
+        f32 = np.zeros(R, np.float32)
+        return SamplingArrays(temperature=f32, top_k=i32(R), top_p=f32 + 1, seed=i32(R),
+                              position=i32(R))  # fmt: skip
+
+    for kind, B, T in tqdm(shapes, desc="precompile jpaged", disable=not progress, leave=False):
+        if kind == "loop":
+            batch = LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
+                              active=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
+                              stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
+            llm.cache = llm.runner.decode_loop(llm.cache, batch, num_steps=llm.num_decode_steps)[0]
+            continue
+        meta = AttentionMetadata(slot_mapping=np.full(T, -1, np.int32),
+                                 block_tables=i32((B, W)), kv_lens=i32(B), cu_q_lens=i32(B + 1),
+                                 num_seqs=np.int32(0), logits_indices=i32(B))  # fmt: skip
+        batch = StepBatch(tokens=i32(T), positions=i32(T), metadata=meta, sampling=sampling(B))
+        llm.cache = llm.runner.step(llm.cache, batch, decode=kind == "decode", num_top=0)[0]
+    return len(shapes)
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
@@ -306,6 +348,8 @@ def _warm_up(system, trace, prompts) -> None:
     lm = getattr(system, "lm", None)
     if lm is not None:  # a baseline: compile every shape it can meet
         lm.precompile(system.max_prefill_tokens)
+    else:
+        precompile_jpaged(system.llm)
     short = [dataclasses.replace(r, output_len=min(r.output_len, 32), arrival_s=0.0)
              for r in trace]  # fmt: skip
     run_trace(system, short, prompts, progress=False)
@@ -537,7 +581,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--merge",
         action="store_true",
-        help="keep the other systems' results already in --out (same settings)",
+        help="keep the results already in --out (same settings) for other systems or rates",
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -581,10 +625,11 @@ def main(argv=None) -> dict:
         "rates": list(rates),
     }  # fmt: skip
 
-    kept = _kept_results(out, doc, systems) if args.merge else {}
+    kept = _kept_results(out, doc) if args.merge else {}
 
     def save(results):
-        doc["results"] = {**kept, **results}
+        doc["results"] = _merge(kept, results)
+        doc["rates"] = sorted({p["rate"] for pts in doc["results"].values() for p in pts})
         doc["summary"] = _sustainable(doc["results"], args.slo)
         out.write_text(json.dumps(doc, indent=1, default=float))
 
@@ -599,9 +644,9 @@ def main(argv=None) -> dict:
                     max_run_s=max_run_s, warmup=args.warmup,
                     progress=not args.no_progress, on_result=save)  # fmt: skip
     save(results)
-    for name, points in doc["results"].items():
-        if name not in results:
-            for p in points:
+    for name, points in kept.items():
+        for p in points:
+            if p["rate"] not in rates or name not in results:
                 print(_row(name, p) + "  (from --out)")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}")
@@ -629,18 +674,31 @@ def _profile_main(args, model) -> dict:
     return doc
 
 
-def _kept_results(out: pathlib.Path, doc: dict, systems: list[str]) -> dict:
-    """Results of other systems in an earlier ``out`` with the same settings (``--merge``)."""
+def _kept_results(out: pathlib.Path, doc: dict) -> dict:
+    """The results in an earlier ``out`` measured with the same settings (``--merge``).
+
+    Raises:
+      ValueError: ``out`` was measured with another model, workload, budget or sizes.
+    """
     if not out.exists():
         return {}
     old = json.loads(out.read_text())
-    keys = ("model", "workload", "kv_budget_tokens", "page_size", "max_len", "max_num_seqs",
-            "rates")  # fmt: skip
+    keys = ("model", "workload", "kv_budget_tokens", "page_size", "max_len", "max_num_seqs")
     diff = [k for k in keys if old.get(k) != doc[k]]
     if diff:
         raise ValueError(f"--merge: {out} was measured with other settings ({diff}); "
                          "pass another --out")  # fmt: skip
-    return {k: v for k, v in old.get("results", {}).items() if k not in systems}
+    return old.get("results", {})
+
+
+def _merge(old: dict, new: dict) -> dict:
+    """Per system, the new points plus the old points at rates not measured again."""
+    merged = {}
+    for name in {**old, **new}:
+        fresh = {p["rate"] for p in new.get(name, [])}
+        pts = [p for p in old.get(name, []) if p["rate"] not in fresh] + new.get(name, [])
+        merged[name] = sorted(pts, key=lambda p: p["rate"])
+    return merged
 
 
 def _sustainable(results: dict, slo: float | None) -> dict:

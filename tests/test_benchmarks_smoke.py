@@ -126,6 +126,18 @@ def test_baseline_precompile_covers_every_shape_a_run_meets():
     assert system.outputs == want  # the dummy precompile calls wrote nothing
 
 
+def test_jpaged_precompile_covers_every_shape_a_run_meets():
+    system = _system("jpaged", max_num_batched_tokens=32)  # 4 shapes; prompts run chunked
+    assert serving.precompile_jpaged(system.llm) == 4
+    before = system.num_compiles
+    rng = np.random.default_rng(4)
+    lengths = [(int(p), int(o)) for p, o in zip(rng.integers(1, 60, 12), rng.integers(1, 30, 12),
+                                                strict=True)]  # fmt: skip
+    trace = _trace(lengths, rate=300.0, seed=5)
+    run = serving.run_trace(system, trace, _workloads.prompt_tokens(trace, 256), progress=False)
+    assert not run["saturated"] and run["compiles"] == 0 and system.num_compiles == before
+
+
 # ------------------------------------------------------------------------------ harness
 
 
@@ -159,16 +171,20 @@ def test_serving_harness_end_to_end_gives_sane_metrics():
 
 def test_serving_main_writes_json_and_merges(tmp_path):
     out = tmp_path / "s.json"
-    common = ["--num-requests", "3", "--rates", "100", "--warmup", "0", "--no-progress",
+    common = ["--rates", "100", "--num-requests", "3", "--warmup", "0", "--no-progress",
               "--out", str(out), "--kv-tokens", str(KV), "--max-len", str(MAX_LEN),
               "--max-num-seqs", "8"]  # fmt: skip
     serving.main(["--systems", "jpaged", *common])
-    doc = serving.main(["--systems", "static", "--merge", *common])
+    serving.main(["--systems", "static", "--merge", *common])
+    doc = serving.main(["--systems", "static", "--merge", *common[2:], "--rates", "inf"])
     saved = json.loads(out.read_text())
     assert saved["env"]["jax"] and saved["kv_budget_tokens"] == KV
-    for name in ("jpaged", "static"):
-        (p,) = saved["results"][name]
-        assert p["num_finished"] == 3 and p["throughput_req_s"] > 0
+    assert saved["rates"] == [100.0, math.inf]
+    assert [p["rate"] for p in saved["results"]["static"]] == [100.0, math.inf]
+    assert [p["rate"] for p in saved["results"]["jpaged"]] == [100.0]
+    for points in saved["results"].values():
+        for p in points:
+            assert p["num_finished"] == 3 and p["throughput_req_s"] > 0
     assert doc["summary"]["sustainable_rate"].keys() == {"jpaged", "static"}
     with pytest.raises(ValueError, match="other settings"):
         serving.main(["--systems", "static", "--merge", *common, "--page-size", "8"])
