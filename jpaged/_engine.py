@@ -341,6 +341,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
+        touched = self._step()
+        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)]
+
+    def _step(self) -> set[str]:
+        """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -360,7 +365,7 @@ class LLM:
         touched |= {r.request_id for r in self.scheduler.take_finished()}
         touched |= self._failed_at_add
         self._failed_at_add = set()
-        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)]
+        return touched
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
@@ -442,9 +447,9 @@ class LLM:
         while pending:
             if not self.scheduler.has_unfinished():
                 raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
+            for rid in self._step() & pending:
+                if self._requests[rid].finished:
+                    pending.discard(rid)
                     if bar is not None:
                         bar.update(1)
         if bar is not None:

@@ -119,9 +119,8 @@ class Request:
     refork: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
 
-    @property
-    def is_beam(self) -> bool:
-        return isinstance(self.params, BeamSearchParams)
+    def __post_init__(self):
+        self.is_beam = isinstance(self.params, BeamSearchParams)
 
     @property
     def fan_out(self) -> int:

@@ -17,6 +17,7 @@ Every varying quantity is an array and every shape comes from a small set of buc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -179,26 +180,42 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
     return cache, out_KB, lp_KB, steps
 
 
-_step_jit = jax.jit(
-    _step_impl, static_argnames=("graphdef", "decode", "num_top"), donate_argnames=("cache",)
-)
-_loop_jit = jax.jit(
-    _loop_impl, static_argnames=("graphdef", "num_steps"), donate_argnames=("cache",)
-)
+@functools.cache
+def _programs(graphdef, treedef):
+    """The jitted step programs of one model structure (shared by every engine over it).
+
+    The model state travels as a flat list of arrays and the graphdef is closed over, so a
+    call hashes nothing and flattens no module tree (host dispatch cost per step)."""
+
+    def merge(leaves):
+        return jax.tree.unflatten(treedef, leaves)
+
+    def step(leaves, cache, batch, *, decode, num_top):
+        return _step_impl(graphdef, merge(leaves), cache, batch, decode=decode, num_top=num_top)
+
+    def loop(leaves, cache, batch, *, num_steps):
+        return _loop_impl(graphdef, merge(leaves), cache, batch, num_steps=num_steps)
+
+    return (
+        jax.jit(step, static_argnames=("decode", "num_top"), donate_argnames=("cache",)),
+        jax.jit(loop, static_argnames=("num_steps",), donate_argnames=("cache",)),
+    )
 
 
 class Runner:
     """Holds a model split into (graphdef, state) and calls the jitted step programs.
 
-    The programs are module-level jits keyed by the model's graphdef, so engines over
-    models of the same structure share compiles.
+    The programs are cached per (graphdef, state structure), so engines over models of the
+    same structure share compiles.
 
     Attributes:
       num_compiles: step-program compiles (traces) in this process since this runner was built.
     """
 
     def __init__(self, model: nnx.Module):
-        self.graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        self.leaves, treedef = jax.tree.flatten(state)
+        self._step, self._loop = _programs(graphdef, treedef)
         self._start = _TRACES[0]
 
     @property
@@ -207,24 +224,11 @@ class Runner:
 
     def step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0):
         """Runs one step; returns (cache, tokens i32[R], logprobs f32[R], top or None)."""
-        return _step_jit(
-            graphdef=self.graphdef,
-            state=self.state,
-            cache=cache,
-            batch=batch,
-            decode=decode,
-            num_top=num_top,
-        )
+        return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int):
         """Runs up to ``num_steps`` decode steps; returns (cache, tokens [k, B], lps, steps)."""
-        return _loop_jit(
-            graphdef=self.graphdef,
-            state=self.state,
-            cache=cache,
-            batch=batch,
-            num_steps=num_steps,
-        )
+        return self._loop(self.leaves, cache, batch, num_steps=num_steps)
 
 
 def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:
