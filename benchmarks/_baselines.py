@@ -240,7 +240,7 @@ class ContiguousLM:
     def precompile(self, max_prefill_tokens: int, progress: bool = False) -> int:
         """Compiles every prefill shape with rows x tokens <= ``max_prefill_tokens`` (or one
         row) and every decode bucket, on dummy inputs that write nothing; returns the count."""
-        from tqdm.auto import tqdm
+        from _workloads import tqdm
 
         shapes = []
         S = 16

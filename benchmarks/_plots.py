@@ -8,7 +8,11 @@
   shared pages (more than one holder) outlined in black, pages held by none left white.
 
 Every function takes the benchmark's JSON document (or a part of it) and a path, and
-returns the path written.
+returns the path written. From the command line, the PNGs of saved JSON files (e.g. fetched
+from a GPU machine without matplotlib) are written next to them:
+
+    python benchmarks/_plots.py benchmarks/results/serving_llama-8b_sharegpt.json \
+        benchmarks/results/memory_llama-8b.json
 """
 
 from __future__ import annotations
@@ -126,3 +130,23 @@ def memory_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
             paths.append(page_map(snap, f"{stem}_pages_{r['kind']}{r['width']}.png",
                                   _title(doc, f"{what} = {r['width']}")))  # fmt: skip
     return paths
+
+
+def main(paths: list[str]) -> list[pathlib.Path]:
+    """Writes the plots of each ``serving.py`` / ``memory.py`` JSON file next to it."""
+    import json
+
+    written = []
+    for path in map(pathlib.Path, paths):
+        doc = json.loads(path.read_text())
+        stem = path.with_suffix("")
+        written += serving_plots(doc, stem) if "results" in doc else memory_plots(doc, stem)
+    for w in written:
+        print(f"wrote {w}")
+    return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -40,6 +40,28 @@ import numpy as np
 
 TRACE_FORMAT = "jpaged-trace-v1"
 
+try:  # progress bars for the benchmarks (tqdm is a jpaged dependency; a bare machine may lack it)
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover
+
+    class tqdm:
+        """A silent stand-in with the part of tqdm's API the benchmarks use."""
+
+        def __init__(self, iterable=None, total=None, **kwargs):
+            self.iterable = iterable
+
+        def __iter__(self):
+            return iter(self.iterable)
+
+        def update(self, n=1):
+            pass
+
+        def close(self):
+            pass
+
+        def write(self, s):
+            print(s)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:

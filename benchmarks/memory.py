@@ -87,8 +87,6 @@ def _page_owners(llm) -> tuple[list[int], dict[int, list[int]]]:
 def measure_sharing(model, spec, trace, prompts, *, kind: str, width: int, budget_tokens,
                     page_size, max_num_seqs, progress=True) -> dict:  # fmt: skip
     """Pages saved by sharing for parallel sampling (``kind="n"``) or beam search ("beam")."""
-    from tqdm.auto import tqdm
-
     # One token per step (no multi-step decode), so averaging over steps averages over time.
     system = serving.JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
                                   max_len=spec.max_len, max_num_seqs=max_num_seqs,
@@ -101,8 +99,8 @@ def measure_sharing(model, spec, trace, prompts, *, kind: str, width: int, budge
             system.add(i, prompts[i], r.output_len, n=width)
     used = unshared = 0
     best = {"shared_pages": -1}
-    bar = tqdm(total=len(trace), desc=f"sharing {kind}={width}", disable=not progress,
-               leave=False)  # fmt: skip
+    bar = _workloads.tqdm(total=len(trace), desc=f"sharing {kind}={width}",
+                          disable=not progress, leave=False)  # fmt: skip
     while system.has_work():
         done = sum(1 for _, _, f in system.step() if f)
         bar.update(done)

@@ -161,8 +161,6 @@ def precompile_jpaged(llm, *, progress: bool = False) -> int:
     the engine change its batches, the smoke test that checks a run compiles nothing after
     this fails. Returns the number of shapes.
     """
-    from tqdm.auto import tqdm
-
     from jpaged._step import LoopBatch, SamplingArrays, StepBatch, bucket
 
     W, top = llm.width, max(llm.max_num_batched_tokens, 16)
@@ -177,7 +175,9 @@ def precompile_jpaged(llm, *, progress: bool = False) -> int:
         return SamplingArrays(temperature=f32, top_k=i32(R), top_p=f32 + 1, seed=i32(R),
                               position=i32(R))  # fmt: skip
 
-    for kind, B, T in tqdm(shapes, desc="precompile jpaged", disable=not progress, leave=False):
+    for kind, B, T in _workloads.tqdm(
+        shapes, desc="precompile jpaged", disable=not progress, leave=False
+    ):
         if kind == "loop":
             batch = LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
                               active=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
@@ -238,14 +238,14 @@ def run_trace(
       "usage": [[t, allocated/pool, live/pool, seqs], ...], "wall_s", "saturated", "steps",
       "compiles"}``.
     """
-    from tqdm.auto import tqdm
-
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     times: list[list[float]] = [[] for _ in trace]
     finished = [False] * len(trace)
     usage: list[list[float]] = []
     compiles0, steps = system.num_compiles, 0
-    bar = tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=False)
+    bar = _workloads.tqdm(
+        total=len(trace), desc=desc, unit="req", disable=not progress, leave=False
+    )
     nxt, last_sample, saturated = 0, -math.inf, False
     start = time.perf_counter()
     while True:
@@ -367,10 +367,10 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
     Returns ``{system: [point, ...]}`` where a point is `summarize`'s dict plus ``rate`` and
     the KV usage series ``usage`` ([t, allocated, live fractions, seqs], downsampled).
     """
-    from tqdm.auto import tqdm
-
     results: dict[str, list[dict]] = {}
-    outer = tqdm(total=len(systems) * len(rates), desc="sweep", unit="run", disable=not progress)
+    outer = _workloads.tqdm(
+        total=len(systems) * len(rates), desc="sweep", unit="run", disable=not progress
+    )
 
     def build(name):
         # A fresh system per run (no state carried over); the jitted programs are module-level,
@@ -468,7 +468,6 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     the HBM read roofline measured in the same process (``_timing.read_roofline_tbs``).
     """
     import _timing
-    from tqdm.auto import tqdm
 
     roof_tbs, _ = _timing.read_roofline_tbs(roofline_bytes)
     cfg = model.config
@@ -476,7 +475,7 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     weights = _weight_bytes(model)
     rows = []
-    for B in tqdm(batch_sizes, desc="decode profile", disable=not progress):
+    for B in _workloads.tqdm(batch_sizes, desc="decode profile", disable=not progress):
         need = B * (math.ceil((prompt_len + output_len) / page_size) + 2) * page_size
         for _ in range(2):  # the first pass compiles
             system = JpagedSystem(model, budget_tokens=need, page_size=page_size,

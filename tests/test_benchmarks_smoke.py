@@ -256,6 +256,9 @@ def test_plots_write_pngs(tmp_path):
                "num_pages": 10, "owners": {"0": [0, 1], "3": [1]}}}]}  # fmt: skip
     paths = _plots.serving_plots(doc, tmp_path / "s") + _plots.memory_plots(doc, tmp_path / "m")
     assert len(paths) == 3
+    (tmp_path / "memory.json").write_text(json.dumps({"sharing": doc["sharing"]}))
+    paths += _plots.main([str(tmp_path / "memory.json")])
+    assert paths[-1].name == "memory_pages_beam2.png"
     for path in paths:
         assert path.read_bytes()[:4] == b"\x89PNG"
 
