@@ -367,6 +367,51 @@ class LLM:
         self._failed_at_add = set()
         return touched
 
+    def warmup(self, *, progress: bool = False) -> int:
+        """Compiles every step program this engine can meet, on inputs that write nothing.
+
+        Covers the decode step and the decode loop for every sequence bucket and the ragged
+        step for every (sequence, token) bucket pair; beam search's top-k variant compiles on
+        first use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+
+        Returns:
+          The number of program shapes run.
+        """
+        W = self.width
+        top = max(self.max_num_batched_tokens, 16)
+        seq_buckets = sorted({self._seq_bucket(n) for n in range(1, self.max_num_seqs + 1)})
+        tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
+        shapes = [("decode", B, B) for B in seq_buckets]
+        if self.num_decode_steps > 1:
+            shapes += [("loop", B, 0) for B in seq_buckets]
+        shapes += [("ragged", B, T) for B in seq_buckets for T in tok_buckets]
+        if progress:
+            from tqdm.auto import tqdm
+
+            shapes_iter = tqdm(shapes, desc="warmup", unit="program")
+        else:
+            shapes_iter = shapes
+        for kind, B, T in shapes_iter:
+            zeros = np.zeros((B, 5))
+            if kind == "loop":
+                batch = LoopBatch(
+                    tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
+                    block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
+                    max_steps=np.zeros(B, np.int32), min_steps=np.zeros(B, np.int32),
+                    stop_ids=np.full((B, 4), -1, np.int32), sampling=_sampling_arrays(zeros, B),
+                )  # fmt: skip
+                self.cache = self.runner.decode_loop(
+                    self.cache, batch, num_steps=self.num_decode_steps
+                )[0]
+                continue
+            batch = build_step_batch(
+                [], [np.zeros(0, np.int32)], [], [], _sampling_arrays(zeros, B),
+                width=W, num_rows=B, num_tokens=T,
+            )  # fmt: skip
+            self.cache = self.runner.step(self.cache, batch, decode=kind == "decode")[0]
+        jax.block_until_ready(self.cache)
+        return len(shapes)
+
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
         s = self.alloc.stats()

@@ -116,13 +116,15 @@ def dataclasses_replace(obj, **kw):
 
 def test_no_recompiles_after_warmup():
     llm = make_llm(num_decode_steps=4)
-    lengths = (3, 20, 9, 1, 15)
-    llm.generate(random_prompts(2, lengths), jpaged.SamplingParams(max_tokens=6, seed=0))
+    assert llm.warmup() == 4  # decode, loop, ragged at 16 and 32 tokens (one sequence bucket)
     warm = llm.stats()["recompiles"]  # 0 if an earlier test compiled the same programs
-    # New tokens, new sampling knobs, lengths permuted: same buckets, nothing compiles.
+    lengths = (3, 20, 9, 1, 15, 30)
+    llm.generate(random_prompts(2, lengths), jpaged.SamplingParams(max_tokens=6, seed=0))
+    # New tokens, sampling knobs, n > 1, stop tokens, lengths permuted: nothing compiles.
     params = jpaged.SamplingParams(max_tokens=6, temperature=0.0, top_k=5, top_p=0.5)
     llm.generate(random_prompts(3, lengths[::-1]), params)
-    llm.generate(random_prompts(4, lengths), jpaged.SamplingParams(max_tokens=6, seed=7))
+    llm.generate(random_prompts(4, lengths[:3]),
+                 jpaged.SamplingParams(max_tokens=9, seed=7, n=2, stop_token_ids=[5, 6]))  # fmt: skip
     assert llm.stats()["recompiles"] == warm
 
 
