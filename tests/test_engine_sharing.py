@@ -214,3 +214,30 @@ def test_mixed_workload_under_a_tiny_pool_equals_unconstrained(mode):
     s = llm.stats()
     assert s["preemptions_recompute"] + s["preemptions_swap"] >= 1
     assert s["pages_used"] == 0 and s["pages_shared"] == 0
+
+
+def test_aborts_mid_flight_leave_the_others_unchanged():
+    reqs = _mixed_workload(1)
+    llm = make_llm(num_pages=14, watermark=0.0)
+    ids = [llm.add_request(p, sp) for p, sp in reqs]
+    rng = np.random.default_rng(0)
+    to_abort = {ids[i] for i in rng.choice(len(ids), size=3, replace=False)}
+    steps = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        steps += 1
+        for rid in list(to_abort):  # abort each at a different point of its life
+            if steps == 2 + 3 * sorted(to_abort).index(rid) or llm.get_output(rid).finished:
+                llm.abort(rid)
+                to_abort.discard(rid)
+    expected = _unconstrained(1)
+    aborted = 0
+    for i, rid in enumerate(ids):
+        out = llm.get_output(rid)
+        got = [(c.token_ids, c.finish_reason) for c in out.outputs]
+        if any(c.finish_reason == "abort" for c in out.outputs):
+            aborted += 1
+        else:
+            assert got == expected[i], f"request {i}"
+    assert aborted >= 2
+    assert llm.stats()["pages_used"] == 0 and llm.alloc.stats().swapped_seqs == 0
