@@ -31,9 +31,11 @@ Tokens are greedy (argmax); output lengths are enforced as in the paper (EOS ign
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 from collections import deque
 
 import jax
@@ -57,6 +59,15 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
     while b < n:
         b *= 2
     return min(b, maximum)
+
+
+def compile_parallel(lowered: list, threads: int | None = None) -> None:
+    """Compiles ``jax.jit(...).lower(...)`` results in a thread pool (XLA releases the GIL);
+    a later call of the jitted function with the same shapes reuses the executable."""
+    threads = threads or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(low.compile) for low in lowered]:
+            f.result()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,33 +248,50 @@ class ContiguousLM:
         """The padded (rows, tokens) of a prefill of ``n`` prompts of at most ``longest``."""
         return bucket(n, 1, 1 << 30), bucket(longest, 16, self.max_len)
 
-    def precompile(self, max_prefill_tokens: int, progress: bool = False) -> int:
-        """Compiles every prefill shape with rows x tokens <= ``max_prefill_tokens`` (or one
-        row) and every decode bucket, on dummy inputs that write nothing; returns the count."""
-        from _workloads import tqdm
+    def precompile(self, max_prefill_tokens: int, *, threads: int | None = None) -> int:
+        """Compiles every shape a run can meet; returns how many programs were compiled.
 
-        shapes = []
+        Prefill shapes: rows x tokens <= ``max_prefill_tokens`` (or one row), each with its
+        cache write; decode: every slot bucket. The programs are lowered one by one and
+        compiled by a thread pool (`compile_parallel`); later calls reuse them.
+        """
+        try:
+            return self._precompile(max_prefill_tokens, threads)
+        except Exception as e:  # cuDNN rejected a shape: use XLA attention throughout
+            if self.attention != "cudnn":
+                raise
+            self.fallback = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"cuDNN attention unavailable ({self.fallback}); using xla")
+            self.attention = "xla"
+            return self._precompile(max_prefill_tokens, threads)
+
+    def _precompile(self, max_prefill_tokens: int, threads: int | None) -> int:
+        cfg, w, cache, impl = self.config, self.weights, self.cache, self.attention
+        dtype = cache[0][0].dtype
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        lowered = []
         S = 16
         while True:
             B = 1
             while self.num_slots >= B and (B == 1 or max_prefill_tokens >= B * S):
-                shapes.append(("prefill", B, S))
+                lowered.append(_prefill.lower(cfg, impl, dtype, w, i32((B, S)), i32((B,))))
+                kv = tuple(jax.ShapeDtypeStruct((B, S, cfg.num_kv_heads, cfg.head_dim), dtype)
+                           for _ in range(cfg.num_layers))  # fmt: skip
+                lowered.append(_write_prefill.lower(cache, kv, kv, i32((B,))))
                 B *= 2
             if self.max_len <= S:
                 break
             S = min(2 * S, self.max_len)
         nb = 8
         while True:
-            shapes.append(("decode", min(nb, self.num_slots), 0))
+            nb = min(nb, self.num_slots)
+            mask = jax.ShapeDtypeStruct((nb,), jnp.bool_)
+            lowered.append(_decode.lower(cfg, impl, w, cache, i32((nb,)), i32((nb,)), mask))
             if nb >= self.num_slots:
                 break
             nb *= 2
-        for kind, B, S in tqdm(shapes, desc="precompile", disable=not progress, leave=False):
-            if kind == "prefill":
-                self.prefill([[0] * S] * B, [self.num_slots] * B)
-            else:
-                self.decode(np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, bool))
-        return len(shapes)
+        compile_parallel(lowered, threads)
+        return len(lowered)
 
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> np.ndarray:
         """Writes the prompts' K/V into ``slots``; returns each prompt's next token, i32[n].
@@ -333,10 +361,6 @@ class _SlotSystem:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_compiles(self) -> int:
-        return _TRACES[0]
 
     def _take_slot(self, req: _Req) -> None:
         self.free_slots.sort()

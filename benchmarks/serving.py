@@ -56,6 +56,22 @@ from jpaged import models
 from jpaged.models import AttentionMetadata
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+_COMPILES = [0]
+
+
+def _count_compile(event: str, duration_secs: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def backend_compiles() -> int:
+    """XLA compiles in this process so far (every program: model steps, cache updates, ...)."""
+    return _COMPILES[0]
+
+
 SYSTEMS = ("jpaged", "static", "orca-max", "orca-pow2", "orca-oracle")
 
 
@@ -147,27 +163,24 @@ class JpagedSystem:
         C = self.page_size
         return _baselines.KVUsage(s.total_pages * C, s.used_pages * C, s.live_tokens, s.num_seqs)
 
-    @property
-    def num_compiles(self) -> int:
-        return self.llm.runner.num_compiles
 
+def precompile_jpaged(llm, *, threads: int | None = None) -> int:
+    """Compiles every step program a `jpaged.LLM` can meet; returns how many.
 
-def precompile_jpaged(llm, *, progress: bool = False) -> int:
-    """Compiles every step shape a `jpaged.LLM` can meet, on dummy inputs that write nothing.
-
-    The shapes mirror ``jpaged._engine``'s bucketing (sequence buckets from 8 to
-    ``max_num_seqs``, token buckets from 16 to ``max_num_batched_tokens``, the decode step and
-    the multi-step loop, no beam search). It calls ``llm.runner`` (an engine internal): should
-    the engine change its batches, the smoke test that checks a run compiles nothing after
-    this fails. Returns the number of shapes.
+    The shapes mirror the engine's bucketing (sequence buckets from 8 to ``max_num_seqs``,
+    token buckets from 16 to ``max_num_batched_tokens``; the decode step, the mixed step and
+    the multi-step loop; no beam search), on dummy batches that write nothing. Where the
+    engine's ``Runner`` exposes its jitted programs (``_step``, ``_loop``, ``leaves``: engine
+    internals) they are lowered and compiled by a thread pool; otherwise the public
+    ``Runner.step``/``decode_loop`` run them one by one. Should the engine change its batches,
+    the smoke test that a run compiles nothing after this fails.
     """
     from jpaged._step import LoopBatch, SamplingArrays, StepBatch, bucket
 
+    r = llm.runner
     W, top = llm.width, max(llm.max_num_batched_tokens, 16)
     seq_buckets = sorted({bucket(n, 8, llm.max_num_seqs) for n in range(1, llm.max_num_seqs + 1)})
     tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
-    shapes = [("decode", B, B) for B in seq_buckets] + [("loop", B, 0) for B in seq_buckets]
-    shapes += [("mixed", B, T) for B in seq_buckets for T in tok_buckets]
     i32 = functools.partial(np.zeros, dtype=np.int32)
 
     def sampling(R):
@@ -175,21 +188,34 @@ def precompile_jpaged(llm, *, progress: bool = False) -> int:
         return SamplingArrays(temperature=f32, top_k=i32(R), top_p=f32 + 1, seed=i32(R),
                               position=i32(R))  # fmt: skip
 
-    for kind, B, T in _workloads.tqdm(
-        shapes, desc="precompile jpaged", disable=not progress, leave=False
-    ):
-        if kind == "loop":
-            batch = LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
-                              active=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
-                              stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
-            llm.cache = llm.runner.decode_loop(llm.cache, batch, num_steps=llm.num_decode_steps)[0]
-            continue
+    def step_batch(B, T):
         meta = AttentionMetadata(slot_mapping=np.full(T, -1, np.int32),
                                  block_tables=i32((B, W)), kv_lens=i32(B), cu_q_lens=i32(B + 1),
                                  num_seqs=np.int32(0), logits_indices=i32(B))  # fmt: skip
-        batch = StepBatch(tokens=i32(T), positions=i32(T), metadata=meta, sampling=sampling(B))
-        llm.cache = llm.runner.step(llm.cache, batch, decode=kind == "decode", num_top=0)[0]
-    return len(shapes)
+        return StepBatch(tokens=i32(T), positions=i32(T), metadata=meta, sampling=sampling(B))
+
+    def loop_batch(B):
+        return LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
+                         active=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
+                         stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
+
+    k = llm.num_decode_steps
+    work = [("step", step_batch(B, B), True) for B in seq_buckets]
+    work += [("loop", loop_batch(B), None) for B in seq_buckets]
+    work += [("step", step_batch(B, T), False) for B in seq_buckets for T in tok_buckets]
+    if all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
+        lowered = [
+            r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
+            else r._loop.lower(r.leaves, llm.cache, b, num_steps=k)
+            for kind, b, d in work
+        ]  # fmt: skip
+        _baselines.compile_parallel(lowered, threads)
+    else:
+        for kind, b, d in work:
+            out = (r.step(llm.cache, b, decode=d, num_top=0) if kind == "step"
+                   else r.decode_loop(llm.cache, b, num_steps=k))  # fmt: skip
+            llm.cache = out[0]
+    return len(work)
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
@@ -242,7 +268,7 @@ def run_trace(
     times: list[list[float]] = [[] for _ in trace]
     finished = [False] * len(trace)
     usage: list[list[float]] = []
-    compiles0, steps = system.num_compiles, 0
+    compiles0, steps = backend_compiles(), 0
     bar = _workloads.tqdm(
         total=len(trace), desc=desc, unit="req", disable=not progress, leave=False
     )
@@ -288,7 +314,7 @@ def run_trace(
         "wall_s": wall,
         "saturated": saturated or not all(finished),
         "steps": steps,
-        "compiles": system.num_compiles - compiles0,
+        "compiles": backend_compiles() - compiles0,
     }
 
 
