@@ -89,8 +89,11 @@ class LLM:
     """A paged-KV-cache LLM engine: continuous batching, sharing, prefix cache, preemption.
 
     Args:
-      model: a local Hugging Face checkpoint directory, or a jpaged model (a Flax NNX module
-        following ``jpaged.models.PagedModel``, e.g. ``jpaged.models.LlamaForCausalLM``).
+      model: a local Hugging Face checkpoint directory, a jpaged model (a Flax NNX module
+        following ``jpaged.models.PagedModel``, e.g. ``jpaged.models.LlamaForCausalLM``), or
+        a ``jpaged.models.ModelConfig`` (with ``params``).
+      params: with a ``ModelConfig``: the parameter arrays by name
+        (``jpaged.models.param_shapes``); with a module: an ``nnx.State`` to load into it.
       page_size: C, tokens per page.
       num_pages: P, pages in the pool; default from ``kv_cache_memory``.
       kv_cache_memory: bytes for the pool (K and V); default 60% of the device memory left
@@ -121,6 +124,7 @@ class LLM:
         self,
         model: Any,
         *,
+        params: Any = None,
         page_size: int = 16,
         num_pages: int | None = None,
         kv_cache_memory: int | None = None,
@@ -150,7 +154,7 @@ class LLM:
             if eos_token_id is None:
                 eos_token_id = _read_eos(path)
         else:
-            self.model = model
+            self.model = _with_params(model, params)
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -207,6 +211,7 @@ class LLM:
         self._requests: dict[str, Request] = {}
         self._steps = self._device_calls = self._tokens_generated = 0
         self._failed_at_add: set[str] = set()
+        self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
         self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s"), 0.0)
 
     # ------------------------------------------------------------------ public API
@@ -437,6 +442,7 @@ class LLM:
             "recompiles": self.runner.num_compiles,
             "steps": self._steps,
             "device_calls": self._device_calls,
+            "loop_decode_steps": self._loop_steps,
             "tokens_generated": self._tokens_generated,
             # Host time scheduling, host + device time in steps, and of that the time spent
             # waiting for device results (so host work per step = step_s - device_wait_s).
@@ -826,10 +832,11 @@ class LLM:
             stop_ids=stop_ids,
             sampling=_sampling_arrays(samp, Bp),
         )
-        self.cache, out_KB, lp_KB, _ = self.runner.decode_loop(self.cache, batch, num_steps=k)
+        self.cache, out_KB, lp_KB, ran = self.runner.decode_loop(self.cache, batch, num_steps=k)
         self._device_calls += 1
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
+        self._loop_steps += int(ran)
         self._timing["device_wait_s"] += time.perf_counter() - t
         for b, it in enumerate(items):
             seq, req = it.seq, it.request
@@ -847,6 +854,22 @@ class LLM:
                 self.alloc.append_slots(seq.seq_id, accepted - 1)
                 self.alloc.truncate(seq.seq_id, start + accepted)
                 self._commit_pages(req, seq)
+
+
+def _with_params(model: Any, params: Any) -> Any:
+    from flax import nnx
+
+    from jpaged.models import LlamaForCausalLM, ModelConfig
+
+    if isinstance(model, ModelConfig):
+        if params is None:
+            raise ValueError("a ModelConfig needs params= (parameter arrays by name)")
+        return LlamaForCausalLM(model, params=params)
+    if params is not None:
+        if not isinstance(model, nnx.Module):
+            raise ValueError(f"params= needs an nnx.Module model, got {type(model).__name__}")
+        nnx.update(model, params)
+    return model
 
 
 def _default_kv_bytes() -> int:

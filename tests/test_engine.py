@@ -190,6 +190,8 @@ def test_stop_tokens_and_min_tokens(num_decode_steps):
                                                        stop_token_ids=[stop]))[0]  # fmt: skip
     assert out.outputs[0].token_ids == full[: k + 1]
     assert out.outputs[0].finish_reason == "stop"
+    if num_decode_steps > 1:  # the loop stopped on device at the stop token
+        assert llm.stats()["loop_decode_steps"] == k
     # With min_tokens past k, the first occurrence does not stop generation.
     sp = jpaged.SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop],
                                min_tokens=k + 2)  # fmt: skip
@@ -198,3 +200,20 @@ def test_stop_tokens_and_min_tokens(num_decode_steps):
     end = later[0] + 1 if later else 16
     assert out.outputs[0].token_ids == full[:end]
     assert out.outputs[0].finish_reason == ("stop" if later else "length")
+
+
+def test_model_as_config_plus_params_or_module_plus_state():
+    from flax import nnx
+
+    model = _model()
+    prompt = random_prompts(10, (6,))[0]
+    greedy = jpaged.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = dense_greedy(prompt, 5)
+    params = jpaged.models.load_params(CKPT, model.config)
+    from_config = jpaged.LLM(model.config, params=params, **ENGINE)
+    assert from_config.generate([prompt], greedy)[0].outputs[0].token_ids == expected
+    other = jpaged.models.LlamaForCausalLM(model.config, rngs=nnx.Rngs(1))
+    from_state = jpaged.LLM(other, params=nnx.state(model), **ENGINE)
+    assert from_state.generate([prompt], greedy)[0].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="needs params="):
+        jpaged.LLM(model.config, **ENGINE)
