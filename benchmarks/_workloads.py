@@ -173,7 +173,6 @@ def summary(trace: Sequence[RequestSpec]) -> dict:
         "prompt_max": int(p.max()),
         "output_mean": float(o.mean()),
         "output_max": int(o.max()),
-        "duration_s": float(max(r.arrival_s for r in trace)),
     }
 
 
