@@ -5,8 +5,10 @@ arrive by a Poisson process at each swept request rate; output lengths are enfor
 ignored, greedy tokens). Every system serves the same trace with the same model and the same
 KV budget (``--kv-tokens`` token slots): jpaged (`jpaged.LLM`, paged pool of
 ``kv_tokens / page_size`` pages), static batching, Orca-Max, Orca-Pow2 and Orca-Oracle
-(``_baselines``). Time is wall-clock in one process; each system first serves a warm-up
-burst (compiles), and every run records the compiles that still happened inside it.
+(``_baselines``). Time is wall-clock in one process. Before its runs, every program a system
+can meet is compiled (`precompile_jpaged`, `_baselines.ContiguousLM.precompile`: lowered, then
+compiled by a thread pool) and a short warm-up burst is served; every run records the XLA
+compiles that still happened inside it (``compiles``; `backend_compiles`).
 
 Metrics per (system, rate): throughput (requests/s, output tokens/s), normalised latency
 (mean over requests of end-to-end latency / output length, s/token: the paper's metric),
