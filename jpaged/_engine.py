@@ -212,6 +212,7 @@ class LLM:
         self._steps = self._device_calls = self._tokens_generated = 0
         self._failed_at_add: set[str] = set()
         self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
+        self._chain = None  # (scheduled rows, outputs) of a decode loop in flight
         self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s"), 0.0)
 
     # ------------------------------------------------------------------ public API
@@ -351,6 +352,13 @@ class LLM:
 
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
+        if self._chain is not None:  # a decode loop is in flight: no scheduling, just advance
+            t1 = time.perf_counter()
+            touched = {it.request.request_id for it in self._chain[0]}
+            self._steps += 1
+            self._advance_chain()
+            self._timing["step_s"] += time.perf_counter() - t1
+            return self._after_step(touched)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -364,6 +372,9 @@ class LLM:
             else:
                 self._run_step(sched)
         self._timing["step_s"] += time.perf_counter() - t1
+        return self._after_step(touched)
+
+    def _after_step(self, touched: set[str]) -> set[str]:
         if self.debug:
             self.alloc.check_invariants()
         # Requests that finished or failed this step, scheduled or not (errors, aborts).
@@ -782,23 +793,46 @@ class LLM:
             for it in sched.scheduled
         )
 
-    def _run_loop(self, sched) -> None:
-        items = sched.scheduled
-        k = self.num_decode_steps
-        limits = []
-        for it in items:
-            seq, p = it.seq, it.request.params
-            limits.append(max(1, min(k, p.max_tokens - seq.num_generated,
-                                     self.max_model_len - seq.num_tokens)))  # fmt: skip
-        reserved = []
+    def _loop_limits(self, items) -> list[int]:
+        """Tokens each row may still generate (``max_tokens`` and ``max_model_len``)."""
+        return [
+            max(1, min(it.request.params.max_tokens - it.seq.num_generated,
+                       self.max_model_len - it.seq.num_tokens))
+            for it in items
+        ]  # fmt: skip
+
+    def _reserve(self, items, ahead: list[int]) -> bool:
+        """Makes positions ``[num_computed, num_computed + ahead)`` of each row exist and be
+        private (lookahead); False if the pool is short (the reservations made stay, and are
+        released by the truncate at the end of the loop chain)."""
         try:
-            for it, lim in zip(items, limits, strict=True):
-                copies = self.alloc.reserve(it.seq.seq_id, lim - 1)
-                reserved.append(it)
+            for it, n in zip(items, ahead, strict=True):
+                seq = it.seq
+                if seq.finished:
+                    continue
+                extra = seq.num_computed + n - self.alloc.num_tokens(seq.seq_id)
+                copies = self.alloc.reserve(seq.seq_id, max(extra, 0))
                 if copies:
                     self._apply_copies(copies)
         except OutOfPagesError:
-            for it in reserved:
+            return False
+        return True
+
+    def _tables(self, items, Bp: int) -> np.ndarray:
+        table_BW = np.zeros((Bp, self.width), np.int32)
+        for b, it in enumerate(items):
+            if not it.seq.finished:
+                table = self.alloc.block_table(it.seq.seq_id)[: self.width]
+                table_BW[b, : len(table)] = table
+        return table_BW
+
+    def _run_loop(self, sched) -> None:
+        """Starts a chain of decode loops (each up to k steps on device) over ``sched``."""
+        items = sched.scheduled
+        k = self.num_decode_steps
+        limits = self._loop_limits(items)
+        if not self._reserve(items, [min(k, lim) for lim in limits]):
+            for it in items:
                 self.alloc.truncate(it.seq.seq_id, self.alloc.num_tokens(it.seq.seq_id))
             return self._run_step(sched)
         B = len(items)
@@ -813,47 +847,70 @@ class LLM:
         for b, s in enumerate(stop_lists):
             stop_ids[b, : len(s)] = s
         samp = np.asarray([self._sampling_row(it.request, it.seq, it.seq.seed) for it in items])
-        tables = [pad_to(np.asarray(self.alloc.block_table(it.seq.seq_id), np.int32),
-                         self.width, 0) for it in items]  # fmt: skip
+        min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
-            block_tables=pad_to(np.stack(tables), Bp, 0),
+            block_tables=self._tables(items, Bp),
             active=pad_to(np.ones(B, bool), Bp, False),
             max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
-            min_steps=pad_to(
-                np.asarray(
-                    [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items],
-                    np.int32,
-                ),
-                Bp,
-                0,
-            ),
+            min_steps=pad_to(np.asarray(min_steps, np.int32), Bp, 0),
             stop_ids=stop_ids,
             sampling=_sampling_arrays(samp, Bp),
         )
-        self.cache, out_KB, lp_KB, ran = self.runner.decode_loop(self.cache, batch, num_steps=k)
+        self._chain = (items, self._dispatch_loop(batch))
+        self._advance_chain()
+
+    def _dispatch_loop(self, batch: LoopBatch):
+        self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
+            self.cache, batch, num_steps=self.num_decode_steps
+        )
         self._device_calls += 1
+        for x in (out_KB, lp_KB, ran):
+            x.copy_to_host_async()
+        return out_KB, lp_KB, ran, carry
+
+    def _may_chain(self, items) -> bool:
+        live = sum(not it.seq.finished for it in items)
+        return not self.scheduler.waiting and 2 * live >= len(items)
+
+    def _advance_chain(self) -> None:
+        """Processes the loop in flight; first, when nothing waits, dispatches the next loop
+        from its device-side carry, so the host work below overlaps the device."""
+        items, (out_KB, lp_KB, ran, carry) = self._chain
+        k = self.num_decode_steps
+        nxt = None
+        if self._may_chain(items):
+            # The loop in flight writes at most k positions per row, the next one k more.
+            limits = self._loop_limits(items)
+            if self._reserve(items, [min(2 * k, lim) for lim in limits]):
+                tables = self._tables(items, carry.block_tables.shape[0])
+                nxt = self._dispatch_loop(dataclasses.replace(carry, block_tables=tables))
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
         self._loop_steps += int(ran)
         self._timing["device_wait_s"] += time.perf_counter() - t
         for b, it in enumerate(items):
             seq, req = it.seq, it.request
-            start = seq.num_computed
-            accepted = 0
             for step in range(k):
                 tok = int(out_KB[step, b])
                 if tok < 0 or seq.finished:
                     break
-                accepted += 1
                 seq.num_computed += 1
                 self._append(req, seq, tok, float(lp_KB[step, b]))
+        if nxt is not None and any(not it.seq.finished for it in items):
+            self._chain = (items, nxt)
+            return
+        # End of the chain: lengths catch up with the cache, unused reservations are released.
+        self._chain = None
+        for it in items:
+            seq = it.seq
             if not seq.finished:
-                # The allocator held start + 1 tokens; the cache now holds start + accepted.
-                self.alloc.append_slots(seq.seq_id, accepted - 1)
-                self.alloc.truncate(seq.seq_id, start + accepted)
-                self._commit_pages(req, seq)
+                held = self.alloc.num_tokens(seq.seq_id)
+                if seq.num_computed > held:
+                    self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+                self.alloc.truncate(seq.seq_id, seq.num_computed)
+                self._commit_pages(it.request, seq)
 
 
 def _with_params(model: Any, params: Any) -> Any:

@@ -132,11 +132,11 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
 
     def cond(carry):
-        step, _, _, _, active_B, _, _ = carry
+        step, _, _, _, active_B, _, _, _ = carry
         return (step < num_steps) & jnp.any(active_B)
 
     def body(carry):
-        step, cache, tok_B, lens_B, active_B, out_KB, lp_KB = carry
+        step, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
         page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
         slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
         meta = AttentionMetadata(
@@ -152,17 +152,16 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
         new_B, lp_B = _sampled(logits_BV, s)
         out_KB = out_KB.at[step].set(jnp.where(active_B, new_B, -1))
         lp_KB = lp_KB.at[step].set(lp_B)
-        generated_B = step + 1
-        stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (
-            generated_B >= batch.min_steps
-        )
-        still_B = active_B & ~stopped_B & (generated_B < batch.max_steps)
+        gen_B = gen_B + active_B.astype(jnp.int32)
+        stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (gen_B >= batch.min_steps)
+        still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
         return (
             step + 1,
             cache,
             jnp.where(active_B, new_B, tok_B),
             jnp.where(active_B, lens_B + 1, lens_B),
             still_B,
+            gen_B,
             out_KB,
             lp_KB,
         )
@@ -173,11 +172,23 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
         batch.tokens,
         batch.lens,
         batch.active & (batch.max_steps > 0),
+        jnp.zeros((B,), jnp.int32),
         jnp.full((num_steps, B), -1, jnp.int32),
         jnp.zeros((num_steps, B), jnp.float32),
     )
-    steps, cache, _, _, _, out_KB, lp_KB = jax.lax.while_loop(cond, body, init)
-    return cache, out_KB, lp_KB, steps
+    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.while_loop(
+        cond, body, init
+    )
+    # Where the rows stand, for a loop chained right after this one without the host.
+    carry = dataclasses.replace(
+        batch,
+        tokens=tok_B,
+        lens=lens_B,
+        active=active_B,
+        max_steps=batch.max_steps - gen_B,
+        min_steps=jnp.maximum(batch.min_steps - gen_B, 0),
+    )
+    return cache, out_KB, lp_KB, steps, carry
 
 
 @functools.cache
@@ -227,7 +238,12 @@ class Runner:
         return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int):
-        """Runs up to ``num_steps`` decode steps; returns (cache, tokens [k, B], lps, steps)."""
+        """Runs up to ``num_steps`` decode steps.
+
+        Returns:
+          ``(cache, tokens i32[k, B] (-1 once a row stopped), logprobs f32[k, B], steps run,
+          carry)``, where ``carry`` is the ``LoopBatch`` a next loop continues from.
+        """
         return self._loop(self.leaves, cache, batch, num_steps=num_steps)
 
 
