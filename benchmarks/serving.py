@@ -22,9 +22,9 @@ latency measured at the lowest rate) with every request finished.
     python benchmarks/serving.py --model llama-8b --dataset sharegpt --rates 1,2,4,8,16
     python benchmarks/serving.py --model llama-8b --profile-decode 64,128,256  # host time, MBU
 
-``--profile-decode`` (`profile_decode`) replaces the sweep: for each batch size it times
-jpaged's decode device calls against the whole ``LLM.step`` (host scheduling time) and
-reports MBU, (weight + live K/V bytes) per step / step time over the measured HBM roofline.
+``--profile-decode`` (`profile_decode`) replaces the sweep: for each batch size it splits
+jpaged's decode phase into host time (the engine's own counters) and the rest, and reports
+MBU, (weight + live K/V bytes) per decode step / step time over the measured HBM roofline.
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/``); ``--plot``
 also writes PNGs (matplotlib, the ``plot`` extra).
@@ -163,9 +163,21 @@ class JpagedSystem:
         return self.llm.has_unfinished_requests()
 
     def kv_usage(self) -> _baselines.KVUsage:
-        s = self.llm.alloc.stats()
-        C = self.page_size
-        return _baselines.KVUsage(s.total_pages * C, s.used_pages * C, s.live_tokens, s.num_seqs)
+        """Pages held (the allocator's count) and tokens whose K/V are in them.
+
+        During a chain of multi-step decode loops the allocator holds the reserved pages but
+        learns the new tokens only when the chain ends; those tokens (in private, reserved
+        pages) are added from the engine's sequences (``num_computed``: an engine internal).
+        """
+        llm, C = self.llm, self.page_size
+        s = llm.alloc.stats()
+        lag = 0
+        for req in llm.scheduler.running:
+            for seq in req.live_seqs():
+                if seq.seq_id in llm.alloc:
+                    lag += max(0, seq.num_computed - llm.alloc.num_tokens(seq.seq_id))
+        return _baselines.KVUsage(s.total_pages * C, s.used_pages * C, s.live_tokens + lag,
+                                  s.num_seqs)  # fmt: skip
 
 
 def precompile_jpaged(llm, *, threads: int | None = None) -> int:
@@ -173,11 +185,12 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
     The shapes mirror the engine's bucketing (sequence buckets from 8 to ``max_num_seqs``,
     token buckets from 16 to ``max_num_batched_tokens``; the decode step, the mixed step and
-    the multi-step loop; no beam search), on dummy batches that write nothing. Where the
-    engine's ``Runner`` exposes its jitted programs (``_step``, ``_loop``, ``leaves``: engine
-    internals) they are lowered and compiled by a thread pool; otherwise the public
-    ``Runner.step``/``decode_loop`` run them one by one. Should the engine change its batches,
-    the smoke test that a run compiles nothing after this fails.
+    the multi-step loop; no beam search), on dummy batches that write nothing: what
+    ``LLM.warmup()`` compiles one program after another. Where the engine's ``Runner`` exposes
+    its jitted programs (``_step``, ``_loop``, ``leaves``: engine internals) they are lowered
+    and compiled by a thread pool instead (an 8B model has ~60 of them); otherwise this calls
+    ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
+    nothing after this fails.
     """
     from jpaged._step import LoopBatch, SamplingArrays, StepBatch, bucket
 
@@ -207,18 +220,14 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
     work = [("step", step_batch(B, B), True) for B in seq_buckets]
     work += [("loop", loop_batch(B), None) for B in seq_buckets]
     work += [("step", step_batch(B, T), False) for B in seq_buckets for T in tok_buckets]
-    if all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
-        lowered = [
-            r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
-            else r._loop.lower(r.leaves, llm.cache, b, num_steps=k)
-            for kind, b, d in work
-        ]  # fmt: skip
-        _baselines.compile_parallel(lowered, threads)
-    else:
-        for kind, b, d in work:
-            out = (r.step(llm.cache, b, decode=d, num_top=0) if kind == "step"
-                   else r.decode_loop(llm.cache, b, num_steps=k))  # fmt: skip
-            llm.cache = out[0]
+    if not all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
+        return llm.warmup()
+    lowered = [
+        r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
+        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k)
+        for kind, b, d in work
+    ]  # fmt: skip
+    _baselines.compile_parallel(lowered, threads)
     return len(work)
 
 
@@ -448,32 +457,6 @@ def _row(name: str, p: dict) -> str:
     )
 
 
-class DeviceTimer:
-    """Wraps an engine's ``Runner`` so each device call is timed to completion.
-
-    The engine reads the sampled tokens right after each call anyway, so blocking inside the
-    wrapper moves no work; the rest of ``LLM.step`` is host time (scheduling, allocator,
-    batch building, bookkeeping).
-    """
-
-    def __init__(self, runner):
-        self.calls: list[dict] = []
-        for name in ("step", "decode_loop"):
-            setattr(runner, name, self._wrap(getattr(runner, name), name))
-
-    def _wrap(self, fn, name):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kwargs))
-            steps = int(out[3]) if name == "decode_loop" else 1
-            decode = name == "decode_loop" or kwargs.get("decode", False)
-            self.calls.append({"device_s": time.perf_counter() - t0, "steps": steps,
-                               "decode": bool(decode)})  # fmt: skip
-            return out
-
-        return timed
-
-
 def _weight_bytes(model) -> int:
     """Parameter bytes a decode step reads (the embedding table only when tied)."""
     cfg = model.config
@@ -492,10 +475,12 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     """Host scheduling time and memory-bandwidth utilisation of jpaged's decode, per batch size.
 
     For each B: B requests of ``prompt_len`` prompt tokens and ``output_len`` outputs arrive
-    at once; the calls in which all B sequences decode are kept, from a second pass (the
-    first compiles). Per device call: host time = ``LLM.step`` wall time - device call time.
-    MBU = (weight bytes + live K/V bytes read) per decode step / device time per step, over
-    the HBM read roofline measured in the same process (``_timing.read_roofline_tbs``).
+    at once (after `precompile_jpaged`); the decode phase runs from the step after which every
+    request has its first token to the end. From the engine's own counters
+    (``LLM.stats()``: ``time_schedule_s``, ``time_step_s``, ``time_device_wait_s``), host
+    time = scheduling + step time - time spent waiting for the device. Step time = phase wall
+    time / decode steps; MBU = (weight bytes + mean live K/V bytes) per decode step / step
+    time, over the HBM read roofline measured in the same process (``_timing``).
     """
     import _timing
 
@@ -504,55 +489,45 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     weights = _weight_bytes(model)
+    keys = ("time_schedule_s", "time_step_s", "time_device_wait_s", "tokens_generated",
+            "steps", "device_calls")  # fmt: skip
     rows = []
     for B in _workloads.tqdm(batch_sizes, desc="decode profile", disable=not progress):
         need = B * (math.ceil((prompt_len + output_len) / page_size) + 2) * page_size
-        for _ in range(2):  # the first pass compiles
-            system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
-                                  max_len=prompt_len + output_len + 1, max_num_seqs=B,
-                                  num_decode_steps=num_decode_steps,
-                                  max_num_batched_tokens=max(2048, prompt_len))  # fmt: skip
-            llm = system.llm
-            timer = DeviceTimer(llm.runner)
-            rng = np.random.default_rng(B)
-            for i in range(B):
-                system.add(i, rng.integers(0, cfg.vocab_size, prompt_len).tolist(), output_len)
-            samples = []
-            while system.has_work():
-                decoding = not llm.scheduler.waiting
-                live = llm.alloc.stats().logical_tokens if decoding else 0
-                running = len(llm.scheduler.running)
-                n_calls = len(timer.calls)
-                t0 = time.perf_counter()
-                system.step()
-                wall = time.perf_counter() - t0
-                calls = timer.calls[n_calls:]
-                if decoding and len(calls) == 1 and calls[0]["decode"]:
-                    samples.append({**calls[0], "wall_s": wall, "live_tokens": live,
-                                    "running": running})  # fmt: skip
-            del system, llm
-        full = [s for s in samples if s["running"] == B] or samples
-        dev = np.asarray([s["device_s"] for s in full])
-        steps = np.asarray([s["steps"] for s in full])
-        host = np.asarray([s["wall_s"] - s["device_s"] for s in full])
-        kv = np.asarray([s["live_tokens"] for s in full]) * kv_per_token
-        per_step = dev / steps
-        # Live K/V grows by B tokens per step inside a k-step call: B * (k - 1) / 2 on average.
-        read = weights + kv + B * (steps - 1) / 2 * kv_per_token
-        mbu = read / per_step / (roof_tbs * 1e12)
+        system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
+                              max_len=prompt_len + output_len + 1, max_num_seqs=B,
+                              num_decode_steps=num_decode_steps,
+                              max_num_batched_tokens=min(2048, B * prompt_len))  # fmt: skip
+        llm = system.llm
+        precompile_jpaged(llm)
+        rng = np.random.default_rng(B)
+        for i in range(B):
+            system.add(i, rng.integers(0, cfg.vocab_size, prompt_len).tolist(), output_len)
+        started: set[int] = set()
+        while len(started) < B:  # prefill (chunked) until every request has its first token
+            started |= {rid for rid, n, _ in system.step() if n >= 1}
+        before, t0 = llm.stats(), time.perf_counter()
+        while system.has_work():
+            system.step()
+        wall = time.perf_counter() - t0
+        after = llm.stats()
+        d = {k: after[k] - before[k] for k in keys}
+        del system, llm
+        steps = d["tokens_generated"] / B  # decode steps (every sequence decodes each step)
+        host = d["time_schedule_s"] + d["time_step_s"] - d["time_device_wait_s"]
+        live = B * (prompt_len + 1 + steps / 2)  # mean tokens in the cache over the phase
+        step_s = wall / steps
         row = {
-            "batch": B, "calls": len(full),
-            "device_s_per_call": float(np.median(dev)),
-            "host_s_per_call": float(np.median(host)),
-            "steps_per_call": float(np.median(steps)),
-            "host_fraction": float(np.median(host / (host + dev))),
-            "step_s": float(np.median(per_step)),
-            "mbu": float(np.median(mbu)),
+            "batch": B, "decode_steps": steps, "engine_steps": d["steps"],
+            "device_calls": d["device_calls"], "wall_s": wall, "host_s": host,
+            "device_wait_s": d["time_device_wait_s"], "host_fraction": host / wall,
+            "step_s": step_s, "mbu": (weights + live * kv_per_token) / step_s / (roof_tbs * 1e12),
         }  # fmt: skip
         rows.append(row)
-        print(f"B={B:>4}: step {row['step_s'] * 1e3:7.3f} ms, host "
-              f"{row['host_s_per_call'] * 1e3:7.3f} ms per call of {row['steps_per_call']:.0f}"
-              f" steps ({row['host_fraction']:.1%} of the call), MBU {row['mbu']:.1%}")  # fmt: skip
+        print(f"B={B:>4}: decode step {step_s * 1e3:7.3f} ms, host {host / steps * 1e3:7.3f} ms "
+              f"per decode step ({row['host_fraction']:.1%} of the wall time; "
+              f"{steps / max(d['device_calls'], 1):.1f} steps per device call), "
+              f"MBU {row['mbu']:.1%}")  # fmt: skip
     return {"roofline_tbs": roof_tbs, "weight_bytes": weights,
             "kv_bytes_per_token": kv_per_token, "prompt_len": prompt_len,
             "output_len": output_len, "num_decode_steps": num_decode_steps,

@@ -157,8 +157,8 @@ def test_serving_harness_end_to_end_gives_sane_metrics():
             assert r["token_times"] == sorted(r["token_times"])
         u = np.asarray(run["usage"])
         assert ((u[:, 2] >= 0) & (u[:, 2] <= u[:, 1]) & (u[:, 1] <= 1)).all()
-        if name == "jpaged":  # paged: at most the unused tail of one page per sequence
-            assert ((u[:, 1] - u[:, 2]) * KV <= u[:, 3] * (C - 1) + 1e-9).all()
+        if name == "jpaged":  # paged: the last page's tail + the slots reserved for one loop
+            assert ((u[:, 1] - u[:, 2]) * KV <= u[:, 3] * (C - 1 + 8) + 1e-9).all()
         s = serving.summarize(run)
         assert s["num_finished"] == 6 and not s["saturated"]
         assert s["throughput_tok_s"] == pytest.approx(sum(o for _, o in lengths) / s["duration_s"])
@@ -268,9 +268,10 @@ def test_decode_profile_splits_host_and_device_time():
                                page_size=C, num_decode_steps=4, roofline_bytes=1 << 20,
                                progress=False)  # fmt: skip
     (row,) = p["rows"]
-    assert row["calls"] >= 2 and 1 <= row["steps_per_call"] <= 4
-    assert 0 < row["host_fraction"] < 1 and row["device_s_per_call"] > 0
-    assert row["mbu"] > 0 and p["roofline_tbs"] > 0
+    assert row["decode_steps"] == 11  # the first token came from the prefill
+    assert 1 <= row["device_calls"] <= 11 and row["engine_steps"] >= 1
+    assert 0 < row["host_s"] < row["wall_s"] and 0 < row["host_fraction"] < 1
+    assert row["step_s"] > 0 and row["mbu"] > 0 and p["roofline_tbs"] > 0
     cfg = SPEC.config  # untied: the embedding table is not read by a decode step
     assert p["weight_bytes"] == 4 * sum(
         math.prod(s) for n, s in serving.models.param_shapes(cfg).items() if n != "embed_VD"
