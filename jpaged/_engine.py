@@ -858,8 +858,9 @@ class LLM:
             stop_ids=stop_ids,
             sampling=_sampling_arrays(samp, Bp),
         )
+        # Processed by the next `step()`, which first dispatches the loop after it: every
+        # step makes at most one device call, and host work overlaps the loop in flight.
         self._chain = (items, self._dispatch_loop(batch))
-        self._advance_chain()
 
     def _dispatch_loop(self, batch: LoopBatch):
         self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
@@ -880,12 +881,17 @@ class LLM:
         items, (out_KB, lp_KB, ran, carry) = self._chain
         k = self.num_decode_steps
         nxt = None
-        if self._may_chain(items):
-            # The loop in flight writes at most k positions per row, the next one k more.
-            limits = self._loop_limits(items)
-            if self._reserve(items, [min(2 * k, lim) for lim in limits]):
-                tables = self._tables(items, carry.block_tables.shape[0])
-                nxt = self._dispatch_loop(dataclasses.replace(carry, block_tables=tables))
+        limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
+        # Chain only if some row may still be running after this loop (else the next loop
+        # would run zero steps). The loop in flight writes at most k positions per row, the
+        # next one k more.
+        if (
+            any(lim > k for it, lim in zip(items, limits, strict=True) if not it.seq.finished)
+            and self._may_chain(items)
+            and self._reserve(items, [min(2 * k, lim) for lim in limits])
+        ):
+            tables = self._tables(items, carry.block_tables.shape[0])
+            nxt = self._dispatch_loop(dataclasses.replace(carry, block_tables=tables))
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
         self._loop_steps += int(ran)
