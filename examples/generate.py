@@ -81,7 +81,13 @@ def main() -> None:
                                     seed=0)  # fmt: skip
     show("sampling (temperature 0.8, top-p 0.95, seed 0)", llm.generate(prompts, sampled))
     parallel = jpaged.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, n=3, seed=1)
-    show("parallel sampling, n=3 (prompt pages shared)", llm.generate(prompts[:1], parallel))
+    rid = llm.add_request(prompts[0], parallel)  # the low-level API, to watch the pool
+    peak_shared = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        peak_shared = max(peak_shared, llm.stats()["pages_shared"])
+    show(f"parallel sampling, n=3 (up to {peak_shared} prompt pages shared by the 3)",
+         [llm.get_output(rid)])  # fmt: skip
     show("the same prompt again (prefix-cache hit)", llm.generate(prompts[:1], greedy))
     beams = jpaged.BeamSearchParams(beam_width=3, max_tokens=args.max_tokens // 2)
     show("beam search, width 3", llm.beam_search(prompts[:2], beams))
