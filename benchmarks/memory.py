@@ -5,7 +5,8 @@ and KV budget), with the allocator's or the baseline's accounting read after eve
 
 - ``waste``: every system serves the trace with all requests arriving at once (the pool is
   under pressure). Waste = (allocated slots - live tokens) / pool slots, averaged over steps;
-  for jpaged also the worst step's waste per running sequence (the paged bound: < 1 page).
+  also the worst step's waste per running sequence (paged: the last page's unused tail plus
+  the slots reserved ahead for an in-flight multi-step decode loop, < C + k).
 - ``sharing``: jpaged with parallel sampling ``n`` in {2, 4, 6} and beam search of width
   {2, 4, 6} on Alpaca-like requests. Savings = 1 - sum over steps of pages used / sum over
   steps of pages without sharing (each sequence's own block-table length), the paper's

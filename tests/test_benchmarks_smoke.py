@@ -2,8 +2,8 @@
 
 They check that the harness runs end to end and that what it measures is sane: the
 contiguous baselines generate exactly jpaged's greedy tokens (same model, same math), every
-request gets its enforced output length, jpaged's KV waste stays under one page per sequence
-while the contiguous caches waste more, and sharing and prefix caching save pages. Nothing
+request gets its enforced output length, jpaged's KV waste stays under a page plus one decode
+loop's reservation per sequence while the contiguous caches waste more, and sharing and prefix caching save pages. Nothing
 here times anything. One shape configuration (``serving.model_spec("tiny")``, page 16) is
 used throughout, so the jitted programs compile once for the file.
 """
@@ -203,7 +203,7 @@ def test_doctests():
 # ------------------------------------------------------------------------------ memory
 
 
-def test_waste_jpaged_under_one_page_per_sequence_contiguous_more():
+def test_waste_jpaged_bounded_per_sequence_contiguous_more():
     rng = np.random.default_rng(2)
     trace = _trace([(int(p), int(o)) for p, o in zip(rng.integers(1, 30, 8),
                                                      rng.integers(5, 30, 8), strict=True)])  # fmt: skip
@@ -212,7 +212,8 @@ def test_waste_jpaged_under_one_page_per_sequence_contiguous_more():
                              budget_tokens=KV, page_size=C, max_num_seqs=8,
                              progress=False)  # fmt: skip
     assert w["jpaged"]["all_finished"] and w["orca-max"]["all_finished"]
-    assert w["jpaged"]["waste_slots_per_seq_max"] <= C - 1
+    # The last page's tail + the slots reserved for an in-flight 8-step decode loop.
+    assert w["jpaged"]["waste_slots_per_seq_max"] <= C - 1 + 8
     assert w["orca-max"]["waste_mean"] > 2 * w["jpaged"]["waste_mean"]
     assert w["orca-max"]["live_of_allocated_mean"] < w["jpaged"]["live_of_allocated_mean"]
 
