@@ -241,3 +241,68 @@ def test_aborts_mid_flight_leave_the_others_unchanged():
             assert got == expected[i], f"request {i}"
     assert aborted >= 2
     assert llm.stats()["pages_used"] == 0 and llm.alloc.stats().swapped_seqs == 0
+
+
+# transformers 5.24.0 (torch 2.13.0 CPU) beam search on tests/checkpoints/llama2 with the golden
+# prompt and EOS, for the stopping rules the golden file does not cover. Regenerate with
+#   model = AutoModelForCausalLM.from_pretrained("tests/checkpoints/llama2")
+#   model.generate(ids, num_beams=W, num_return_sequences=W, do_sample=False, pad_token_id=0,
+#                  max_new_tokens=N, length_penalty=LP, early_stopping=ES, eos_token_id=eos,
+#                  output_scores=True, return_dict_in_generate=True)
+# keeping new tokens (cut after EOS) and `sequences_scores`.
+BEAM_VARIANTS = [
+    # num_beams=4, length_penalty=0.5, early_stopping=False, max_new_tokens=10
+    (
+        4,
+        0.5,
+        False,
+        10,
+        [
+            [262, 101],
+            [92, 197, 286, 66, 227, 101],
+            [92, 197, 286, 66, 227, 261, 66, 78, 205, 257],
+            [92, 197, 286, 66, 227, 261, 66, 78, 205, 79],
+        ],
+        [-4.289562, -6.886507, -8.743802, -8.83888],
+    ),
+    # num_beams=4, length_penalty=2.0, early_stopping='never', max_new_tokens=10
+    (
+        4,
+        2.0,
+        "never",
+        10,
+        [
+            [92, 197, 286, 66, 227, 261, 66, 78, 205, 257],
+            [92, 197, 286, 66, 227, 261, 66, 78, 205, 79],
+            [197, 168, 297, 197, 293, 197, 161, 297, 232, 184],
+            [92, 197, 286, 66, 227, 261, 66, 78, 205, 122],
+        ],
+        [-0.276503, -0.27951, -0.281825, -0.282678],
+    ),
+    # num_beams=3, length_penalty=1.0, early_stopping=True, max_new_tokens=10
+    (
+        3,
+        1.0,
+        True,
+        10,
+        [
+            [197, 168, 297, 197, 293, 197, 286, 63, 280, 200],
+            [197, 168, 297, 197, 293, 197, 286, 63, 280, 195],
+            [197, 168, 297, 197, 293, 197, 161, 297, 163, 25],
+        ],
+        [-2.802069, -2.823868, -2.848558],
+    ),
+]
+
+
+@pytest.mark.parametrize(("width", "lp", "early", "max_new", "sequences", "scores"), BEAM_VARIANTS)
+def test_beam_search_stopping_rules_match_transformers(width, lp, early, max_new, sequences,
+                                                       scores):  # fmt: skip
+    with open("tests/goldens/llama2.json") as f:
+        gold = json.load(f)["beam_search"]
+    llm = jpaged.LLM(_model(), **ENGINE, eos_token_id=gold["eos_token_id"])
+    params = jpaged.BeamSearchParams(beam_width=width, max_tokens=max_new, length_penalty=lp,
+                                     early_stopping=early)  # fmt: skip
+    out = llm.beam_search([gold["prompt_ids"]], params)[0]
+    assert [c.token_ids for c in out.outputs] == sequences
+    np.testing.assert_allclose([c.score for c in out.outputs], scores, atol=1e-5, rtol=1e-5)
