@@ -46,8 +46,6 @@ from jpaged.models._rope import apply_rope, inverse_frequencies
 
 __all__ = ["ContiguousLM", "KVUsage", "Orca", "StaticBatching", "bucket"]
 
-_TRACES = [0]  # traces (= compiles) of the baseline programs in this process
-
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """The smallest power-of-two multiple of ``minimum`` >= n, capped at ``maximum``.
@@ -132,7 +130,6 @@ def _next_tokens(cfg, w, x_BD):
 def _prefill(cfg, impl, dtype, w, tokens_BS, lens_B):
     """The prompts' K/V per layer ([B, S, K, H] each) and next tokens; the cache is untouched,
     so one compile per (B, S) serves every system whatever its slot count."""
-    _TRACES[0] += 1
     B, S = tokens_BS.shape
     x = w["embed"][tokens_BS]
     positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -154,7 +151,6 @@ def _prefill(cfg, impl, dtype, w, tokens_BS, lens_B):
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_prefill(cache, ks, vs, slots_B):
     """Writes prompt K/V into rows ``slots_B`` (out of range: skipped) of every layer, in place."""
-    _TRACES[0] += 1
     S = ks[0].shape[1]
     return tuple(
         (kc.at[slots_B, :S].set(k, mode="drop"), vc.at[slots_B, :S].set(v, mode="drop"))
@@ -164,7 +160,6 @@ def _write_prefill(cache, ks, vs, slots_B):
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _decode(cfg, impl, w, cache, tokens_b, pos_b, active_b):
-    _TRACES[0] += 1
     nb = tokens_b.shape[0]
     num_slots, max_len = cache[0][0].shape[:2]
     x = w["embed"][tokens_b][:, None]  # [nb, 1, D]

@@ -475,8 +475,9 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     """Host scheduling time and memory-bandwidth utilisation of jpaged's decode, per batch size.
 
     For each B: B requests of ``prompt_len`` prompt tokens and ``output_len`` outputs arrive
-    at once (after `precompile_jpaged`); the decode phase runs from the step after which every
-    request has its first token to the end. From the engine's own counters
+    at once, twice (the first pass compiles; ``compiles`` counts those in the second's decode
+    phase); the decode phase runs from the step after which every request has its first
+    token to the end. From the engine's own counters
     (``LLM.stats()``: ``time_schedule_s``, ``time_step_s``, ``time_device_wait_s``), host
     time = scheduling + step time - time spent waiting for the device. Step time = phase wall
     time / decode steps; MBU = (weight bytes + mean live K/V bytes) per decode step / step
@@ -494,25 +495,27 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
     rows = []
     for B in _workloads.tqdm(batch_sizes, desc="decode profile", disable=not progress):
         need = B * (math.ceil((prompt_len + output_len) / page_size) + 2) * page_size
-        system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
-                              max_len=prompt_len + output_len + 1, max_num_seqs=B,
-                              num_decode_steps=num_decode_steps,
-                              max_num_batched_tokens=min(2048, B * prompt_len))  # fmt: skip
-        llm = system.llm
-        precompile_jpaged(llm)
         rng = np.random.default_rng(B)
-        for i in range(B):
-            system.add(i, rng.integers(0, cfg.vocab_size, prompt_len).tolist(), output_len)
-        started: set[int] = set()
-        while len(started) < B:  # prefill (chunked) until every request has its first token
-            started |= {rid for rid, n, _ in system.step() if n >= 1}
-        before, t0 = llm.stats(), time.perf_counter()
-        while system.has_work():
-            system.step()
-        wall = time.perf_counter() - t0
-        after = llm.stats()
-        d = {k: after[k] - before[k] for k in keys}
-        del system, llm
+        prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(B)]
+        for _ in range(2):  # the first pass compiles what the second one measures
+            system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
+                                  max_len=prompt_len + output_len + 1, max_num_seqs=B,
+                                  num_decode_steps=num_decode_steps,
+                                  max_num_batched_tokens=min(2048, B * prompt_len))  # fmt: skip
+            llm = system.llm
+            for i, p in enumerate(prompts):
+                system.add(i, p, output_len)
+            started: set[int] = set()
+            while len(started) < B:  # prefill (chunked) until every request has a token
+                started |= {rid for rid, n, _ in system.step() if n >= 1}
+            compiles, before, t0 = backend_compiles(), llm.stats(), time.perf_counter()
+            while system.has_work():
+                system.step()
+            wall = time.perf_counter() - t0
+            after = llm.stats()
+            compiles = backend_compiles() - compiles
+            d = {k: after[k] - before[k] for k in keys}
+            del system, llm
         steps = d["tokens_generated"] / B  # decode steps (every sequence decodes each step)
         host = d["time_schedule_s"] + d["time_step_s"] - d["time_device_wait_s"]
         live = B * (prompt_len + 1 + steps / 2)  # mean tokens in the cache over the phase
@@ -522,6 +525,7 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
             "device_calls": d["device_calls"], "wall_s": wall, "host_s": host,
             "device_wait_s": d["time_device_wait_s"], "host_fraction": host / wall,
             "step_s": step_s, "mbu": (weights + live * kv_per_token) / step_s / (roof_tbs * 1e12),
+            "compiles": compiles,
         }  # fmt: skip
         rows.append(row)
         print(f"B={B:>4}: decode step {step_s * 1e3:7.3f} ms, host {host / steps * 1e3:7.3f} ms "

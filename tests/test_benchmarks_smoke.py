@@ -273,6 +273,7 @@ def test_decode_profile_splits_host_and_device_time():
     assert 1 <= row["device_calls"] <= 11 and row["engine_steps"] >= 1
     assert 0 < row["host_s"] < row["wall_s"] and 0 < row["host_fraction"] < 1
     assert row["step_s"] > 0 and row["mbu"] > 0 and p["roofline_tbs"] > 0
+    assert row["compiles"] == 0
     cfg = SPEC.config  # untied: the embedding table is not read by a decode step
     assert p["weight_bytes"] == 4 * sum(
         math.prod(s) for n, s in serving.models.param_shapes(cfg).items() if n != "embed_VD"
