@@ -904,19 +904,23 @@ class LLM:
                     break
                 seq.num_computed += 1
                 self._append(req, seq, tok, float(lp_KB[step, b]))
-        if nxt is not None and any(not it.seq.finished for it in items):
-            self._chain = (items, nxt)
-            return
-        # End of the chain: lengths catch up with the cache, unused reservations are released.
-        self._chain = None
+        # The allocator's lengths catch up with the cache (inside the reservation: nothing is
+        # allocated), so stats and the prefix cache are current even mid-chain.
+        chained = nxt is not None and any(not it.seq.finished for it in items)
         for it in items:
             seq = it.seq
             if not seq.finished:
                 held = self.alloc.num_tokens(seq.seq_id)
                 if seq.num_computed > held:
-                    self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
-                self.alloc.truncate(seq.seq_id, seq.num_computed)
+                    copies = self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+                    if copies:  # never within a reservation, unless forked since: not here
+                        raise AssertionError(
+                            f"unexpected copy-on-write in a decode chain: {copies}"
+                        )
+                if not chained:  # end of the chain: release the unused reservation
+                    self.alloc.truncate(seq.seq_id, seq.num_computed)
                 self._commit_pages(it.request, seq)
+        self._chain = (items, nxt) if chained else None
 
 
 def _with_params(model: Any, params: Any) -> Any:
