@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(PY) examples/generate.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q

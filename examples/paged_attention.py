@@ -1,8 +1,8 @@
 """A tiny paged-attention run: three sequences in a shuffled page pool, XLA vs reference.
 
-Run with ``make demo``. Prints the block tables, the per-sequence lengths, and the
+Run with ``.venv/bin/python examples/paged_attention.py``. Prints the block tables, the per-sequence lengths, and the
 largest difference between ``jpaged.paged_attention`` (auto dispatch: "xla" on CPU)
-and the plain-jnp f32 reference. Until the engine exists this is the main example.
+and the plain-jnp f32 reference.
 """
 
 from __future__ import annotations
