@@ -29,6 +29,7 @@ from jpaged._allocator import BlockAllocator as BlockAllocator
 # --- models ---
 from jpaged import models as models
 from jpaged.models._protocol import AttentionMetadata as AttentionMetadata
+
 # --- engine ---
 from jpaged._sampling import BeamSearchParams as BeamSearchParams
 from jpaged._sampling import SamplingParams as SamplingParams
