@@ -1,0 +1,162 @@
+"""``jpaged.LLM``'s multi-step decode: chains of on-device decode loops (up to k steps each)
+over pages reserved ahead, the next loop dispatched from the previous one's device carry.
+
+``DecodeLoopMixin`` is one part of ``jpaged.LLM`` (``jpaged/_engine.py``): its methods use
+the engine's state set up by ``LLM.__init__`` and the step helpers of
+``jpaged._engine_step.StepMixin`` (``_run_step``, ``_append``, ``_commit_pages``,
+``_apply_copies``, ``_sampling_row``, ``_seq_bucket``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jpaged._engine_step import _sampling_arrays
+from jpaged._errors import OutOfPagesError
+from jpaged._step import LoopBatch, bucket, pad_to
+
+
+class DecodeLoopMixin:
+    """Multi-step decode of ``jpaged.LLM``: loops of up to ``num_decode_steps`` on device."""
+
+    def _can_loop(self, sched) -> bool:
+        # Waiting requests that were not admitted this step (no pages or seats) wait for the
+        # loop to end: at most k - 1 steps later than with single steps.
+        if self.num_decode_steps <= 1 or not sched.decode_only:
+            return False
+        return all(
+            it.samples and not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)
+            for it in sched.scheduled
+        )
+
+    def _loop_limits(self, items) -> list[int]:
+        """Tokens each row may still generate (``max_tokens`` and ``max_model_len``)."""
+        return [
+            max(1, min(it.request.params.max_tokens - it.seq.num_generated,
+                       self.max_model_len - it.seq.num_tokens))
+            for it in items
+        ]  # fmt: skip
+
+    def _reserve(self, items, ahead: list[int]) -> bool:
+        """Makes positions ``[num_computed, num_computed + ahead)`` of each row exist and be
+        private (lookahead); False if the pool is short (the reservations made stay, and are
+        released by the truncate at the end of the loop chain)."""
+        try:
+            for it, n in zip(items, ahead, strict=True):
+                seq = it.seq
+                if seq.finished:
+                    continue
+                extra = seq.num_computed + n - self.alloc.num_tokens(seq.seq_id)
+                copies = self.alloc.reserve(seq.seq_id, max(extra, 0))
+                if copies:
+                    self._apply_copies(copies)
+        except OutOfPagesError:
+            return False
+        return True
+
+    def _tables(self, items, Bp: int) -> np.ndarray:
+        table_BW = np.zeros((Bp, self.width), np.int32)
+        for b, it in enumerate(items):
+            if not it.seq.finished:
+                table = self.alloc.block_table(it.seq.seq_id)[: self.width]
+                table_BW[b, : len(table)] = table
+        return table_BW
+
+    def _run_loop(self, sched) -> None:
+        """Starts a chain of decode loops (each up to k steps on device) over ``sched``."""
+        items = sched.scheduled
+        k = self.num_decode_steps
+        limits = self._loop_limits(items)
+        if not self._reserve(items, [min(k, lim) for lim in limits]):
+            for it in items:
+                self.alloc.truncate(it.seq.seq_id, self.alloc.num_tokens(it.seq.seq_id))
+            return self._run_step(sched)
+        B = len(items)
+        Bp = self._seq_bucket(B)
+        stop_lists = []
+        for it in items:
+            p = it.request.params
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            stop_lists.append(sorted(stops))
+        S = bucket(max(1, max(len(s) for s in stop_lists)), 4, 1 << 20)
+        stop_ids = np.full((Bp, S), -1, np.int32)
+        for b, s in enumerate(stop_lists):
+            stop_ids[b, : len(s)] = s
+        samp = np.asarray([self._sampling_row(it.request, it.seq, it.seq.seed) for it in items])
+        min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
+        batch = LoopBatch(
+            tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
+            lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
+            block_tables=self._tables(items, Bp),
+            active=pad_to(np.ones(B, bool), Bp, False),
+            max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
+            min_steps=pad_to(np.asarray(min_steps, np.int32), Bp, 0),
+            stop_ids=stop_ids,
+            sampling=_sampling_arrays(samp, Bp),
+        )
+        # Processed by the next `step()`, which first dispatches the loop after it: every
+        # step makes at most one device call, and host work overlaps the loop in flight.
+        self._chain = (items, self._dispatch_loop(batch))
+
+    def _dispatch_loop(self, batch: LoopBatch):
+        self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
+            self.cache, batch, num_steps=self.num_decode_steps
+        )
+        self._device_calls += 1
+        for x in (out_KB, lp_KB, ran):
+            x.copy_to_host_async()
+        return out_KB, lp_KB, ran, carry
+
+    def _may_chain(self, items) -> bool:
+        live = sum(not it.seq.finished for it in items)
+        return not self.scheduler.waiting and 2 * live >= len(items)
+
+    def _advance_chain(self) -> None:
+        """Processes the loop in flight; first, when nothing waits, dispatches the next loop
+        from its device-side carry, so the host work below overlaps the device."""
+        items, (out_KB, lp_KB, ran, carry) = self._chain
+        k = self.num_decode_steps
+        nxt = None
+        limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
+        # Chain only if some row may still be running after this loop (else the next loop
+        # would run zero steps). The loop in flight writes at most k positions per row, the
+        # next one k more.
+        if (
+            any(lim > k for it, lim in zip(items, limits, strict=True) if not it.seq.finished)
+            and self._may_chain(items)
+            and self._reserve(items, [min(2 * k, lim) for lim in limits])
+        ):
+            tables = self._tables(items, carry.block_tables.shape[0])
+            nxt = self._dispatch_loop(dataclasses.replace(carry, block_tables=tables))
+        t = time.perf_counter()
+        out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
+        self._loop_steps += int(ran)
+        self._timing["device_wait_s"] += time.perf_counter() - t
+        for b, it in enumerate(items):
+            seq, req = it.seq, it.request
+            for step in range(k):
+                tok = int(out_KB[step, b])
+                if tok < 0 or seq.finished:
+                    break
+                seq.num_computed += 1
+                self._append(req, seq, tok, float(lp_KB[step, b]))
+        # The allocator's lengths catch up with the cache (inside the reservation: nothing is
+        # allocated), so stats and the prefix cache are current even mid-chain.
+        chained = nxt is not None and any(not it.seq.finished for it in items)
+        for it in items:
+            seq = it.seq
+            if not seq.finished:
+                held = self.alloc.num_tokens(seq.seq_id)
+                if seq.num_computed > held:
+                    copies = self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+                    if copies:  # never within a reservation, unless forked since: not here
+                        raise AssertionError(
+                            f"unexpected copy-on-write in a decode chain: {copies}"
+                        )
+                if not chained:  # end of the chain: release the unused reservation
+                    self.alloc.truncate(seq.seq_id, seq.num_computed)
+                self._commit_pages(it.request, seq)
+        self._chain = (items, nxt) if chained else None
