@@ -25,248 +25,31 @@ Design (see ``docs/architecture.md`` for the contract):
   itself pad lanes to 128 in HBM; removing that needs a packed pool layout (two tokens per
   128-lane row, as RPA v3's hd64 kernel does), which the cache does not use today.
 
-``attend_items`` is the shared pipeline; the ragged kernel
-(``pallas_kernels/ragged_paged_attention/kernel_tpu.py``) reuses it with per-row masks.
+The pipeline itself (``attend_items``) lives in ``pallas_kernels/_tpu_common.py``: the ragged
+kernel (``pallas_kernels/ragged_paged_attention/kernel_tpu.py``) runs it with per-row masks.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._tpu_common import (
+    Masks,
+    Span,
+    as_layered,
+    attend_program,
+    check_block_sizes,
+    interpret_params,
+    kv_unsupported_reason,
+    paged_pallas_call,
+)
 from pallas_kernels.paged_attention import tuning_tpu
-
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def interpret_params(interpret: Any) -> Any:
-    """Maps the public ``interpret`` flag to ``pallas_call``'s argument.
-
-    ``True`` means the strict TPU interpreter (``pltpu.InterpretParams()``: DMAs run when
-    awaited and scratch starts as NaN, so a missing wait or an uninitialised read shows up
-    as NaN); an ``InterpretParams`` instance is passed through (tests use it for
-    ``detect_races=True``); anything false compiles for a real TPU.
-    """
-    if isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    return pltpu.InterpretParams() if interpret else False
-
-
-def sublane_multiple(dtype: Any) -> int:
-    """Rows of one native VMEM tile for ``dtype`` (8 for 32-bit, 16 for 16-bit)."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def compute_dtype(q_dtype: Any, kv_dtype: Any) -> Any:
-    """Dtype fed to the MXU: f32 if either side is f32, else the KV dtype."""
-    if jnp.dtype(jnp.float32) in (jnp.dtype(q_dtype), jnp.dtype(kv_dtype)):
-        return jnp.float32
-    return jnp.dtype(kv_dtype)
-
-
-def kv_unsupported_reason(q: Any, k_pages: Any) -> str | None:
-    """Shape/dtype limits shared by the decode and ragged TPU kernels (compiled mode)."""
-    kv_dtype, q_dtype = jnp.dtype(k_pages.dtype), jnp.dtype(q.dtype)
-    if kv_dtype not in _SUPPORTED_DTYPES:
-        return f"k_pages.dtype={kv_dtype} must be float32 or bfloat16 on TPU"
-    if q_dtype not in _SUPPORTED_DTYPES:
-        return f"q.dtype={q_dtype} must be float32 or bfloat16 on TPU"
-    C, H = k_pages.shape[-2], k_pages.shape[-1]
-    if H % 64:
-        return f"head_dim={H} must be a multiple of 64 (64, 128, 256, ...)"
-    sub = sublane_multiple(kv_dtype)
-    if C % sub:
-        return f"page_size={C} must be a multiple of {sub} for {kv_dtype} pages"
-    return None
-
-
-def as_layered(k_pages: jax.Array, v_pages: jax.Array, layer: Any):
-    """Returns ([L, K, P, C, H] pools, i32[1] layer): a 4-D pool becomes L = 1 (a bitcast)."""
-    if k_pages.ndim == 4:
-        return k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32)
-    return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
-
-
-class Span(NamedTuple):
-    """The pages of one work item (a sequence, or a query tile of one) that a kernel reads.
-
-    Attributes:
-      table_base: index of the sequence's first entry in the flattened tables (b * W).
-      first_page: first table entry to read.
-      num_pages: how many entries to read (0: the item issues no DMA).
-    """
-
-    table_base: jax.Array
-    first_page: jax.Array
-    num_pages: jax.Array
-
-
-class Masks(NamedTuple):
-    """Which keys of a work item each query row sees.
-
-    Attributes:
-      key_hi: keys past this position are never visible; their values are zeroed too, since
-        the unused tail of the last page (and pages not fetched) may hold NaN.
-      row_lo: lowest visible key of each row, broadcastable to [R, block tokens].
-      row_hi: highest visible key of each row, broadcastable like ``row_lo``.
-    """
-
-    key_hi: jax.Array
-    row_lo: Any
-    row_hi: Any
-
-
-def attend_items(
-    *,
-    num_items: int,
-    span: Callable[[jax.Array], Span],
-    masks: Callable[[jax.Array], Masks],
-    load_q: Callable[[jax.Array], jax.Array],
-    store_o: Callable[[jax.Array, jax.Array], None],
-    k_hbm: Any,
-    v_hbm: Any,
-    k_buf: Any,
-    v_buf: Any,
-    sems: Any,
-    tables_ref: Any,
-    layer: jax.Array,
-    head: jax.Array,
-    sm_scale: float,
-    logits_soft_cap: float | None,
-) -> None:
-    """Attention of a program's work items over their pages, as one DMA pipeline (in a kernel).
-
-    Item j reads table entries ``span(j)`` in blocks of ``k_buf.shape[1]`` pages with an
-    online softmax. The blocks of all items form one double-buffered stream: while block i
-    is computed, block i + 1 is in flight, whether it belongs to the same item or to the
-    next item that has pages, so short sequences do not expose DMA latency one by one.
-
-    Args:
-      num_items: static number of work items of the program.
-      span: item index -> its ``Span`` (scalar reads only).
-      masks: item index -> its ``Masks``.
-      load_q: item index -> [R, H] query rows (in the MXU dtype).
-      store_o: (item index, [R, H] f32 output) -> None; rows that see no key get zeros,
-        and items without pages get all zeros.
-      k_hbm: [L, K, P, C, H] key pool ref in HBM.
-      v_hbm: like ``k_hbm``.
-      k_buf: VMEM scratch [2, pages_per_block, C, H].
-      v_buf: like ``k_buf``.
-      sems: DMA semaphores [2, 2] indexed (K or V, slot).
-      tables_ref: SMEM i32[B * W] flattened block tables.
-      layer: layer index into the pool.
-      head: KV head index.
-      sm_scale: logit scale.
-      logits_soft_cap: None or the cap.
-    """
-    _, ppcb, C, H = k_buf.shape
-    bk = ppcb * C
-
-    def num_blocks(sp):
-        return lax.div(sp.num_pages + ppcb - 1, ppcb)  # operands are >= 0
-
-    def copy(sp, blk, slot, j, which):  # which: 0 for K, 1 for V
-        page = tables_ref[sp.table_base + sp.first_page + blk * ppcb + j]
-        hbm, buf = (k_hbm, k_buf) if which == 0 else (v_hbm, v_buf)
-        return pltpu.make_async_copy(
-            hbm.at[layer, head, page], buf.at[slot, j], sems.at[which, slot]
-        )
-
-    def pages_in(sp, blk):
-        return jnp.minimum(ppcb, sp.num_pages - blk * ppcb)
-
-    def start(sp, blk, slot):
-        # One page id per iteration: a block of any size costs one scalar register.
-        def body(j, carry):
-            copy(sp, blk, slot, j, 0).start()
-            copy(sp, blk, slot, j, 1).start()
-            return carry
-
-        lax.fori_loop(0, pages_in(sp, blk), body, 0)
-
-    def wait(sp, blk, slot, which):
-        def body(j, carry):
-            copy(sp, blk, slot, j, which).wait()
-            return carry
-
-        lax.fori_loop(0, pages_in(sp, blk), body, 0)
-
-    def next_with_pages(j):
-        """First item >= j that has pages, or ``num_items``."""
-
-        def has_none(i):
-            return (i < num_items) & (span(jnp.minimum(i, num_items - 1)).num_pages <= 0)
-
-        return lax.while_loop(has_none, lambda i: i + 1, j)
-
-    first = next_with_pages(jnp.int32(0))
-
-    @pl.when(first < num_items)
-    def _():
-        start(span(first), 0, 0)
-
-    def item(j, done):  # done: blocks computed so far by the program (sets the slot parity)
-        sp = span(j)
-        nb = num_blocks(sp)
-        nxt = next_with_pages(j + 1)
-        mk = masks(j)
-        q_RH = load_q(j)
-        R = q_RH.shape[0]
-
-        def block(blk, carry):
-            m_R1, l_R1, acc_RH = carry
-            slot = lax.rem(done + blk, 2)
-
-            @pl.when(blk + 1 < nb)
-            def _():
-                start(sp, blk + 1, 1 - slot)
-
-            @pl.when((blk + 1 == nb) & (nxt < num_items))
-            def _():
-                start(span(nxt), 0, 1 - slot)
-
-            key0 = (sp.first_page + blk * ppcb) * C
-            wait(sp, blk, slot, 0)
-            k_SH = k_buf[slot].reshape(bk, H).astype(q_RH.dtype)
-            s_RS = lax.dot_general(
-                q_RH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            s_RS = s_RS * sm_scale
-            if logits_soft_cap is not None:
-                s_RS = logits_soft_cap * jnp.tanh(s_RS / logits_soft_cap)
-            key_RS = key0 + lax.broadcasted_iota(jnp.int32, (R, bk), 1)
-            visible_RS = (key_RS <= mk.key_hi) & (key_RS >= mk.row_lo) & (key_RS <= mk.row_hi)
-            s_RS = jnp.where(visible_RS, s_RS, -jnp.inf)
-            m_new = jnp.maximum(m_R1, jnp.max(s_RS, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m_R1 - m_safe)
-            p_RS = jnp.exp(s_RS - m_safe)
-            l_R1 = alpha * l_R1 + jnp.sum(p_RS, axis=1, keepdims=True)
-
-            wait(sp, blk, slot, 1)
-            v_SH = v_buf[slot].reshape(bk, H)
-            key_SH = key0 + lax.broadcasted_iota(jnp.int32, (bk, H), 0)
-            v_SH = jnp.where(key_SH <= mk.key_hi, v_SH, 0).astype(q_RH.dtype)
-            pv_RH = jnp.dot(p_RS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
-            return m_new, l_R1, alpha * acc_RH + pv_RH
-
-        init = (
-            jnp.full((R, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((R, 1), jnp.float32),
-            jnp.zeros((R, H), jnp.float32),
-        )
-        _, l_R1, acc_RH = lax.fori_loop(0, nb, block, init)
-        store_o(j, jnp.where(l_R1 > 0, acc_RH / jnp.where(l_R1 > 0, l_R1, 1.0), 0.0))
-        return done + nb
-
-    lax.fori_loop(0, num_items, item, jnp.int32(0))
 
 
 def _decode_kernel(
@@ -276,10 +59,9 @@ def _decode_kernel(
     k_buf, v_buf, sems,  # scratch
     *, width, sm_scale, logits_soft_cap, sliding_window,
 ):  # fmt: skip
-    c, h = pl.program_id(0), pl.program_id(1)
+    c = pl.program_id(0)
     bb = q_ref.shape[0]
     C = k_buf.shape[2]
-    cdt = compute_dtype(q_ref.dtype, k_buf.dtype)
 
     def window_start(length):
         return 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -297,23 +79,19 @@ def _decode_kernel(
         length = lengths_ref[c * bb + j]
         return Masks(key_hi=length - 1, row_lo=window_start(length), row_hi=length - 1)
 
-    def store_o(j, o_GH):
-        o_ref[j] = o_GH.astype(o_ref.dtype)
-
-    attend_items(
+    attend_program(
         num_items=bb,
         span=span,
         masks=masks,
-        load_q=lambda j: q_ref[j].astype(cdt),
-        store_o=store_o,
+        q_ref=q_ref,
+        o_ref=o_ref,
         k_hbm=k_hbm,
         v_hbm=v_hbm,
         k_buf=k_buf,
         v_buf=v_buf,
         sems=sems,
         tables_ref=tables_ref,
-        layer=layer_ref[0],
-        head=h,
+        layer_ref=layer_ref,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
     )
@@ -348,21 +126,15 @@ def _paged_attention_tpu(
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
     )
-    out = pl.pallas_call(
+    out = paged_pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=((B + pad) // bb, K),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, ppcb, C, H), k_pages_LKPCH.dtype),
-                pltpu.VMEM((2, ppcb, C, H), v_pages_LKPCH.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
-        ),
+        num_scalar_prefetch=3,
+        num_programs=(B + pad) // bb,
+        block_spec=q_spec,
+        k_pages_LKPCH=k_pages_LKPCH,
+        v_pages_LKPCH=v_pages_LKPCH,
+        pages_per_compute_block=ppcb,
         out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name=f"jpaged_paged_attention_tpu_G{G}_C{C}_H{H}_ppcb{ppcb}_bb{bb}",
     )(tables_BW.reshape(-1), lengths_B, layer_1, q_BKGH, k_pages_LKPCH, v_pages_LKPCH)
@@ -453,9 +225,7 @@ def paged_attention_pallas_tpu(
     ppcb = defaults["pages_per_compute_block"]
     ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
     bb = defaults["seqs_per_program"] if seqs_per_program is None else seqs_per_program
-    for name, value in (("pages_per_compute_block", ppcb), ("seqs_per_program", bb)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+    check_block_sizes(("pages_per_compute_block", ppcb), ("seqs_per_program", bb))
     k5, v5, layer_1 = as_layered(k_pages, v_pages, layer)
     # The flattened tables (+ lengths) must fit SMEM: a larger batch runs as several calls.
     rows = (tuning_tpu.max_scalar_prefetch_entries() - 2 - bb) // (W + 1)

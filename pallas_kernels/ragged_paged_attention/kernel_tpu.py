@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import kernel_tpu as decode
+from pallas_kernels import _tpu_common as common
 from pallas_kernels.paged_attention.tuning_tpu import max_scalar_prefetch_entries
 from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu
 
@@ -44,10 +43,9 @@ def _ragged_kernel(
     k_buf, v_buf, sems,  # scratch
     *, width, group, causal, sm_scale, logits_soft_cap, sliding_window,
 ):  # fmt: skip
-    c, h = pl.program_id(0), pl.program_id(1)
+    c = pl.program_id(0)
     tb, R, _ = q_ref.shape
     C = k_buf.shape[2]
-    cdt = decode.compute_dtype(q_ref.dtype, k_buf.dtype)
 
     def visible_keys(i):
         """Keys [lo, hi] that some row of tile i sees, and the tile's scalars."""
@@ -63,7 +61,7 @@ def _ragged_kernel(
         num_pages = jnp.where((nrows > 0) & (hi >= lo), lax.div(hi, C) + 1 - first_page, 0)
         # kv_lens past W * C break the contract; never read past the table row regardless.
         num_pages = jnp.clip(num_pages, 0, width - first_page)
-        return decode.Span(seq_ref[i] * width, first_page, num_pages)
+        return common.Span(seq_ref[i] * width, first_page, num_pages)
 
     def masks(j):
         _, hi, nrows, pos0, kv_len = visible_keys(c * tb + j)
@@ -75,25 +73,21 @@ def _ragged_kernel(
         row_hi = jnp.minimum(pos_R1, kv_len - 1) if causal else jnp.full_like(pos_R1, kv_len - 1)
         row_hi = jnp.where(tok_R1 < nrows, row_hi, -1)  # rows past the real ones see nothing
         row_lo = 0 if sliding_window is None else pos_R1 - (sliding_window - 1)
-        return decode.Masks(key_hi=hi, row_lo=row_lo, row_hi=row_hi)
+        return common.Masks(key_hi=hi, row_lo=row_lo, row_hi=row_hi)
 
-    def store_o(j, o_RH):
-        o_ref[j] = o_RH.astype(o_ref.dtype)
-
-    decode.attend_items(
+    common.attend_program(
         num_items=tb,
         span=span,
         masks=masks,
-        load_q=lambda j: q_ref[j].astype(cdt),
-        store_o=store_o,
+        q_ref=q_ref,
+        o_ref=o_ref,
         k_hbm=k_hbm,
         v_hbm=v_hbm,
         k_buf=k_buf,
         v_buf=v_buf,
         sems=sems,
         tables_ref=tables_ref,
-        layer=layer_ref[0],
-        head=h,
+        layer_ref=layer_ref,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
     )
@@ -145,21 +139,15 @@ def _ragged_tpu(
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
     )
-    o_NKRH = pl.pallas_call(
+    o_NKRH = common.paged_pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
-            grid=((NT + pad) // tb, K),
-            in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, ppcb, C, H), k_pages_LKPCH.dtype),
-                pltpu.VMEM((2, ppcb, C, H), v_pages_LKPCH.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
-        ),
+        num_scalar_prefetch=6,
+        num_programs=(NT + pad) // tb,
+        block_spec=spec,
+        k_pages_LKPCH=k_pages_LKPCH,
+        v_pages_LKPCH=v_pages_LKPCH,
+        pages_per_compute_block=ppcb,
         out_shape=jax.ShapeDtypeStruct(q_NKRH.shape, q_TNH.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}_tb{tb}",
     )(
@@ -203,7 +191,7 @@ def unsupported_reason(
     """
     del v_pages, kv_lens, cu_q_lens, num_seqs, sm_scale, causal
     del logits_soft_cap, sliding_window, layer
-    reason = decode.kv_unsupported_reason(q, k_pages)
+    reason = common.kv_unsupported_reason(q, k_pages)
     if reason is not None:
         return reason
     (B, W), T, N, K = block_tables.shape, q.shape[0], q.shape[1], k_pages.shape[-4]
@@ -293,12 +281,10 @@ def ragged_paged_attention_pallas_tpu(
     ppcb = defaults["pages_per_compute_block"]
     ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
     tb = defaults["tiles_per_program"] if tiles_per_program is None else tiles_per_program
-    for name, value in (
-        ("block_q", block_q), ("pages_per_compute_block", ppcb), ("tiles_per_program", tb),
-    ):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
-    k5, v5, layer_1 = decode.as_layered(k_pages, v_pages, layer)
+    common.check_block_sizes(
+        ("block_q", block_q), ("pages_per_compute_block", ppcb), ("tiles_per_program", tb)
+    )
+    k5, v5, layer_1 = common.as_layered(k_pages, v_pages, layer)
     return _ragged_tpu(
         q,
         k5,
@@ -315,5 +301,5 @@ def ragged_paged_attention_pallas_tpu(
         block_q=min(block_q, T),
         pages_per_compute_block=min(ppcb, W),
         tiles_per_program=tb,
-        interpret=decode.interpret_params(interpret),
+        interpret=common.interpret_params(interpret),
     )
