@@ -11,29 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _engine_helpers import CKPT, ENGINE, C, make_llm, random_prompts
+from _engine_helpers import model as _model
 
 import jpaged
-
-CKPT = "tests/checkpoints/llama2"
-C = 8
-ENGINE = dict(
-    page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
-    debug=True,
-)  # fmt: skip
-
-
-@functools.cache
-def _model():
-    return jpaged.models.from_pretrained(CKPT)
-
-
-def make_llm(**kw):
-    """An engine whose whole pool starts as NaN: reading any slot not written first (a stale
-    page, a page past a sequence's length, the tail of its last page) poisons the logits."""
-    llm = jpaged.LLM(_model(), **{**ENGINE, **kw})
-    nan = jnp.full_like(llm.cache.k_pages, jnp.nan)
-    llm.cache = jpaged.PagedKVCache(k_pages=nan, v_pages=jnp.full_like(nan, jnp.nan))
-    return llm
 
 
 @functools.cache
@@ -56,11 +37,6 @@ def dense_greedy(prompt, max_tokens, S=64):
         padded[0, : len(toks)] = toks
         toks.append(int(jnp.argmax(f(jnp.asarray(padded), len(toks)))))
     return toks[len(prompt) :]
-
-
-def random_prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 300, size=n).tolist() for n in lengths]
 
 
 LENGTHS = (1, C - 1, C, C + 1, 21)  # 0 is a bad-input case below

@@ -6,35 +6,12 @@ All engines run with ``debug=True`` (allocator invariants checked after every st
 import functools
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from _engine_helpers import ENGINE, make_llm, random_prompts
+from _engine_helpers import model as _model
 
 import jpaged
-
-C = 8
-ENGINE = dict(
-    page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
-    debug=True,
-)  # fmt: skip
-
-
-@functools.cache
-def _model():
-    return jpaged.models.from_pretrained("tests/checkpoints/llama2")
-
-
-def make_llm(**kw):
-    """An engine whose pool starts as NaN (see tests/test_engine.py)."""
-    llm = jpaged.LLM(_model(), **{**ENGINE, **kw})
-    nan = jnp.full_like(llm.cache.k_pages, jnp.nan)
-    llm.cache = jpaged.PagedKVCache(k_pages=nan, v_pages=jnp.full_like(nan, jnp.nan))
-    return llm
-
-
-def random_prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 300, size=n).tolist() for n in lengths]
 
 
 def run_tracking(llm, request_ids):

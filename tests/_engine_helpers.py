@@ -1,0 +1,41 @@
+"""Engine fixtures shared by ``tests/test_engine.py`` and ``tests/test_engine_sharing.py``.
+
+Engines share one shape configuration (page size 8, 8 sequences, 64 tokens, 32-token step
+budget, ``debug=True``: allocator invariants checked after every step) so the jitted step
+programs compile once per worker.
+"""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+import jpaged
+
+CKPT = "tests/checkpoints/llama2"
+C = 8
+ENGINE = dict(
+    page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
+    debug=True,
+)  # fmt: skip
+
+
+@functools.cache
+def model():
+    """The tiny llama2 test checkpoint, loaded once."""
+    return jpaged.models.from_pretrained(CKPT)
+
+
+def make_llm(**kw):
+    """An engine whose whole pool starts as NaN: reading any slot not written first (a stale
+    page, a page past a sequence's length, the tail of its last page) poisons the logits."""
+    llm = jpaged.LLM(model(), **{**ENGINE, **kw})
+    nan = jnp.full_like(llm.cache.k_pages, jnp.nan)
+    llm.cache = jpaged.PagedKVCache(k_pages=nan, v_pages=jnp.full_like(nan, jnp.nan))
+    return llm
+
+
+def random_prompts(seed, lengths):
+    """Prompts of the given lengths, token ids in [3, 300)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, size=n).tolist() for n in lengths]
