@@ -53,7 +53,9 @@ def token_map(
     # Ends of the live sequences; dead entries pushed past every row so they are never found.
     ends_B = jnp.where(b1 <= ns, cu_q_lens[1:], _BIG)
     t_T = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_T = jnp.searchsorted(ends_B, t_T, side="right").astype(jnp.int32)
+    # compare_all: one fused [T, B] comparison; the default binary search is a loop of tiny
+    # ops, which on GPU costs launch latency on every call.
+    seq_T = jnp.searchsorted(ends_B, t_T, side="right", method="compare_all").astype(jnp.int32)
     valid_T = (t_T < cu_q_lens[ns]) & (t_T >= cu_q_lens[0]) & (seq_T < ns)
     seq_T = jnp.minimum(seq_T, B - 1)
     start_T = cu_q_lens[seq_T]
@@ -119,7 +121,7 @@ def tile_schedule(
     tiles_B = (q_len_B + block_q - 1) // block_q
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_B, dtype=jnp.int32)])
     i_NT = jnp.arange(NT, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_tiles[1:], i_NT, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(cu_tiles[1:], i_NT, side="right", method="compare_all").astype(jnp.int32)
     real = seq < ns
     seq = jnp.minimum(seq, B - 1)
     local = i_NT - cu_tiles[seq]
