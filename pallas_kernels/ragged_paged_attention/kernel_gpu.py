@@ -115,7 +115,7 @@ def unsupported_reason(
         ``ragged_paged_attention_pallas_gpu``; only shapes and dtypes are read.
       sm_scale, causal, logits_soft_cap, sliding_window, layer: accepted for signature parity.
       block_kv: the K/V tile the kernel would use (default ``tuning_gpu.default_block_kv``).
-      check_backend: also require an sm90+ GPU as the default backend.
+      check_backend: also require a Hopper (sm90) GPU as the default backend.
     """
     del sm_scale, causal, logits_soft_cap, sliding_window, layer
     del block_tables, kv_lens, cu_q_lens, num_seqs
@@ -123,8 +123,11 @@ def unsupported_reason(
     if check_backend:
         from jpaged import _backend
 
-        if not _backend.has_mosaic_gpu():
-            reasons.append("Mosaic GPU needs an NVIDIA GPU with compute capability >= 9.0")
+        cc = _backend.gpu_compute_capability()
+        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
+            reasons.append(
+                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
+            )
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         reasons.append(
