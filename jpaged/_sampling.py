@@ -138,6 +138,8 @@ def sample(
     top_p_B: jax.Array,
     seed_B: jax.Array,
     position_B: jax.Array,
+    *,
+    truncate: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row, on device; traceable (call it inside the jitted step).
 
@@ -153,6 +155,9 @@ def sample(
       top_p_B: f32[B].
       seed_B: i32[B] per-row seeds.
       position_B: i32[B] position of the token being sampled.
+      truncate: static: whether some row truncates (``truncating``); None decides on device
+        (a ``lax.cond``, which on GPU makes the host wait for the device before it goes on:
+        a caller that knows the answer, e.g. once per decode loop, passes it).
 
     Returns:
       (tokens i32[B], logprobs f32[B]): the tokens and their log-probability under the
@@ -197,12 +202,22 @@ def sample(
         return jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
 
     # The full-vocabulary sort runs only when some sampling row truncates.
-    truncating_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0))
-    sampled_B = jax.lax.cond(jnp.any(truncating_B), truncated, plain)
+    if truncate is None:
+        any_truncating = jnp.any(truncating(temperature_B, top_k_B, top_p_B, V))
+        sampled_B = jax.lax.cond(any_truncating, truncated, plain)
+    else:
+        sampled_B = truncated() if truncate else plain()
     greedy_tok_B = jnp.argmax(logits_BV, axis=-1)
     tokens_B = jnp.where(greedy_B, greedy_tok_B, sampled_B).astype(jnp.int32)
     logprob_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, logprob_B
+
+
+def truncating(
+    temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array, vocab_size: int
+) -> jax.Array:
+    """bool[B]: rows that sample from a top-k / top-p truncated distribution."""
+    return ~(temperature_B <= 0.0) & (((top_k_B > 0) & (top_k_B < vocab_size)) | (top_p_B < 1.0))
 
 
 def top_logprobs(logits_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged._sampling import sample, top_logprobs
+from jpaged._sampling import sample, top_logprobs, truncating
 from jpaged.models._protocol import AttentionMetadata
 
 
@@ -109,8 +109,9 @@ class LoopBatch:
     sampling: SamplingArrays
 
 
-def _sampled(logits_RV, s: SamplingArrays):
-    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position)
+def _sampled(logits_RV, s: SamplingArrays, truncate: bool | None = None):
+    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position,
+                  truncate=truncate)  # fmt: skip
 
 
 _TRACES = [0]  # traces (= compiles) of the step programs in this process
@@ -133,40 +134,46 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
     rows_B = jnp.arange(B, dtype=jnp.int32)
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
 
-    def cond(carry):
-        step, _, _, _, active_B, _, _, _ = carry
-        return (step < num_steps) & jnp.any(active_B)
+    V = model.vocab_size
 
-    def body(carry):
-        step, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
-        page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
-        slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
-        meta = AttentionMetadata(
-            slot_mapping=slot_B,
-            block_tables=batch.block_tables,
-            kv_lens=jnp.where(active_B, lens_B + 1, 0),
-            cu_q_lens=cu_q_lens,
-            num_seqs=jnp.int32(B),
-            logits_indices=rows_B,
-        )
-        logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
-        s = dataclasses.replace(batch.sampling, position=lens_B + 1)
-        new_B, lp_B = _sampled(logits_BV, s)
-        out_KB = out_KB.at[step].set(jnp.where(active_B, new_B, -1))
-        lp_KB = lp_KB.at[step].set(lp_B)
-        gen_B = gen_B + active_B.astype(jnp.int32)
-        stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (gen_B >= batch.min_steps)
-        still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
-        return (
-            step + 1,
-            cache,
-            jnp.where(active_B, new_B, tok_B),
-            jnp.where(active_B, lens_B + 1, lens_B),
-            still_B,
-            gen_B,
-            out_KB,
-            lp_KB,
-        )
+    def make_body(truncate: bool):
+        def body(_, carry):
+            ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
+            step = ran  # iterations run with an active row: they come first
+            page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
+            slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
+            meta = AttentionMetadata(
+                slot_mapping=slot_B,
+                block_tables=batch.block_tables,
+                kv_lens=jnp.where(active_B, lens_B + 1, 0),
+                cu_q_lens=cu_q_lens,
+                num_seqs=jnp.int32(B),
+                logits_indices=rows_B,
+            )
+            logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
+            s = dataclasses.replace(batch.sampling, position=lens_B + 1)
+            new_B, lp_B = _sampled(logits_BV, s, truncate)
+            any_B = jnp.any(active_B)
+            k = jnp.minimum(step, num_steps - 1)
+            out_KB = out_KB.at[k].set(jnp.where(any_B & active_B, new_B, out_KB[k]))
+            lp_KB = lp_KB.at[k].set(jnp.where(any_B, lp_B, lp_KB[k]))
+            gen_B = gen_B + active_B.astype(jnp.int32)
+            stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (
+                gen_B >= batch.min_steps
+            )
+            still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
+            return (
+                ran + any_B.astype(jnp.int32),
+                cache,
+                jnp.where(active_B, new_B, tok_B),
+                jnp.where(active_B, lens_B + 1, lens_B),
+                still_B,
+                gen_B,
+                out_KB,
+                lp_KB,
+            )
+
+        return body
 
     init = (
         jnp.int32(0),
@@ -178,8 +185,18 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
         jnp.full((num_steps, B), -1, jnp.int32),
         jnp.zeros((num_steps, B), jnp.float32),
     )
-    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.while_loop(
-        cond, body, init
+    # A loop of a known trip count (num_steps; iterations after every row stopped write
+    # nothing): a data-dependent while condition would make the host wait for the device on
+    # every iteration on GPU (XLA reads the predicate back), so the call would not return
+    # before the loop ended. Likewise the sampling's truncate-or-not choice, fixed for the
+    # whole loop, is taken once outside it rather than by a cond inside every step.
+    s = batch.sampling
+    some_truncate = jnp.any(truncating(s.temperature, s.top_k, s.top_p, V))
+    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.cond(
+        some_truncate,
+        lambda c: jax.lax.fori_loop(0, num_steps, make_body(True), c),
+        lambda c: jax.lax.fori_loop(0, num_steps, make_body(False), c),
+        init,
     )
     # Where the rows stand, for a loop chained right after this one without the host.
     carry = dataclasses.replace(
