@@ -171,7 +171,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         self._failed_at_add: set[str] = set()
         self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
         self._chain = None  # (scheduled rows, outputs) of a decode loop in flight
-        self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s"), 0.0)
+        self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s", "dispatch_s"), 0.0)
 
     # ------------------------------------------------------------------ public API
 
@@ -414,7 +414,11 @@ class LLM(StepMixin, DecodeLoopMixin):
             "loop_decode_steps": self._loop_steps,
             "tokens_generated": self._tokens_generated,
             # Host time scheduling, host + device time in steps, and of that the time spent
-            # waiting for device results (so host work per step = step_s - device_wait_s).
+            # waiting for device results (so host work per step = step_s - device_wait_s)
+            # and the time the calls that start device work took to return (dispatch_s: where
+            # a program makes the host wait for the device, e.g. a GPU while loop whose
+            # condition is read back each iteration, that wait shows here, not in
+            # device_wait_s).
             **{f"time_{k}": v for k, v in self._timing.items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

@@ -102,9 +102,11 @@ class DecodeLoopMixin:
         self._chain = (items, self._dispatch_loop(batch))
 
     def _dispatch_loop(self, batch: LoopBatch):
+        t = time.perf_counter()
         self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
             self.cache, batch, num_steps=self.num_decode_steps
         )
+        self._timing["dispatch_s"] += time.perf_counter() - t
         self._device_calls += 1
         for x in (out_KB, lp_KB, ran):
             x.copy_to_host_async()

@@ -146,9 +146,11 @@ class StepMixin:
         if any(it.request.is_beam for it in items):
             num_top = bucket(2 * max(it.request.fan_out for it in items if it.request.is_beam),
                              8, 1 << 30)  # fmt: skip
+        t = time.perf_counter()
         self.cache, tok_R, lp_R, top = self.runner.step(
             self.cache, batch, decode=decode, num_top=num_top
         )
+        self._timing["dispatch_s"] += time.perf_counter() - t
         self._device_calls += 1
         for x in (tok_R, lp_R) if top is None else (tok_R, lp_R, *top):
             x.copy_to_host_async()
