@@ -480,9 +480,14 @@ class BlockAllocator(SwapMixin):
         return needed
 
     def _make_writable(self, seq: _Seq, end: int, op: str) -> CopyPairs:
-        self._ensure_available(self._growth_pages(seq, end), op)
         if end <= seq.num_tokens:
             return []
+        first, last = seq.num_tokens // self.page_size, self._pages_for(end)
+        if last <= len(seq.pages) and all(
+            self._writable(seq.pages[i]) for i in range(first, last)
+        ):  # within pages already held and private (e.g. a reservation): nothing to do
+            return []
+        self._ensure_available(self._growth_pages(seq, end), op)
         pairs: CopyPairs = []
         first, last = seq.num_tokens // self.page_size, self._pages_for(end)
         for i in range(first, min(len(seq.pages), last)):

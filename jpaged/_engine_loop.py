@@ -137,14 +137,13 @@ class DecodeLoopMixin:
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
         self._loop_steps += int(ran)
         self._timing["device_wait_s"] += time.perf_counter() - t
-        for b, it in enumerate(items):
-            seq, req = it.seq, it.request
-            for step in range(k):
-                tok = int(out_KB[step, b])
-                if tok < 0 or seq.finished:
-                    break
-                seq.num_computed += 1
-                self._append(req, seq, tok, float(lp_KB[step, b]))
+        # Rows' tokens as Python lists at once (not an int() per element).
+        for it, toks, lps in zip(items, out_KB.T.tolist(), lp_KB.T.tolist(), strict=False):
+            seq = it.seq
+            if seq.finished or toks[0] < 0:
+                continue
+            n = toks.index(-1) if toks[-1] < 0 else len(toks)  # -1 once the row stopped
+            seq.num_computed += self._append_many(it.request, seq, toks[:n], lps[:n])
         # The allocator's lengths catch up with the cache (inside the reservation: nothing is
         # allocated), so stats and the prefix cache are current even mid-chain.
         chained = nxt is not None and any(not it.seq.finished for it in items)

@@ -218,6 +218,28 @@ class StepMixin:
         if reason is not None:
             self.scheduler.finish_seq(req, seq, reason)
 
+    def _append_many(self, req: Request, seq: Seq, tokens: list[int], lps: list[float]) -> int:
+        """``_append`` of each token in turn until the sequence finishes; returns how many
+        were appended. Without stop tokens only the length limits can end it: one slice."""
+        p = req.params
+        if p.stop_token_ids or (self.eos_token_ids and not p.ignore_eos):
+            for i, (tok, lp) in enumerate(zip(tokens, lps, strict=True)):
+                self._append(req, seq, tok, lp)
+                if seq.finished:
+                    return i + 1
+            return len(tokens)
+        room = max(1, min(p.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens))
+        n = min(len(tokens), room)
+        seq.tokens.extend(tokens[:n])
+        c = seq.cumulative_logprob
+        for lp in lps[:n]:  # in order, as one _append after another would add them
+            c += lp
+        seq.cumulative_logprob = c
+        self._tokens_generated += n
+        if n == room:
+            self.scheduler.finish_seq(req, seq, "length")
+        return n
+
     def _commit_pages(self, req: Request, seq: Seq) -> None:
         """Registers newly computed full pages in the prefix cache (only on a page boundary)."""
         full = seq.num_computed // self.page_size * self.page_size
