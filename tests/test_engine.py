@@ -195,3 +195,29 @@ def test_model_as_config_plus_params_or_module_plus_state():
     assert from_state.generate([prompt], greedy)[0].outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="needs params="):
         jpaged.LLM(model.config, **ENGINE)
+
+
+def test_decode_loop_matches_single_steps_at_length_limits_and_truncated_sampling():
+    """Loops (greedy rows; top-k / top-p rows, which take the loop's truncating branch) give
+    the tokens, finish reasons and log-probabilities of single steps, up to ``max_tokens``
+    and ``max_model_len`` (64 here) in the middle of a loop."""
+    prompts = random_prompts(12, (5, 50, C + 1, 3))
+    params = [
+        jpaged.SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),  # 64 at 14
+        jpaged.SamplingParams(max_tokens=11, temperature=1.0, top_k=7, seed=3, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=9, temperature=0.8, top_p=0.6, seed=4, ignore_eos=True),
+    ]
+    outs = {}
+    for k in (1, 4):
+        llm = make_llm(num_decode_steps=k, enable_prefix_caching=False)
+        outs[k] = llm.generate(prompts, params)
+        if k > 1:
+            assert llm.stats()["loop_decode_steps"] > 0
+    for a, b, p in zip(outs[1], outs[4], params, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert cb.token_ids == ca.token_ids
+        assert cb.finish_reason == ca.finish_reason == "length"
+        assert len(ca.token_ids) == min(p.max_tokens, 64 - len(a.prompt_token_ids))
+        np.testing.assert_allclose(cb.cumulative_logprob, ca.cumulative_logprob, rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip
