@@ -168,6 +168,16 @@ def _ragged_tpu(
     return jnp.where(tmap.valid_T[:, None, None], o_TNH, 0).astype(q_TNH.dtype)
 
 
+def _default_block_sizes(q: jax.Array, k_pages: jax.Array, block_tables: jax.Array) -> dict:
+    """``tuning_tpu.ragged_block_sizes`` for these shapes (q [T, N, H], pool [..., K, P, C, H])."""
+    T, N, H = q.shape
+    K, _, C, _ = k_pages.shape[-4:]
+    return tuning_tpu.ragged_block_sizes(
+        page_size=C, head_dim=H, itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        width=block_tables.shape[1], group=N // K, num_tokens=max(T, 1),
+    )  # fmt: skip
+
+
 def unsupported_reason(
     q: Any,
     k_pages: Any,
@@ -194,12 +204,8 @@ def unsupported_reason(
     reason = common.kv_unsupported_reason(q, k_pages)
     if reason is not None:
         return reason
-    (B, W), T, N, K = block_tables.shape, q.shape[0], q.shape[1], k_pages.shape[-4]
-    C, H = k_pages.shape[-2], k_pages.shape[-1]
-    bq = tuning_tpu.ragged_block_sizes(
-        page_size=C, head_dim=H, itemsize=jnp.dtype(k_pages.dtype).itemsize, width=W,
-        group=N // K, num_tokens=max(T, 1),
-    )["block_q"]  # fmt: skip
+    (B, W), T = block_tables.shape, q.shape[0]
+    bq = _default_block_sizes(q, k_pages, block_tables)["block_q"]
     scalars = B * W + 4 * schedule.num_tiles_bound(T, B, bq) + 1
     limit = max_scalar_prefetch_entries()
     if scalars > limit:
@@ -264,19 +270,11 @@ def ragged_paged_attention_pallas_tpu(
     >>> out[:, 0, 0].tolist()
     [1.0, 1.0, 0.0]
     """
-    T, N, H = q.shape
-    K, _, C, _ = k_pages.shape[-4:]
+    T = q.shape[0]
     W = block_tables.shape[1]
     if T == 0:
         return jnp.zeros(q.shape, q.dtype)
-    defaults = tuning_tpu.ragged_block_sizes(
-        page_size=C,
-        head_dim=H,
-        itemsize=jnp.dtype(k_pages.dtype).itemsize,
-        width=W,
-        group=N // K,
-        num_tokens=T,
-    )
+    defaults = _default_block_sizes(q, k_pages, block_tables)
     block_q = defaults["block_q"] if block_q is None else block_q
     ppcb = defaults["pages_per_compute_block"]
     ppcb = ppcb if pages_per_compute_block is None else pages_per_compute_block
