@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _tpu_common as common
 from pallas_kernels.paged_attention.tuning_tpu import max_scalar_prefetch_entries
-from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu
+from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu, validate
 
 
 def _ragged_kernel(
@@ -292,10 +292,12 @@ def ragged_paged_attention_pallas_tpu(
         cu_q_lens,
         num_seqs,
         layer_1,
-        sm_scale=float(sm_scale),
-        causal=bool(causal),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        sliding_window=sliding_window,
+        **validate.static_options(
+            sm_scale=sm_scale,
+            causal=causal,
+            logits_soft_cap=logits_soft_cap,
+            sliding_window=sliding_window,
+        ),
         block_q=min(block_q, T),
         pages_per_compute_block=min(ppcb, W),
         tiles_per_program=tb,

@@ -25,6 +25,28 @@ def _raise(errors: list[str]) -> None:
         raise ValueError("ragged_paged_attention: invalid arguments:\n  " + "\n  ".join(errors))
 
 
+def static_options(
+    *,
+    sm_scale: float,
+    causal: bool,
+    logits_soft_cap: float | None,
+    sliding_window: int | None,
+) -> dict[str, Any]:
+    """The attention knobs as hashable Python scalars, for an implementation's ``jit`` statics.
+
+    Returns:
+      ``dict(sm_scale=float, causal=bool, logits_soft_cap=None | float,
+      sliding_window=None | int)``: NumPy scalars become Python ones, so equal knobs share one
+      compile.
+    """
+    return dict(
+        sm_scale=float(sm_scale),
+        causal=bool(causal),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
+
+
 def validate_static(
     q: jax.Array,
     k_pages: jax.Array,

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention import schedule, validate
 
 _F32 = jnp.float32
 
@@ -100,9 +100,10 @@ def ragged_paged_attention_xla(
         layer = jnp.asarray(layer, jnp.int32).reshape(())
     return _ragged_xla(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer,
-        sm_scale=float(sm_scale), causal=bool(causal),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        sliding_window=None if sliding_window is None else int(sliding_window),
+        **validate.static_options(
+            sm_scale=sm_scale, causal=causal, logits_soft_cap=logits_soft_cap,
+            sliding_window=sliding_window,
+        ),
         block_q=int(block_q), pages_per_chunk=int(pages_per_chunk),
     )  # fmt: skip
 
