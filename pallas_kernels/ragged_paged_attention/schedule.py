@@ -164,6 +164,11 @@ def clamped_pages(
     return jnp.clip(pages, 0, num_pages - 1)
 
 
+def layer_scalar(layer: Any) -> jax.Array:
+    """A layer index (an int or an integer scalar / 1-element array) as i32[]."""
+    return jnp.asarray(layer, jnp.int32).reshape(())
+
+
 def gather_pages(pages_pool: jax.Array, layer: Any, page_ids: jax.Array) -> jax.Array:
     """Gathers whole pages of one layer: only the requested pages are read.
 
@@ -177,6 +182,7 @@ def gather_pages(pages_pool: jax.Array, layer: Any, page_ids: jax.Array) -> jax.
       [..., K, C, H] (page_ids' shape first).
     """
     if pages_pool.ndim == 5:
-        lyr = jnp.asarray(layer, jnp.int32).reshape(())
-        return pages_pool[lyr, :, page_ids]  # advanced indices first: [..., K, C, H]
+        return pages_pool[
+            layer_scalar(layer), :, page_ids
+        ]  # advanced indices first: [..., K, C, H]
     return jnp.moveaxis(pages_pool[:, page_ids], 0, -3)

@@ -97,7 +97,7 @@ def ragged_paged_attention_xla(
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"{block_q=} and {pages_per_chunk=} must be >= 1")
     if layer is not None:
-        layer = jnp.asarray(layer, jnp.int32).reshape(())
+        layer = schedule.layer_scalar(layer)
     return _ragged_xla(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer,
         **validate.static_options(
