@@ -5,9 +5,11 @@ Two jitted programs run a model on the paged cache:
 - ``step``: one forward over a ragged token batch (prefill chunks and decodes mixed), then
   on-device sampling of one token per logits row (and, for beam search, the top
   log-probabilities of each row).
-- ``decode_loop``: a ``lax.while_loop`` of up to k decode steps, each feeding the token it
+- ``decode_loop``: a ``lax.fori_loop`` of exactly k decode steps, each feeding the token it
   sampled into the next, writing K/V into slots the host reserved ahead (crossing page
-  boundaries), and stopping early once every sequence has finished (stop token or length).
+  boundaries); a sequence that finished (stop token or length) writes nothing in the steps
+  after (a fixed trip count: on GPU a ``while_loop`` condition is read back to the host every
+  iteration).
   It also returns its final state as a ``LoopBatch`` (the carry), from which the engine
   dispatches the next loop before reading this one's tokens.
 
