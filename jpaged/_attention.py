@@ -72,6 +72,14 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
     return "xla"
 
 
+def _check_tuning(implementation: str | None, tuning: dict[str, Any]) -> None:
+    if implementation is None and tuning:
+        raise ValueError(
+            f"tuning knobs {sorted(tuning)} are implementation-specific: pass implementation= "
+            f"(one of {IMPLEMENTATIONS}) with them; auto dispatch may pick another implementation"
+        )
+
+
 def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -112,7 +120,8 @@ def paged_attention(
       layer: layer index (int or i32[]) into a 5-D pool.
       implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
       interpret: run the Pallas kernel in its interpreter (any backend).
-      **tuning: implementation-specific knobs (block sizes, splits).
+      **tuning: implementation-specific knobs (block sizes, splits); they need an explicit
+        ``implementation``.
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
@@ -138,6 +147,7 @@ def paged_attention(
         sliding_window=sliding_window,
         layer=layer,
     )
+    _check_tuning(implementation, tuning)
     impl = _resolve("paged_attention", implementation, interpret, args, kwargs)
     fn = getattr(_impl_module("paged_attention", impl), f"paged_attention_{impl}")
     if impl == "xla":
@@ -184,7 +194,7 @@ def ragged_paged_attention(
       layer: layer index into a 5-D pool.
       implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
       interpret: run the Pallas kernel in its interpreter.
-      **tuning: implementation-specific knobs.
+      **tuning: implementation-specific knobs; they need an explicit ``implementation``.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -206,6 +216,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         layer=layer,
     )
+    _check_tuning(implementation, tuning)
     impl = _resolve("ragged_paged_attention", implementation, interpret, args, kwargs)
     fn = getattr(_impl_module("ragged_paged_attention", impl), f"ragged_paged_attention_{impl}")
     if impl == "xla":

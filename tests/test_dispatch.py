@@ -119,6 +119,23 @@ def test_interpret_needs_a_pallas_implementation(implementation):
         _call(_valid(), implementation=implementation, interpret=True)
 
 
+def test_tuning_knobs_need_an_explicit_implementation():
+    # Auto dispatch picks a different implementation per machine; a knob meant for one of them
+    # must not turn into a TypeError elsewhere.
+    with pytest.raises(
+        ValueError, match=r"tuning knobs \['num_splits'\] are implementation-specific"
+    ):
+        _call(_valid(), num_splits=2)
+    with pytest.raises(ValueError, match=r"tuning knobs \['block_q'\] are implementation-specific"):
+        jpaged.ragged_paged_attention(
+            np.zeros((4, 8, 16), np.float32), *(_valid()[k] for k in ("k_pages", "v_pages")),
+            np.zeros((2, 3), np.int32), np.array([4, 0], np.int32), np.array([0, 4, 4], np.int32),
+            np.array(2, np.int32), block_q=8,
+        )  # fmt: skip
+    out = _call(_valid(), implementation="xla", pages_per_chunk=2)  # explicit: accepted
+    assert out.shape == (2, 8, 16)
+
+
 # --- static validation -------------------------------------------------------------------
 
 
