@@ -182,7 +182,6 @@ def gather_pages(pages_pool: jax.Array, layer: Any, page_ids: jax.Array) -> jax.
       [..., K, C, H] (page_ids' shape first).
     """
     if pages_pool.ndim == 5:
-        return pages_pool[
-            layer_scalar(layer), :, page_ids
-        ]  # advanced indices first: [..., K, C, H]
+        # Advanced indices first: [..., K, C, H].
+        return pages_pool[layer_scalar(layer), :, page_ids]
     return jnp.moveaxis(pages_pool[:, page_ids], 0, -3)
