@@ -118,6 +118,12 @@ class LLM(StepMixin, DecodeLoopMixin):
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if not isinstance(num_decode_steps, int) or num_decode_steps < 1:
             raise ValueError(f"{num_decode_steps=} must be an int >= 1")
+        for name, v in (
+            ("max_model_len", max_model_len),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if v is not None and (not isinstance(v, int | np.integer) or v < 1):
+                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
         self.tokenizer = tokenizer
         eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
         self.eos_token_ids = frozenset(int(e) for e in eos)
@@ -196,10 +202,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = [
-            self.add_request(p, sp, cache_salt=cache_salt)
-            for p, sp in zip(prompts, params, strict=False)
-        ]
+        ids = self._add_all((p, sp, cache_salt) for p, sp in zip(prompts, params, strict=False))
         return self._run_to_completion(ids, progress)
 
     def beam_search(
@@ -209,9 +212,15 @@ class LLM(StepMixin, DecodeLoopMixin):
         *,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Beam search (transformers' ``num_beams`` semantics); beams best first per prompt."""
+        """Beam search (transformers' ``num_beams`` semantics); beams best first per prompt.
+
+        Raises:
+          ValueError: ``params`` is not a ``BeamSearchParams``.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {params!r}")
         prompts = _as_prompt_list(prompts)
-        ids = [self.add_request(p, params) for p in prompts]
+        ids = self._add_all((p, params, None) for p in prompts)
         return self._run_to_completion(ids, progress)
 
     def stream(
@@ -219,21 +228,43 @@ class LLM(StepMixin, DecodeLoopMixin):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yields a ``RequestOutput`` snapshot each time one of these requests progresses."""
+        """Yields a ``RequestOutput`` snapshot each time one of these requests progresses.
+
+        Closing the generator early (``break``, ``close()``) aborts its unfinished requests.
+        """
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
-        ids = {self.add_request(p, params) for p in prompts}
+        ids = self._add_all((p, params, None) for p in prompts)
         pending = set(ids)
-        for rid in list(ids):
-            if self._requests[rid].finished:
-                pending.discard(rid)
-                yield self._output(self._requests[rid])
-        while pending:
-            for out in self.step():
-                if out.request_id in pending:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
+        try:
+            for rid in ids:
+                if self._requests[rid].finished:
+                    pending.discard(rid)
+                    yield self._output(self._requests[rid])
+            while pending:
+                for out in self.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            self._abort_all(pending)
+
+    def _add_all(self, requests) -> list[str]:
+        """Adds ``(prompt, params, cache_salt)`` requests; on an error aborts those added."""
+        ids: list[str] = []
+        try:
+            for prompt, params, salt in requests:
+                ids.append(self.add_request(prompt, params, cache_salt=salt))
+        except BaseException:
+            self._abort_all(ids)
+            raise
+        return ids
+
+    def _abort_all(self, ids) -> None:
+        for rid in ids:
+            if not self._requests[rid].finished:
+                self.abort(rid)
 
     def add_request(
         self,
@@ -255,7 +286,11 @@ class LLM(StepMixin, DecodeLoopMixin):
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:  # auto ids skip ids users gave
+            request_id = str(next(self._ids))
+            while request_id in self._requests:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
         text = None
@@ -335,6 +370,7 @@ class LLM(StepMixin, DecodeLoopMixin):
     def _after_step(self, touched: set[str]) -> set[str]:
         if self.debug:
             self.alloc.check_invariants()
+        self.alloc.take_dirty()  # the engine rebuilds tables per step; keep the set bounded
         # Requests that finished or failed this step, scheduled or not (errors, aborts).
         touched |= {r.request_id for r in self.scheduler.take_finished()}
         touched |= self._failed_at_add

@@ -19,6 +19,14 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _SEED_MAX = 2**31 - 1
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int | np.integer)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to sample the completions of one prompt.
@@ -56,11 +64,13 @@ class SamplingParams:
         errors = []
         if not isinstance(self.max_tokens, int | np.integer) or self.max_tokens < 1:
             errors.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+        if not (
+            _is_real(self.temperature) and self.temperature >= 0 and np.isfinite(self.temperature)
+        ):
             errors.append(f"temperature={self.temperature!r} must be a finite float >= 0")
         if not isinstance(self.top_k, int | np.integer) or self.top_k < -1:
             errors.append(f"top_k={self.top_k!r} must be an int >= 1, or 0 / -1 (all tokens)")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             errors.append(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.n, int | np.integer) or self.n < 1:
             errors.append(f"n={self.n!r} must be an int >= 1")
@@ -68,6 +78,11 @@ class SamplingParams:
             not isinstance(self.seed, int | np.integer) or not 0 <= self.seed <= _SEED_MAX
         ):
             errors.append(f"seed={self.seed!r} must be None or an int in [0, 2**31 - 1]")
+        elif self.seed is not None and _is_int(self.n) and self.seed + self.n - 1 > _SEED_MAX:
+            errors.append(
+                f"seed={self.seed!r} with n={self.n!r}: completion i uses seed + i, so "
+                f"seed + n - 1 must be <= 2**31 - 1"
+            )
         if not isinstance(self.min_tokens, int | np.integer) or not (
             0 <= self.min_tokens <= max(int(self.max_tokens), 0)
         ):
@@ -117,7 +132,7 @@ class BeamSearchParams:
             errors.append(f"beam_width={self.beam_width!r} must be an int >= 1")
         if not isinstance(self.max_tokens, int | np.integer) or self.max_tokens < 1:
             errors.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not np.isfinite(self.length_penalty):
+        if not (_is_real(self.length_penalty) and np.isfinite(self.length_penalty)):
             errors.append(f"length_penalty={self.length_penalty!r} must be finite")
         if self.early_stopping not in (True, False, "never"):
             errors.append(f"early_stopping={self.early_stopping!r} must be True, False or 'never'")

@@ -221,3 +221,89 @@ def test_decode_loop_matches_single_steps_at_length_limits_and_truncated_samplin
         assert len(ca.token_ids) == min(p.max_tokens, 64 - len(a.prompt_token_ids))
         np.testing.assert_allclose(cb.cumulative_logprob, ca.cumulative_logprob, rtol=1e-4,
                                    atol=1e-4)  # fmt: skip
+
+
+def test_auto_request_ids_skip_user_ids():
+    llm = make_llm()
+    greedy = jpaged.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    p0, p1, p2 = random_prompts(11, (5, 6, 7))
+    assert llm.add_request(p0, greedy, request_id="0") == "0"
+    assert llm.add_request(p0, greedy, request_id="2") == "2"
+    outs = llm.generate([p1, p2], greedy)
+    ids = [o.request_id for o in outs]
+    assert ids == ["1", "3"]
+    assert all(o.finished and o.error is None for o in outs)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert [llm.get_output(r).finished for r in ("0", "2")] == [True, True]
+    assert llm.stats()["pages_used"] == 0
+
+
+def _assert_idle_and_no_leak(llm):
+    assert not llm.has_unfinished_requests()
+    llm.alloc.check_invariants()
+    s = llm.stats()
+    assert s["pages_used"] == 0 and s["running"] == 0 and s["waiting"] == 0
+
+
+def test_rejected_prompt_aborts_earlier_prompts_of_the_same_call():
+    llm = make_llm()
+    greedy = jpaged.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    good = random_prompts(12, (9,))[0]
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([good, "text without a tokenizer"], greedy)
+    _assert_idle_and_no_leak(llm)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.beam_search([good, "text"], jpaged.BeamSearchParams(beam_width=2, max_tokens=2))
+    _assert_idle_and_no_leak(llm)
+    with pytest.raises(ValueError, match="tokenizer"):
+        next(llm.stream([good, "text"], greedy))
+    _assert_idle_and_no_leak(llm)
+    # The engine still serves afterwards.
+    out = llm.generate([good], greedy)[0]
+    assert out.outputs[0].token_ids == dense_greedy(good, 3)
+    _assert_idle_and_no_leak(llm)
+
+
+def test_stream_broken_early_aborts_its_requests():
+    llm = make_llm(num_decode_steps=1)
+    prompts = random_prompts(13, (9, 10))
+    params = jpaged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    gen = llm.stream(prompts, params)
+    first = next(gen)
+    assert not first.finished
+    assert llm.has_unfinished_requests() and llm.stats()["pages_used"] > 0
+    gen.close()
+    _assert_idle_and_no_leak(llm)
+    for out in llm.stream(prompts, params):
+        if len(out.outputs[0].token_ids) == 2:
+            break
+    _assert_idle_and_no_leak(llm)
+    reasons = {llm.get_output(r).outputs[0].finish_reason for r in ("0", "1", "2", "3")}
+    assert reasons == {"abort"}
+
+
+def test_beam_search_rejects_sampling_params():
+    llm = make_llm()
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search([[5, 6, 7]], jpaged.SamplingParams(max_tokens=2))
+    assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", ["max_model_len", "max_num_batched_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_engine_rejects_non_positive_lengths(name, value):
+    with pytest.raises(ValueError, match=rf"{name}={value} must be None or an int >= 1"):
+        jpaged.LLM(_model(), **{**ENGINE, name: value})
+
+
+def test_sampling_params_seed_plus_n_and_non_numeric_values():
+    jpaged.SamplingParams(seed=2**31 - 2, n=2)  # completion 1 uses seed 2**31 - 1: fine
+    with pytest.raises(ValueError, match=r"seed \+ n - 1 must be <= 2\*\*31 - 1"):
+        jpaged.SamplingParams(seed=2**31 - 1, n=2)
+    with pytest.raises(ValueError, match="temperature='hot' must be a finite float"):
+        jpaged.SamplingParams(temperature="hot")
+    with pytest.raises(ValueError, match="top_p='all' must be in"):
+        jpaged.SamplingParams(top_p="all")
+    with pytest.raises(ValueError, match="length_penalty='x' must be finite"):
+        jpaged.BeamSearchParams(length_penalty="x")
