@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged._engine_step import _sampling_arrays
@@ -131,8 +132,16 @@ class DecodeLoopMixin:
             and self._may_chain(items)
             and self._reserve(items, [min(2 * k, lim) for lim in limits])
         ):
-            tables = self._tables(items, carry.block_tables.shape[0])
-            nxt = self._dispatch_loop(dataclasses.replace(carry, block_tables=tables))
+            Bp = carry.block_tables.shape[0]
+            tables = self._tables(items, Bp)
+            # Rows finished on the host (aborted) are still active in the device carry: their
+            # pages may be freed and reused, and their table rows are now zeros (page 0 is
+            # someone's page), so they must not decode (nor write K/V) in the next loop.
+            live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
+            active = jnp.logical_and(carry.active, live)
+            nxt = self._dispatch_loop(
+                dataclasses.replace(carry, block_tables=tables, active=active)
+            )
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
         self._loop_steps += int(ran)
