@@ -38,7 +38,14 @@ from jpaged._outputs import RequestOutput as RequestOutput
 from jpaged._sampling import BeamSearchParams, SamplingParams
 from jpaged._scheduler import Request, Scheduler, Status
 from jpaged._scheduler import Sequence as Seq
-from jpaged._step import LoopBatch, Runner, bucket, build_step_batch
+from jpaged._step import (
+    SAMPLING_MODES,
+    LoopBatch,
+    Runner,
+    bucket,
+    build_step_batch,
+    default_compiler_options,
+)
 
 Prompt = Sequence[int] | str
 
@@ -67,7 +74,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         or "swap".
       swap_space: bytes of host memory for swapped-out pages.
       num_decode_steps: k, decode steps per device call when every scheduled sequence is
-        decoding (a ``lax.while_loop`` over pages reserved ahead); 1 disables it.
+        decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
       cache_dtype: K/V dtype (default: the model's embedding dtype).
       tokenizer: a ``tokenizers.Tokenizer`` (loaded from the checkpoint when None).
@@ -76,6 +83,8 @@ class LLM(StepMixin, DecodeLoopMixin):
       seed: seeds requests that give no seed.
       debug: check the allocator's invariants after every step.
       swap_bytes_per_s, recompute_tokens_per_s: the cost model of preemption ("auto").
+      compiler_options: XLA options of the step programs (``jax.jit``'s ``compiler_options``);
+        None: ``default_compiler_options()`` for the default backend.
     """
 
     def __init__(
@@ -102,6 +111,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         debug: bool = False,
         swap_bytes_per_s: float = 16e9,
         recompute_tokens_per_s: float = 20e3,
+        compiler_options: dict[str, Any] | None = None,
     ):
         if isinstance(model, str | pathlib.Path):
             from jpaged.models import from_pretrained, load_tokenizer
@@ -168,7 +178,9 @@ class LLM(StepMixin, DecodeLoopMixin):
             on_admit=self._on_admit,
             swap_space_bytes=swap_space,
         )
-        self.runner = Runner(m)
+        if compiler_options is None:
+            compiler_options = default_compiler_options()
+        self.runner = Runner(m, compiler_options=compiler_options)
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -176,7 +188,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         self._steps = self._device_calls = self._tokens_generated = 0
         self._failed_at_add: set[str] = set()
         self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
-        self._chain = None  # (scheduled rows, outputs) of a decode loop in flight
+        self._chain = None  # (scheduled rows, sampling mode, outputs) of a loop in flight
         self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s", "dispatch_s"), 0.0)
 
     # ------------------------------------------------------------------ public API
@@ -380,8 +392,9 @@ class LLM(StepMixin, DecodeLoopMixin):
     def warmup(self, *, progress: bool = False) -> int:
         """Compiles every step program this engine can meet, on inputs that write nothing.
 
-        Covers the decode step and the decode loop for every sequence bucket and the ragged
-        step for every (sequence, token) bucket pair; beam search's top-k variant compiles on
+        Covers the decode step for every sequence bucket, the decode loop for every sequence
+        bucket and sampling mode (greedy, random, truncated) and the ragged step for every
+        (sequence, token) bucket pair; beam search's top-k variant compiles on
         first use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
@@ -392,8 +405,8 @@ class LLM(StepMixin, DecodeLoopMixin):
         seq_buckets = sorted({self._seq_bucket(n) for n in range(1, self.max_num_seqs + 1)})
         tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
         shapes = [("decode", B, B) for B in seq_buckets]
-        if self.num_decode_steps > 1:
-            shapes += [("loop", B, 0) for B in seq_buckets]
+        if self.num_decode_steps > 1:  # every sampling mode (a static argument)
+            shapes += [("loop", B, m) for B in seq_buckets for m in SAMPLING_MODES]
         shapes += [("ragged", B, T) for B in seq_buckets for T in tok_buckets]
         if progress:
             from tqdm.auto import tqdm
@@ -411,7 +424,7 @@ class LLM(StepMixin, DecodeLoopMixin):
                     stop_ids=np.full((B, 4), -1, np.int32), sampling=_sampling_arrays(zeros, B),
                 )  # fmt: skip
                 self.cache = self.runner.decode_loop(
-                    self.cache, batch, num_steps=self.num_decode_steps
+                    self.cache, batch, num_steps=self.num_decode_steps, mode=T
                 )[0]
                 continue
             batch = build_step_batch(

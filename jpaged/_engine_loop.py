@@ -17,6 +17,7 @@ import numpy as np
 
 from jpaged._engine_step import _sampling_arrays
 from jpaged._errors import OutOfPagesError
+from jpaged._sampling import sampling_mode
 from jpaged._step import LoopBatch, bucket, pad_to
 
 
@@ -98,14 +99,17 @@ class DecodeLoopMixin:
             stop_ids=stop_ids,
             sampling=_sampling_arrays(samp, Bp),
         )
+        # The sampling mode is static (no device-side branch) and fixed for the whole chain:
+        # its rows only ever drop out.
+        mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
         # Processed by the next `step()`, which first dispatches the loop after it: every
         # step makes at most one device call, and host work overlaps the loop in flight.
-        self._chain = (items, self._dispatch_loop(batch))
+        self._chain = (items, mode, self._dispatch_loop(batch, mode))
 
-    def _dispatch_loop(self, batch: LoopBatch):
+    def _dispatch_loop(self, batch: LoopBatch, mode: str):
         t = time.perf_counter()
         self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
-            self.cache, batch, num_steps=self.num_decode_steps
+            self.cache, batch, num_steps=self.num_decode_steps, mode=mode
         )
         self._timing["dispatch_s"] += time.perf_counter() - t
         self._device_calls += 1
@@ -120,7 +124,7 @@ class DecodeLoopMixin:
     def _advance_chain(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
         from its device-side carry, so the host work below overlaps the device."""
-        items, (out_KB, lp_KB, ran, carry) = self._chain
+        items, mode, (out_KB, lp_KB, ran, carry) = self._chain
         k = self.num_decode_steps
         nxt = None
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
@@ -140,7 +144,7 @@ class DecodeLoopMixin:
             live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
             active = jnp.logical_and(carry.active, live)
             nxt = self._dispatch_loop(
-                dataclasses.replace(carry, block_tables=tables, active=active)
+                dataclasses.replace(carry, block_tables=tables, active=active), mode
             )
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
@@ -169,4 +173,4 @@ class DecodeLoopMixin:
                 if not chained:  # end of the chain: release the unused reservation
                     self.alloc.truncate(seq.seq_id, seq.num_computed)
                 self._commit_pages(it.request, seq)
-        self._chain = (items, nxt) if chained else None
+        self._chain = (items, mode, nxt) if chained else None

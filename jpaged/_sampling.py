@@ -154,7 +154,7 @@ def sample(
     seed_B: jax.Array,
     position_B: jax.Array,
     *,
-    truncate: bool | None = None,
+    mode: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row, on device; traceable (call it inside the jitted step).
 
@@ -170,9 +170,11 @@ def sample(
       top_p_B: f32[B].
       seed_B: i32[B] per-row seeds.
       position_B: i32[B] position of the token being sampled.
-      truncate: static: whether some row truncates (``truncating``); None decides on device
-        (a ``lax.cond``, which on GPU makes the host wait for the device before it goes on:
-        a caller that knows the answer, e.g. once per decode loop, passes it).
+      mode: static, what the rows need (``sampling_mode`` computes it on the host):
+        "greedy" (every row greedy: no noise is drawn), "random" (no row truncates: no sort)
+        or "truncate" (some row top-k/top-p truncates: a full-vocabulary sort). None decides
+        between "random" and "truncate" on device (a ``lax.cond``, which on GPU makes the host
+        wait for the device before it goes on: callers that know the rows pass the mode).
 
     Returns:
       (tokens i32[B], logprobs f32[B]): the tokens and their log-probability under the
@@ -184,9 +186,14 @@ def sample(
     >>> int(tok[0])
     1
     """
+    if mode not in (None, "greedy", "random", "truncate"):
+        raise ValueError(f"{mode=} must be None, 'greedy', 'random' or 'truncate'")
     logits_BV = logits_BV.astype(jnp.float32)
     V = logits_BV.shape[-1]
     logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    greedy_tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy_tok_B, jnp.take_along_axis(logprobs_BV, greedy_tok_B[:, None], axis=-1)[:, 0]
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B).astype(jnp.float32)
     scaled_BV = logits_BV / safe_t_B[:, None]
@@ -217,12 +224,11 @@ def sample(
         return jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
 
     # The full-vocabulary sort runs only when some sampling row truncates.
-    if truncate is None:
+    if mode is None:
         any_truncating = jnp.any(truncating(temperature_B, top_k_B, top_p_B, V))
         sampled_B = jax.lax.cond(any_truncating, truncated, plain)
     else:
-        sampled_B = truncated() if truncate else plain()
-    greedy_tok_B = jnp.argmax(logits_BV, axis=-1)
+        sampled_B = truncated() if mode == "truncate" else plain()
     tokens_B = jnp.where(greedy_B, greedy_tok_B, sampled_B).astype(jnp.int32)
     logprob_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, logprob_B
@@ -233,6 +239,24 @@ def truncating(
 ) -> jax.Array:
     """bool[B]: rows that sample from a top-k / top-p truncated distribution."""
     return ~(temperature_B <= 0.0) & (((top_k_B > 0) & (top_k_B < vocab_size)) | (top_p_B < 1.0))
+
+
+def sampling_mode(temperature, top_k, top_p, vocab_size: int) -> str:
+    """The static ``sample`` mode rows need, from host (NumPy) sampling parameters.
+
+    >>> sampling_mode([0.0, 0.0], [0, 0], [1.0, 1.0], 100)
+    'greedy'
+    >>> sampling_mode([0.0, 0.7], [0, 0], [1.0, 1.0], 100), sampling_mode([1.0], [5], [1.0], 100)
+    ('random', 'truncate')
+    """
+    t = np.asarray(temperature, np.float64)
+    k = np.asarray(top_k, np.int64)
+    p = np.asarray(top_p, np.float64)
+    if not np.any(t > 0.0):
+        return "greedy"
+    if np.any((t > 0.0) & (((k > 0) & (k < vocab_size)) | (p < 1.0))):
+        return "truncate"
+    return "random"
 
 
 def top_logprobs(logits_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

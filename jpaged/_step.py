@@ -12,6 +12,9 @@ Two jitted programs run a model on the paged cache:
   iteration).
   It also returns its final state as a ``LoopBatch`` (the carry), from which the engine
   dispatches the next loop before reading this one's tokens.
+  Its sampling mode (greedy, random, truncated) is a static argument chosen on the host
+  (``sampling_mode``): a device-side ``lax.cond`` would make XLA on GPU read the predicate
+  back, so dispatching the loop would wait for the loop before it.
 
 Every varying quantity is an array and every shape comes from a small set of buckets
 (tokens T, sequences and logits rows B), so after warm-up nothing compiles.
@@ -29,8 +32,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged._sampling import sample, top_logprobs, truncating
+from jpaged._sampling import sample, sampling_mode, top_logprobs
 from jpaged.models._protocol import AttentionMetadata
+
+SAMPLING_MODES = ("greedy", "random", "truncate")  # the decode loop's static sampling modes
+
+# XLA options of the step programs on GPU. The layers run under a scan over stacked weights;
+# XLA's default Triton GEMMs copied each layer's weight slice before reading it (a memcpy of
+# every weight per decode step: H200, Llama-3-8B shapes, 64 sequences, 13.1 ms per step,
+# 6.6 ms of it copies); cuBLAS GEMMs with dynamic-slice fusion read the slices in place
+# (6.3 ms). ``benchmarks/decode_step.py`` measures the variants.
+GPU_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_enable_dynamic_slice_fusion": True,
+}
+
+
+def default_compiler_options(platform: str | None = None) -> dict[str, Any]:
+    """The step programs' XLA options for ``platform`` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
+    return dict(GPU_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -111,9 +132,8 @@ class LoopBatch:
     sampling: SamplingArrays
 
 
-def _sampled(logits_RV, s: SamplingArrays, truncate: bool | None = None):
-    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position,
-                  truncate=truncate)  # fmt: skip
+def _sampled(logits_RV, s: SamplingArrays, mode: str | None = None):
+    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position, mode=mode)
 
 
 _TRACES = [0]  # traces (= compiles) of the step programs in this process
@@ -128,7 +148,7 @@ def _step_impl(graphdef, state, cache, batch: StepBatch, *, decode: bool, num_to
     return cache, tokens_R, logprobs_R, top
 
 
-def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
+def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode: str):
     _TRACES[0] += 1
     model = nnx.merge(graphdef, state)
     B, W = batch.block_tables.shape
@@ -136,46 +156,39 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
     rows_B = jnp.arange(B, dtype=jnp.int32)
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
 
-    V = model.vocab_size
-
-    def make_body(truncate: bool):
-        def body(_, carry):
-            ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
-            step = ran  # iterations run with an active row: they come first
-            page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
-            slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
-            meta = AttentionMetadata(
-                slot_mapping=slot_B,
-                block_tables=batch.block_tables,
-                kv_lens=jnp.where(active_B, lens_B + 1, 0),
-                cu_q_lens=cu_q_lens,
-                num_seqs=jnp.int32(B),
-                logits_indices=rows_B,
-            )
-            logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
-            s = dataclasses.replace(batch.sampling, position=lens_B + 1)
-            new_B, lp_B = _sampled(logits_BV, s, truncate)
-            any_B = jnp.any(active_B)
-            k = jnp.minimum(step, num_steps - 1)
-            out_KB = out_KB.at[k].set(jnp.where(any_B & active_B, new_B, out_KB[k]))
-            lp_KB = lp_KB.at[k].set(jnp.where(any_B, lp_B, lp_KB[k]))
-            gen_B = gen_B + active_B.astype(jnp.int32)
-            stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (
-                gen_B >= batch.min_steps
-            )
-            still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
-            return (
-                ran + any_B.astype(jnp.int32),
-                cache,
-                jnp.where(active_B, new_B, tok_B),
-                jnp.where(active_B, lens_B + 1, lens_B),
-                still_B,
-                gen_B,
-                out_KB,
-                lp_KB,
-            )
-
-        return body
+    def body(_, carry):
+        ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
+        step = ran  # iterations run with an active row: they come first
+        page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
+        slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
+        meta = AttentionMetadata(
+            slot_mapping=slot_B,
+            block_tables=batch.block_tables,
+            kv_lens=jnp.where(active_B, lens_B + 1, 0),
+            cu_q_lens=cu_q_lens,
+            num_seqs=jnp.int32(B),
+            logits_indices=rows_B,
+        )
+        logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
+        s = dataclasses.replace(batch.sampling, position=lens_B + 1)
+        new_B, lp_B = _sampled(logits_BV, s, mode)
+        any_B = jnp.any(active_B)
+        k = jnp.minimum(step, num_steps - 1)
+        out_KB = out_KB.at[k].set(jnp.where(any_B & active_B, new_B, out_KB[k]))
+        lp_KB = lp_KB.at[k].set(jnp.where(any_B, lp_B, lp_KB[k]))
+        gen_B = gen_B + active_B.astype(jnp.int32)
+        stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (gen_B >= batch.min_steps)
+        still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
+        return (
+            ran + any_B.astype(jnp.int32),
+            cache,
+            jnp.where(active_B, new_B, tok_B),
+            jnp.where(active_B, lens_B + 1, lens_B),
+            still_B,
+            gen_B,
+            out_KB,
+            lp_KB,
+        )
 
     init = (
         jnp.int32(0),
@@ -190,15 +203,9 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
     # A loop of a known trip count (num_steps; iterations after every row stopped write
     # nothing): a data-dependent while condition would make the host wait for the device on
     # every iteration on GPU (XLA reads the predicate back), so the call would not return
-    # before the loop ended. Likewise the sampling's truncate-or-not choice, fixed for the
-    # whole loop, is taken once outside it rather than by a cond inside every step.
-    s = batch.sampling
-    some_truncate = jnp.any(truncating(s.temperature, s.top_k, s.top_p, V))
-    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.cond(
-        some_truncate,
-        lambda c: jax.lax.fori_loop(0, num_steps, make_body(True), c),
-        lambda c: jax.lax.fori_loop(0, num_steps, make_body(False), c),
-        init,
+    # before the loop ended.
+    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.fori_loop(
+        0, num_steps, body, init
     )
     # Where the rows stand, for a loop chained right after this one without the host.
     carry = dataclasses.replace(
@@ -213,7 +220,7 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int):
 
 
 @functools.cache
-def _programs(graphdef, treedef):
+def _programs(graphdef, treedef, compiler_options: tuple = ()):
     """The jitted step programs of one model structure (shared by every engine over it).
 
     The model state travels as a flat list of arrays and the graphdef is closed over, so a
@@ -225,29 +232,40 @@ def _programs(graphdef, treedef):
     def step(leaves, cache, batch, *, decode, num_top):
         return _step_impl(graphdef, merge(leaves), cache, batch, decode=decode, num_top=num_top)
 
-    def loop(leaves, cache, batch, *, num_steps):
-        return _loop_impl(graphdef, merge(leaves), cache, batch, num_steps=num_steps)
+    def loop(leaves, cache, batch, *, num_steps, mode):
+        return _loop_impl(graphdef, merge(leaves), cache, batch, num_steps=num_steps, mode=mode)
 
+    opts = dict(compiler_options) or None
     return (
-        jax.jit(step, static_argnames=("decode", "num_top"), donate_argnames=("cache",)),
-        jax.jit(loop, static_argnames=("num_steps",), donate_argnames=("cache",)),
-    )
+        jax.jit(step, static_argnames=("decode", "num_top"), donate_argnames=("cache",),
+                compiler_options=opts),
+        jax.jit(loop, static_argnames=("num_steps", "mode"), donate_argnames=("cache",),
+                compiler_options=opts),
+    )  # fmt: skip
 
 
 class Runner:
     """Holds a model split into (graphdef, state) and calls the jitted step programs.
 
-    The programs are cached per (graphdef, state structure), so engines over models of the
-    same structure share compiles.
+    The programs are cached per (graphdef, state structure, compiler options), so engines
+    over models of the same structure share compiles.
+
+    Args:
+      model: the NNX model.
+      compiler_options: XLA options the step programs compile with (``jax.jit``'s
+        ``compiler_options``), e.g. ``{"xla_gpu_enable_command_buffer": "..."}``.
 
     Attributes:
       num_compiles: step-program compiles (traces) in this process since this runner was built.
     """
 
-    def __init__(self, model: nnx.Module):
+    def __init__(self, model: nnx.Module, *, compiler_options: dict[str, Any] | None = None):
         graphdef, state = nnx.split(model)
         self.leaves, treedef = jax.tree.flatten(state)
-        self._step, self._loop = _programs(graphdef, treedef)
+        opts = tuple(sorted((compiler_options or {}).items()))
+        self.compiler_options = dict(opts)
+        self.vocab_size = int(model.vocab_size)
+        self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
 
     @property
@@ -258,14 +276,21 @@ class Runner:
         """Runs one step; returns (cache, tokens i32[R], logprobs f32[R], top or None)."""
         return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top)
 
-    def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int):
+    def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None):
         """Runs up to ``num_steps`` decode steps.
+
+        Args:
+          mode: the static sampling mode ("greedy", "random", "truncate"); None computes it
+            from ``batch.sampling`` (host arrays; a device carry keeps its first mode).
 
         Returns:
           ``(cache, tokens i32[k, B] (-1 once a row stopped), logprobs f32[k, B], steps run,
           carry)``, where ``carry`` is the ``LoopBatch`` a next loop continues from.
         """
-        return self._loop(self.leaves, cache, batch, num_steps=num_steps)
+        if mode is None:
+            s = batch.sampling
+            mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
+        return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode)
 
 
 def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:

@@ -94,7 +94,8 @@ def dataclasses_replace(obj, **kw):
 
 def test_no_recompiles_after_warmup():
     llm = make_llm(num_decode_steps=4)
-    assert llm.warmup() == 4  # decode, loop, ragged at 16 and 32 tokens (one sequence bucket)
+    # One sequence bucket: decode, the loop in 3 sampling modes, ragged at 16 and 32 tokens.
+    assert llm.warmup() == 6
     warm = llm.stats()["recompiles"]  # 0 if an earlier test compiled the same programs
     lengths = (3, 20, 9, 1, 15, 30)
     llm.generate(random_prompts(2, lengths), jpaged.SamplingParams(max_tokens=6, seed=0))
@@ -103,6 +104,9 @@ def test_no_recompiles_after_warmup():
     llm.generate(random_prompts(3, lengths[::-1]), params)
     llm.generate(random_prompts(4, lengths[:3]),
                  jpaged.SamplingParams(max_tokens=9, seed=7, n=2, stop_token_ids=[5, 6]))  # fmt: skip
+    llm.generate(random_prompts(5, lengths[:2]),  # a truncating loop (top-p) beside a greedy row
+                 [jpaged.SamplingParams(max_tokens=9, seed=1, temperature=0.8, top_p=0.9),
+                  jpaged.SamplingParams(max_tokens=9, temperature=0.0)])  # fmt: skip
     assert llm.stats()["recompiles"] == warm
 
 

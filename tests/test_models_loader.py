@@ -57,13 +57,13 @@ def test_benchmark_shapes_have_the_real_parameter_counts():
 def test_sharded_checkpoint_loads_every_shard():
     assert len(list((CKPT / "qwen2").glob("model-*.safetensors"))) > 1
     model = models.from_pretrained(CKPT / "qwen2")
-    bias = np.asarray(model.layers.bq_LNH[...])
+    bias = np.asarray(model.layers.unfused()["bq_LNH"])
     assert bias.shape == (2, 4, 16) and np.all(bias != 0)
 
 
 def test_dtype_cast_on_load():
     model = models.from_pretrained(CKPT / "llama2", dtype=jnp.bfloat16)
-    assert model.layers.wq_LDNH[...].dtype == jnp.bfloat16
+    assert model.layers.unfused()["wq_LDNH"].dtype == jnp.bfloat16
     assert model.embed_VD[...].dtype == jnp.bfloat16
     golden = json.loads((ROOT / "goldens" / "llama2.json").read_text())
     logits = model.forward_dense(jnp.asarray([golden["prompt_ids"]], jnp.int32))[0]
@@ -162,7 +162,7 @@ def test_config_validation():
 def test_init_random_on_device():
     model = models.init_random(models.tiny(tie_word_embeddings=True), seed=3, dtype=jnp.bfloat16)
     assert model.lm_head_DV is None
-    w = model.layers.w_up_LDF[...]
+    w = model.layers.unfused()["w_up_LDF"]
     assert w.dtype == jnp.bfloat16 and w.shape == (2, 64, 128)
     assert 0.015 < float(jnp.std(w.astype(jnp.float32))) < 0.025
     logits = model.forward_dense(jnp.zeros((1, 3), jnp.int32))

@@ -148,3 +148,32 @@ def test_truncation_elsewhere_in_the_batch_does_not_change_a_row():
             jnp.asarray([7, 7], jnp.int32),
         )
         assert int(plain[0]) == int(trunc[0])
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, mode",
+    [
+        ([0.0, 0.0, 0.0], [0, 3, 0], [1.0, 1.0, 0.5], "greedy"),  # knobs ignored when greedy
+        ([0.0, 0.7, 1.3], [0, 0, V], [1.0, 1.0, 1.0], "random"),  # top_k = V truncates nothing
+        ([0.0, 0.7, 1.3], [0, 3, 0], [1.0, 1.0, 0.6], "truncate"),
+    ],
+)
+def test_static_mode_equals_the_device_choice(temperature, top_k, top_p, mode):
+    """The decode loop's static modes (chosen on the host by ``sampling_mode``) give exactly
+    the tokens and log-probabilities of the device-side choice."""
+    from jpaged._sampling import sampling_mode
+
+    assert sampling_mode(temperature, top_k, top_p, V) == mode
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(3, V)).astype(np.float32))
+    args = (logits, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32), jnp.asarray([3, 9, 27], jnp.int32),
+            jnp.asarray([5, 6, 7], jnp.int32))  # fmt: skip
+    for position in range(8):
+        a = (*args[:5], args[5] + position)
+        tok, lp = _sample(*a)
+        tok_m, lp_m = jax.jit(sample, static_argnames="mode")(*a, mode=mode)
+        np.testing.assert_array_equal(np.asarray(tok_m), np.asarray(tok))
+        np.testing.assert_array_equal(np.asarray(lp_m), np.asarray(lp))
+    with pytest.raises(ValueError, match="mode="):
+        sample(*args, mode="nucleus")

@@ -2,10 +2,12 @@
 
 One implementation, switched by ``ModelConfig``: RMSNorm, GQA attention with RoPE (Llama 3
 scaling), optional sliding window (Mistral), optional q/k/v biases (Qwen2), SwiGLU MLP,
-tied or untied embeddings. Layer parameters are stacked with a leading L axis and the layers
-run under ``jax.lax.scan``, so compile time does not grow with depth; in the paged forward
-the cache is the scan's carry and each layer writes and reads its own slice of the stacked
-pool by index (never slicing the pool).
+tied or untied embeddings. Layer parameters are stacked with a leading L axis (q/k/v and
+gate/up fused into one GEMM each) and the layers run under ``jax.lax.scan``, so compile time
+does not grow with depth; in the paged forward the cache is the scan's carry and each layer
+writes and reads its own slice of the stacked pool by index (never slicing the pool). On GPU
+the engine compiles with cuBLAS GEMMs reading each layer's weights in place
+(``jpaged._step.GPU_COMPILER_OPTIONS``): XLA's default Triton GEMMs made it copy them first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from jpaged.models._protocol import AttentionMetadata, paged_attention_layer
 from jpaged.models._rope import apply_rope, inverse_frequencies
 
 _INIT_STD = 0.02  # Hugging Face's default `initializer_range`.
+# ``lax.scan``'s ``unroll`` over the layers. Unrolling did not stop XLA's Triton GEMMs on GPU
+# from copying the weights (H200, 8B, B=64: 13.1 ms per decode step unrolled, 13.4 rolled);
+# cuBLAS with dynamic-slice fusion did (6.3 ms, rolled), see ``GPU_COMPILER_OPTIONS``.
+LAYER_SCAN_UNROLL: int | bool = 1
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -100,16 +106,101 @@ def _random_params(config: ModelConfig, key: jax.Array, dtype: Any) -> dict[str,
     return params
 
 
-class DecoderLayers(nnx.Module):
-    """The L decoder layers, each parameter stacked along a leading L axis."""
+# Parameters that run as one GEMM, stored concatenated along their output axis (as loaded
+# checkpoints are fused by vLLM): q/k/v and gate/up. Separate sibling GEMMs over one input
+# made XLA (GPU) concatenate their weights again on every call: a copy of most of the
+# weights per decode step.
+_FUSED = {
+    "wqkv_LDX": ("wq_LDNH", "wk_LDKH", "wv_LDKH"),
+    "bqkv_LX": ("bq_LNH", "bk_LKH", "bv_LKH"),
+    "w_gate_up_LDX": ("w_gate_LDF", "w_up_LDF"),
+    "b_gate_up_LX": ("b_gate_LF", "b_up_LF"),
+}
 
-    def __init__(self, params: Mapping[str, jax.Array]):
-        for name, value in params.items():
+
+@jax.jit
+def _fuse(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    out = dict(params)
+    for fused, parts in _FUSED.items():
+        if parts[0] in params:
+            flat = [out.pop(n) for n in parts]
+            lead = 2 if "_LD" in fused else 1  # [L, D, ...] weights, [L, ...] biases
+            out[fused] = jnp.concatenate([x.reshape(*x.shape[:lead], -1) for x in flat], axis=-1)
+    return out
+
+
+class DecoderLayers(nnx.Module):
+    """The L decoder layers, each parameter stacked along a leading L axis.
+
+    q/k/v and gate/up are stored fused (``wqkv_LDX`` = [wq | wk | wv] over (N + 2K) * H
+    outputs, ``w_gate_up_LDX`` = [gate | up] over 2F); ``unfused()`` gives them by their
+    ``param_shapes`` names.
+    """
+
+    def __init__(self, params: Mapping[str, jax.Array], config: ModelConfig):
+        self.config = config
+        for name, value in _fuse(dict(params)).items():
             setattr(self, name, nnx.Param(value))
 
     def arrays(self) -> dict[str, jax.Array]:
-        """The stacked parameter arrays by name (leading L axis)."""
+        """The stacked (fused) parameter arrays by name (leading L axis)."""
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+    def unfused(self) -> dict[str, jax.Array]:
+        """Every layer parameter by its ``param_shapes`` name (slices of the fused arrays)."""
+        c = self.config
+        L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
+        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+        out = self.arrays()
+        sizes = {"wqkv_LDX": [(N, H), (K, H), (K, H)], "bqkv_LX": [(N, H), (K, H), (K, H)],
+                 "w_gate_up_LDX": [(F,), (F,)], "b_gate_up_LX": [(F,), (F,)]}  # fmt: skip
+        for fused, parts in _FUSED.items():
+            if fused not in out:
+                continue
+            x, start = out.pop(fused), 0
+            lead = (L, D) if "_LD" in fused else (L,)
+            for name, shape in zip(parts, sizes[fused], strict=True):
+                n = math.prod(shape)
+                out[name] = x[..., start : start + n].reshape(*lead, *shape)
+                start += n
+        return out
+
+
+def layer_qkv(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array,
+              inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """One layer's q [..., N, H], k and v [..., K, H] (RoPE applied) from its input ``x``.
+
+    ``p``: the layer's parameters (``DecoderLayers.arrays()`` names, one layer's slice).
+    """
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    h = _rms_norm(x, p["attn_norm_LD"], c.rms_norm_eps)
+    qkv = jnp.einsum("...d,dx->...x", h, p["wqkv_LDX"])
+    if c.qkv_bias:
+        qkv = qkv + p["bqkv_LX"]
+    lead = qkv.shape[:-1]
+    q = qkv[..., : N * H].reshape(*lead, N, H)
+    k = qkv[..., N * H : (N + K) * H].reshape(*lead, K, H)
+    v = qkv[..., (N + K) * H :].reshape(*lead, K, H)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
+                  o: jax.Array) -> jax.Array:  # fmt: skip
+    """The rest of the layer after attention: output projection, residual, SwiGLU MLP."""
+    F = c.intermediate_size
+    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"])
+    if c.o_bias:
+        attn = attn + p["bo_LD"]
+    x = x + attn
+    h = _rms_norm(x, p["mlp_norm_LD"], c.rms_norm_eps)
+    gate_up = jnp.einsum("...d,dx->...x", h, p["w_gate_up_LDX"])
+    if c.mlp_bias:
+        gate_up = gate_up + p["b_gate_up_LX"]
+    down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:],
+                      p["w_down_LFD"])  # fmt: skip
+    if c.mlp_bias:
+        down = down + p["b_down_LD"]
+    return x + down
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -185,7 +276,8 @@ class LlamaForCausalLM(nnx.Module):
         self.norm_D = nnx.Param(params["norm_D"])
         self.lm_head_DV = None if config.tie_word_embeddings else nnx.Param(params["lm_head_DV"])
         self.layers = DecoderLayers(
-            {k.removeprefix("layers."): v for k, v in params.items() if k.startswith("layers.")}
+            {k.removeprefix("layers."): v for k, v in params.items() if k.startswith("layers.")},
+            config,
         )
 
     # --- the protocol's attributes ---
@@ -219,31 +311,12 @@ class LlamaForCausalLM(nnx.Module):
         def layer(state, xs):
             x, carry = state
             p, idx = xs
-            h = _rms_norm(x, p["attn_norm_LD"], c.rms_norm_eps)
-            q = jnp.einsum("...d,dnh->...nh", h, p["wq_LDNH"])
-            k = jnp.einsum("...d,dkh->...kh", h, p["wk_LDKH"])
-            v = jnp.einsum("...d,dkh->...kh", h, p["wv_LDKH"])
-            if c.qkv_bias:
-                q, k, v = q + p["bq_LNH"], k + p["bk_LKH"], v + p["bv_LKH"]
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            q, k, v = layer_qkv(c, p, x, positions, inv_freq)
             o, carry = attend(q, k, v, carry, idx)
-            attn = jnp.einsum("...nh,nhd->...d", o, p["wo_LNHD"])
-            if c.o_bias:
-                attn = attn + p["bo_LD"]
-            x = x + attn
-            h = _rms_norm(x, p["mlp_norm_LD"], c.rms_norm_eps)
-            gate = jnp.einsum("...d,df->...f", h, p["w_gate_LDF"])
-            up = jnp.einsum("...d,df->...f", h, p["w_up_LDF"])
-            if c.mlp_bias:
-                gate, up = gate + p["b_gate_LF"], up + p["b_up_LF"]
-            down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, p["w_down_LFD"])
-            if c.mlp_bias:
-                down = down + p["b_down_LD"]
-            return (x + down, carry), None
+            return (layer_out_mlp(c, p, x, o), carry), None
 
         xs = (self.layers.arrays(), jnp.arange(c.num_layers, dtype=jnp.int32))
-        (x, carry), _ = jax.lax.scan(layer, (x, carry), xs)
+        (x, carry), _ = jax.lax.scan(layer, (x, carry), xs, unroll=LAYER_SCAN_UNROLL)
         return x, carry
 
     def _logits(self, x: jax.Array) -> jax.Array:
