@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.models._rope import apply_rope, inverse_frequencies
+from jpaged.models._llama import layer_out_mlp, layer_qkv
+from jpaged.models._rope import inverse_frequencies
 
 __all__ = ["ContiguousLM", "KVUsage", "Orca", "StaticBatching", "bucket"]
 
@@ -92,31 +93,13 @@ def _rms_norm(x, w, eps):
 
 
 def _qkv(cfg, p, x, positions):
-    """q [..., N, H], k and v [..., K, H] of one layer (RoPE applied)."""
+    """q [..., N, H], k and v [..., K, H] of one layer (RoPE applied): the model's own code."""
     inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    h = _rms_norm(x, p["attn_norm_LD"], cfg.rms_norm_eps)
-    q = jnp.einsum("...d,dnh->...nh", h, p["wq_LDNH"])
-    k = jnp.einsum("...d,dkh->...kh", h, p["wk_LDKH"])
-    v = jnp.einsum("...d,dkh->...kh", h, p["wv_LDKH"])
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq_LNH"], k + p["bk_LKH"], v + p["bv_LKH"]
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return layer_qkv(cfg, p, x, positions, inv_freq)
 
 
 def _out_and_mlp(cfg, p, x, o):
-    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"])
-    if cfg.o_bias:
-        attn = attn + p["bo_LD"]
-    x = x + attn
-    h = _rms_norm(x, p["mlp_norm_LD"], cfg.rms_norm_eps)
-    gate = jnp.einsum("...d,df->...f", h, p["w_gate_LDF"])
-    up = jnp.einsum("...d,df->...f", h, p["w_up_LDF"])
-    if cfg.mlp_bias:
-        gate, up = gate + p["b_gate_LF"], up + p["b_up_LF"]
-    down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, p["w_down_LFD"])
-    if cfg.mlp_bias:
-        down = down + p["b_down_LD"]
-    return x + down
+    return layer_out_mlp(cfg, p, x, o)
 
 
 def _next_tokens(cfg, w, x_BD):

@@ -192,7 +192,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
     ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
     nothing after this fails.
     """
-    from jpaged._step import LoopBatch, SamplingArrays, StepBatch, bucket
+    from jpaged._step import SAMPLING_MODES, LoopBatch, SamplingArrays, StepBatch, bucket
 
     r = llm.runner
     W, top = llm.width, max(llm.max_num_batched_tokens, 16)
@@ -218,13 +218,13 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
     k = llm.num_decode_steps
     work = [("step", step_batch(B, B), True) for B in seq_buckets]
-    work += [("loop", loop_batch(B), None) for B in seq_buckets]
+    work += [("loop", loop_batch(B), m) for B in seq_buckets for m in SAMPLING_MODES]
     work += [("step", step_batch(B, T), False) for B in seq_buckets for T in tok_buckets]
     if not all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
         return llm.warmup()
     lowered = [
         r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
-        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k)
+        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k, mode=d)
         for kind, b, d in work
     ]  # fmt: skip
     _baselines.compile_parallel(lowered, threads)
@@ -471,21 +471,26 @@ def _weight_bytes(model) -> int:
 
 def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page_size: int,
                    num_decode_steps: int = 8, roofline_bytes: int = 4 << 30,
-                   progress: bool = True) -> dict:  # fmt: skip
+                   progress: bool = True, engine_kw: dict | None = None,
+                   roofline_tbs: float | None = None) -> dict:  # fmt: skip
     """Host scheduling time and memory-bandwidth utilisation of jpaged's decode, per batch size.
 
     For each B: B requests of ``prompt_len`` prompt tokens and ``output_len`` outputs arrive
     at once, twice (the first pass compiles; ``compiles`` counts those in the second's decode
     phase); the decode phase runs from the step after which every request has its first
-    token to the end. From the engine's own counters
+    token until the first request finishes (every request decodes in every step of it). From the engine's own counters
     (``LLM.stats()``: ``time_schedule_s``, ``time_step_s``, ``time_device_wait_s``), host
     time = scheduling + step time - time spent waiting for the device. Step time = phase wall
     time / decode steps; MBU = (weight bytes + mean live K/V bytes) per decode step / step
     time, over the HBM read roofline measured in the same process (``_timing``).
+    ``engine_kw`` goes to ``jpaged.LLM`` (e.g. ``compiler_options``); ``roofline_tbs``, when
+    given, is used instead of measuring it again.
     """
     import _timing
 
-    roof_tbs, _ = _timing.read_roofline_tbs(roofline_bytes)
+    if roofline_tbs is None:
+        roofline_tbs, _ = _timing.read_roofline_tbs(roofline_bytes)
+    roof_tbs = roofline_tbs
     cfg = model.config
     itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -494,23 +499,30 @@ def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page
             "steps", "device_calls")  # fmt: skip
     rows = []
     for B in _workloads.tqdm(batch_sizes, desc="decode profile", disable=not progress):
-        need = B * (math.ceil((prompt_len + output_len) / page_size) + 2) * page_size
+        budget = min(2048, B * prompt_len)
+        # Requests start decoding as their prefill ends (chunked, `budget` tokens per step):
+        # at most `stagger` steps apart. Each may generate output_len + stagger tokens, so
+        # every one still runs for output_len steps after the last one started: the
+        # measured window, which ends when the first request finishes.
+        stagger = math.ceil(B * prompt_len / budget) + 2
+        need = B * (math.ceil((prompt_len + output_len + stagger) / page_size) + 2) * page_size
         rng = np.random.default_rng(B)
         prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(B)]
         for _ in range(2):  # the first pass compiles what the second one measures
             system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
-                                  max_len=prompt_len + output_len + 1, max_num_seqs=B,
+                                  max_len=prompt_len + output_len + stagger + 1, max_num_seqs=B,
                                   num_decode_steps=num_decode_steps,
-                                  max_num_batched_tokens=min(2048, B * prompt_len))  # fmt: skip
+                                  max_num_batched_tokens=budget, **(engine_kw or {}))  # fmt: skip
             llm = system.llm
             for i, p in enumerate(prompts):
-                system.add(i, p, output_len)
+                system.add(i, p, output_len + stagger)
             started: set[int] = set()
             while len(started) < B:  # prefill (chunked) until every request has a token
                 started |= {rid for rid, n, _ in system.step() if n >= 1}
             compiles, before, t0 = backend_compiles(), llm.stats(), time.perf_counter()
-            while system.has_work():
-                system.step()
+            done = False
+            while not done and system.has_work():  # every request decoding
+                done = any(fin for _, _, fin in system.step())
             wall = time.perf_counter() - t0
             after = llm.stats()
             compiles = backend_compiles() - compiles
