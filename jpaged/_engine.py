@@ -16,6 +16,7 @@ engine keeps serving the other requests.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -85,6 +86,9 @@ class LLM(StepMixin, DecodeLoopMixin):
       swap_bytes_per_s, recompute_tokens_per_s: the cost model of preemption ("auto").
       compiler_options: XLA options of the step programs (``jax.jit``'s ``compiler_options``);
         None: ``default_compiler_options()`` for the default backend.
+      keep_finished: finished requests whose outputs ``get_output`` still returns; older
+        ones are dropped (a long-running server's memory stays bounded). Unfinished requests
+        are always kept, and ``generate``/``stream`` return every output they started.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         swap_bytes_per_s: float = 16e9,
         recompute_tokens_per_s: float = 20e3,
         compiler_options: dict[str, Any] | None = None,
+        keep_finished: int = 4096,
     ):
         if isinstance(model, str | pathlib.Path):
             from jpaged.models import from_pretrained, load_tokenizer
@@ -128,6 +133,8 @@ class LLM(StepMixin, DecodeLoopMixin):
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if not isinstance(num_decode_steps, int) or num_decode_steps < 1:
             raise ValueError(f"{num_decode_steps=} must be an int >= 1")
+        if not isinstance(keep_finished, int) or keep_finished < 0:
+            raise ValueError(f"{keep_finished=} must be an int >= 0")
         for name, v in (
             ("max_model_len", max_model_len),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -185,6 +192,9 @@ class LLM(StepMixin, DecodeLoopMixin):
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.keep_finished = keep_finished
+        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
+        self._arrivals = itertools.count()
         self._steps = self._device_calls = self._tokens_generated = 0
         self._failed_at_add: set[str] = set()
         self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
@@ -311,17 +321,17 @@ class LLM(StepMixin, DecodeLoopMixin):
                 raise ValueError("a string prompt needs a tokenizer; pass token ids instead")
             text, prompt = prompt, self.tokenizer.encode(prompt).ids
         tokens = [int(t) for t in prompt]
-        req = Request(request_id, tokens, params, arrival=len(self._requests), prompt_text=text)
+        req = Request(request_id, tokens, params, arrival=next(self._arrivals), prompt_text=text)
         req.salt = cache_salt
+        req.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
         self._requests[request_id] = req
         if isinstance(params, BeamSearchParams):
             if 0 < self.max_model_len - len(tokens) < params.max_tokens:
                 params = dataclasses.replace(params, max_tokens=self.max_model_len - len(tokens))
                 req.params = params
-            stops = set(params.stop_token_ids) | (
-                set() if params.ignore_eos else self.eos_token_ids
-            )
-            req.beam = _beam.BeamState(params, len(tokens), frozenset(stops))
+            req.beam = _beam.BeamState(params, len(tokens), req.stop_ids)
         seed = params.seed if isinstance(params, SamplingParams) else None
         if seed is None:
             seed = int(self._rng.integers(0, 2**31 - params.n if hasattr(params, "n") else 2**31))
@@ -340,7 +350,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         """Stops a request and frees everything it holds (finish reason "abort")."""
         req = self._requests.get(request_id)
         if req is None:
-            raise ValueError(f"unknown {request_id=}")
+            raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
         if not req.finished:
             self.scheduler.abort(req)
 
@@ -348,7 +358,23 @@ class LLM(StepMixin, DecodeLoopMixin):
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return self._output(self._requests[request_id])
+        """The request's current output (a finished one only among the last ``keep_finished``)."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
+        return self._output(req)
+
+    def _dropped_hint(self) -> str:
+        return (f" (finished requests are kept for the last keep_finished={self.keep_finished} "
+                "only)")  # fmt: skip
+
+    def _retire(self) -> None:
+        """Drops the oldest finished requests beyond ``keep_finished``."""
+        while len(self._finished_ids) > self.keep_finished:
+            rid = self._finished_ids.popleft()
+            req = self._requests.get(rid)
+            if req is not None and req.finished:
+                del self._requests[rid]
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
@@ -357,6 +383,7 @@ class LLM(StepMixin, DecodeLoopMixin):
 
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
+        self._retire()  # at the start: the previous step's outputs have been built
         if self._chain is not None:  # a decode loop is in flight: no scheduling, just advance
             t1 = time.perf_counter()
             touched = {it.request.request_id for it in self._chain[0]}
@@ -384,7 +411,10 @@ class LLM(StepMixin, DecodeLoopMixin):
             self.alloc.check_invariants()
         self.alloc.take_dirty()  # the engine rebuilds tables per step; keep the set bounded
         # Requests that finished or failed this step, scheduled or not (errors, aborts).
-        touched |= {r.request_id for r in self.scheduler.take_finished()}
+        done = [r.request_id for r in self.scheduler.take_finished()]
+        self._finished_ids.extend(done)
+        self._finished_ids.extend(self._failed_at_add)
+        touched |= set(done)
         touched |= self._failed_at_add
         self._failed_at_add = set()
         return touched
@@ -514,20 +544,21 @@ class LLM(StepMixin, DecodeLoopMixin):
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        pending = {rid for rid in ids if not self._requests[rid].finished}
+        reqs = {rid: self._requests[rid] for rid in ids}  # kept even if retired meanwhile
+        pending = {rid for rid in ids if not reqs[rid].finished}
         if bar is not None:
             bar.update(len(ids) - len(pending))
         while pending:
             if not self.scheduler.has_unfinished():
                 raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
             for rid in self._step() & pending:
-                if self._requests[rid].finished:
+                if reqs[rid].finished:
                     pending.discard(rid)
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [self._output(self._requests[rid]) for rid in ids]
+        return [self._output(reqs[rid]) for rid in ids]
 
     def _output(self, req: Request) -> RequestOutput:
         if req.is_beam and req.beam is not None and req.beam.done:

@@ -78,11 +78,7 @@ class DecodeLoopMixin:
             return self._run_step(sched)
         B = len(items)
         Bp = self._seq_bucket(B)
-        stop_lists = []
-        for it in items:
-            p = it.request.params
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            stop_lists.append(sorted(stops))
+        stop_lists = [sorted(it.request.stop_ids) for it in items]
         S = bucket(max(1, max(len(s) for s in stop_lists)), 4, 1 << 20)
         stop_ids = np.full((Bp, S), -1, np.int32)
         for b, s in enumerate(stop_lists):

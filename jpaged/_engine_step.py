@@ -209,9 +209,8 @@ class StepMixin:
         seq.cumulative_logprob += lp
         self._tokens_generated += 1
         p = req.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         reason = None
-        if token in stops and seq.num_generated >= p.min_tokens:
+        if token in req.stop_ids and seq.num_generated >= p.min_tokens:
             reason = "stop"
         elif seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -222,7 +221,7 @@ class StepMixin:
         """``_append`` of each token in turn until the sequence finishes; returns how many
         were appended. Without stop tokens only the length limits can end it: one slice."""
         p = req.params
-        if p.stop_token_ids or (self.eos_token_ids and not p.ignore_eos):
+        if req.stop_ids:
             for i, (tok, lp) in enumerate(zip(tokens, lps, strict=True)):
                 self._append(req, seq, tok, lp)
                 if seq.finished:

@@ -101,6 +101,8 @@ class Request:
       beam: the beam-search state (``jpaged._beam.BeamState``) or None.
       prompt_text: the prompt string, when given as text.
       salt: prefix-cache salt.
+      stop_ids: the token ids that stop a sequence (its stop tokens, and the engine's EOS
+        unless ``ignore_eos``), set by the engine at admission.
     """
 
     request_id: str
@@ -118,6 +120,7 @@ class Request:
     forked: bool = False
     refork: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+    stop_ids: frozenset[int] = frozenset()  # tokens that stop it (EOS unless ignored)
 
     def __post_init__(self):
         self.is_beam = isinstance(self.params, BeamSearchParams)
@@ -184,6 +187,7 @@ class Scheduler:
       swap_space_bytes: host memory available for swapped pages.
       max_preemptions: a request preempted more often than this fails ("error"), so an
         undersized pool cannot livelock.
+      max_events: preemption events kept in ``events`` (the latest ones).
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class Scheduler:
         on_admit: Callable[[Request], None],
         swap_space_bytes: int = 1 << 30,
         max_preemptions: int = 64,
+        max_events: int = 4096,
     ):
         if preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"{preemption_mode=} must be 'auto', 'recompute' or 'swap'")
@@ -216,7 +221,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped_bytes = 0  # currently on host
-        self.events: list[PreemptionEvent] = []
+        # The latest preemptions (bounded: a long-running server preempts without end).
+        self.events: collections.deque[PreemptionEvent] = collections.deque(maxlen=max_events)
         self.counters = collections.Counter()
         self.step_index = 0
         self._finished: list[Request] = []

@@ -311,3 +311,45 @@ def test_sampling_params_seed_plus_n_and_non_numeric_values():
         jpaged.SamplingParams(top_p="all")
     with pytest.raises(ValueError, match="length_penalty='x' must be finite"):
         jpaged.BeamSearchParams(length_penalty="x")
+
+
+def test_finished_requests_are_kept_only_up_to_keep_finished():
+    """A long-running engine keeps at most ``keep_finished`` finished requests (oldest dropped
+    first); in-flight requests and every output ``generate`` started are never lost."""
+    llm = make_llm(keep_finished=2)
+    greedy = jpaged.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(11, (5, 6, 7, 8, 9))
+    outs = llm.generate(prompts, greedy)  # 5 finish, only 2 may stay: generate still has all
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 3) for p in prompts]
+    slow = llm.add_request(random_prompts(12, (4,))[0], jpaged.SamplingParams(
+        max_tokens=56, temperature=0.0, ignore_eos=True))  # fmt: skip
+    one = jpaged.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in range(3):  # each finishes in its prefill step
+        llm.generate(random_prompts(13, (5,)), one)
+    assert not llm.get_output(slow).finished  # in flight: kept
+    with pytest.raises(ValueError, match=r"unknown request_id='0' \(finished requests are kept"):
+        llm.get_output("0")
+    with pytest.raises(ValueError, match="keep_finished=2"):
+        llm.abort("1")
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert len(llm._requests) <= 2 + 1  # the cap, plus those finished in the last step
+    assert llm.get_output(slow).outputs[0].token_ids == dense_greedy(
+        llm.get_output(slow).prompt_token_ids, 56
+    )
+    # Arrival order survives the drops (FCFS admission uses it): ids are fresh and in order.
+    a = llm.add_request([1, 2, 3], greedy)
+    b = llm.add_request([1, 2, 3], greedy)
+    assert llm._requests[a].arrival < llm._requests[b].arrival
+    with pytest.raises(ValueError, match="keep_finished=-1 must be an int >= 0"):
+        make_llm(keep_finished=-1)
+
+
+def test_preemption_events_are_bounded():
+    from jpaged._scheduler import PreemptionEvent
+
+    llm = make_llm()
+    for i in range(5000):
+        llm.scheduler.events.append(PreemptionEvent(str(i), "swap", 1, i))
+    events = llm.preemption_events
+    assert len(events) == 4096 and events[-1].request_id == "4999"
