@@ -157,6 +157,8 @@ class LLM(StepMixin, DecodeLoopMixin):
         if num_pages is None:
             budget = kv_cache_memory if kv_cache_memory is not None else _default_kv_bytes()
             num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
+        self._pending = None  # a decode-loop dispatch running in the dispatch thread
+        self._dispatcher = None  # its single-thread executor (created on first use)
         self.cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
         bpp = self.cache.bytes_per_page
         self.alloc = BlockAllocator(
@@ -200,6 +202,23 @@ class LLM(StepMixin, DecodeLoopMixin):
         self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
         self._chain = None  # (scheduled rows, sampling mode, outputs) of a loop in flight
         self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s", "dispatch_s"), 0.0)
+
+    # ------------------------------------------------------------------ the cache
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The K/V pool. While a decode loop is being dispatched (in the dispatch thread, see
+        ``_engine_loop``), reading it waits for that call: its output is the current pool."""
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            self._cache = fut.result()[0][0]
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: PagedKVCache) -> None:
+        if self._pending is not None:
+            raise AssertionError("the cache was replaced while a decode loop was dispatching")
+        self._cache = value
 
     # ------------------------------------------------------------------ public API
 

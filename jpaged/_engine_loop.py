@@ -9,6 +9,7 @@ the engine's state set up by ``LLM.__init__`` and the step helpers of
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -102,16 +103,34 @@ class DecodeLoopMixin:
         # step makes at most one device call, and host work overlaps the loop in flight.
         self._chain = (items, mode, self._dispatch_loop(batch, mode))
 
-    def _dispatch_loop(self, batch: LoopBatch, mode: str):
-        t = time.perf_counter()
-        self.cache, out_KB, lp_KB, ran, carry = self.runner.decode_loop(
-            self.cache, batch, num_steps=self.num_decode_steps, mode=mode
-        )
-        self._timing["dispatch_s"] += time.perf_counter() - t
+    def _dispatch_loop(self, batch: LoopBatch, mode: str) -> concurrent.futures.Future:
+        """Starts a decode loop from the dispatch thread; returns the future of
+        ``((cache, tokens, logprobs, steps run, carry), seconds the call took)``.
+
+        On GPU the call that dispatches a loop can return only once the loop has run (XLA
+        thunks that synchronise with the host: cuBLAS GEMMs on dynamic slices inside loops,
+        measured on the H200), and it releases the GIL meanwhile: made from a worker thread, it
+        lets the host process the previous loop's tokens while this one runs. Reading
+        ``self.cache`` waits for the call.
+        """
+        cache = self.cache  # the previous dispatch's output pool (waits for that call)
+        if self._dispatcher is None:
+            self._dispatcher = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="jpaged-dispatch"
+            )
+        fut = self._dispatcher.submit(self._loop_call, cache, batch, mode)
+        self._pending = fut
         self._device_calls += 1
-        for x in (out_KB, lp_KB, ran):
+        return fut
+
+    def _loop_call(self, cache, batch: LoopBatch, mode: str):
+        """Runs in the dispatch thread."""
+        t = time.perf_counter()
+        out = self.runner.decode_loop(cache, batch, num_steps=self.num_decode_steps, mode=mode)
+        dt = time.perf_counter() - t
+        for x in out[1:4]:  # tokens, logprobs, steps run
             x.copy_to_host_async()
-        return out_KB, lp_KB, ran, carry
+        return out, dt
 
     def _may_chain(self, items) -> bool:
         live = sum(not it.seq.finished for it in items)
@@ -120,7 +139,11 @@ class DecodeLoopMixin:
     def _advance_chain(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
         from its device-side carry, so the host work below overlaps the device."""
-        items, mode, (out_KB, lp_KB, ran, carry) = self._chain
+        items, mode, fut = self._chain
+        t = time.perf_counter()
+        (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
+        self._timing["device_wait_s"] += time.perf_counter() - t
+        self._timing["dispatch_s"] += dispatch_s
         k = self.num_decode_steps
         nxt = None
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
