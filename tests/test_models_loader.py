@@ -8,6 +8,7 @@ import math
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -193,3 +194,22 @@ def test_transformers_4_config_keys():
     np.testing.assert_allclose(inv, _rope.inverse_frequencies(16, 10000.0) / 2, rtol=1e-7)
     plain = models.ModelConfig.from_hf(base | {"rope_scaling": None})
     assert plain.rope_scaling is None
+
+
+def test_fused_layers_from_host_and_device_params_agree():
+    """q/k/v and gate/up are stored fused; host (NumPy) params are fused on the host (a
+    checkpoint never sits on the device twice), device ones on the device: same model."""
+    cfg = models.tiny(qkv_bias=True, mlp_bias=True)
+    shapes = models.param_shapes(cfg)
+    rng = np.random.default_rng(0)
+    host = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    a = models.LlamaForCausalLM(cfg, params=host)
+    b = models.LlamaForCausalLM(cfg, params={k: jnp.asarray(v) for k, v in host.items()})
+    assert isinstance(a.layers.wqkv_LDX[...], jax.Array)
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    assert a.layers.wqkv_LDX[...].shape == (cfg.num_layers, cfg.hidden_size, (N + 2 * K) * H)
+    for model in (a, b):
+        views = model.layers.unfused()
+        assert set(views) == {k.removeprefix("layers.") for k in shapes if k.startswith("layers.")}
+        for name, view in views.items():
+            np.testing.assert_array_equal(np.asarray(view), host["layers." + name])

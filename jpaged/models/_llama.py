@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jpaged.models._config import ModelConfig
@@ -118,15 +119,25 @@ _FUSED = {
 }
 
 
-@jax.jit
-def _fuse(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _fuse_with(xp, params: dict) -> dict:
     out = dict(params)
     for fused, parts in _FUSED.items():
         if parts[0] in params:
             flat = [out.pop(n) for n in parts]
             lead = 2 if "_LD" in fused else 1  # [L, D, ...] weights, [L, ...] biases
-            out[fused] = jnp.concatenate([x.reshape(*x.shape[:lead], -1) for x in flat], axis=-1)
+            out[fused] = xp.concatenate([x.reshape(*x.shape[:lead], -1) for x in flat], axis=-1)
     return out
+
+
+_fuse_on_device = jax.jit(functools.partial(_fuse_with, jnp))
+
+
+def _fuse(params: dict) -> dict[str, jax.Array]:
+    """The fused layer parameters, on device. Host (NumPy) inputs are fused on the host, so
+    loading a checkpoint never holds the fused and unfused weights on the device at once."""
+    if all(isinstance(v, np.ndarray) for v in params.values()):
+        return {k: jnp.asarray(v) for k, v in _fuse_with(np, params).items()}
+    return _fuse_on_device(params)
 
 
 class DecoderLayers(nnx.Module):
@@ -258,7 +269,8 @@ class LlamaForCausalLM(nnx.Module):
           config: the model's shapes and switches.
           rngs: random init (normal(0.02) weights, unit norms, zero biases) when ``params``
             is None.
-          params: parameter arrays by name; used as given (cast them beforehand).
+          params: parameter arrays by name (device or NumPy arrays, moved to the default
+            device); used in their dtype (cast them beforehand).
           dtype: parameter dtype for random init.
 
         Raises:
@@ -272,9 +284,11 @@ class LlamaForCausalLM(nnx.Module):
         if params is None:
             params = _random_params(config, rngs.params(), jnp.dtype(dtype))
         _check_params(params, shapes)
-        self.embed_VD = nnx.Param(params["embed_VD"])
-        self.norm_D = nnx.Param(params["norm_D"])
-        self.lm_head_DV = None if config.tie_word_embeddings else nnx.Param(params["lm_head_DV"])
+        self.embed_VD = nnx.Param(jnp.asarray(params["embed_VD"]))
+        self.norm_D = nnx.Param(jnp.asarray(params["norm_D"]))
+        self.lm_head_DV = (
+            None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head_DV"]))
+        )
         self.layers = DecoderLayers(
             {k.removeprefix("layers."): v for k, v in params.items() if k.startswith("layers.")},
             config,

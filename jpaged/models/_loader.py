@@ -220,7 +220,8 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = None) -> LlamaForC
     """
     config = load_config(path)
     params = load_params(path, config, dtype=dtype)
-    return LlamaForCausalLM(config, params={k: jnp.asarray(v) for k, v in params.items()})
+    # Host arrays: q/k/v and gate/up are fused on the host before moving to the device.
+    return LlamaForCausalLM(config, params=params)
 
 
 def load_tokenizer(path: str | pathlib.Path):
