@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged._step import default_compiler_options
 from jpaged.models._llama import layer_out_mlp, layer_qkv
 from jpaged.models._rope import inverse_frequencies
 
@@ -109,7 +110,12 @@ def _next_tokens(cfg, w, x_BD):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+# The contiguous systems compile with the engine's XLA options (on GPU: cuBLAS GEMMs), so
+# their matmuls are the same as jpaged's.
+_jit = functools.partial(jax.jit, compiler_options=default_compiler_options() or None)
+
+
+@functools.partial(_jit, static_argnums=(0, 1, 2))
 def _prefill(cfg, impl, dtype, w, tokens_BS, lens_B):
     """The prompts' K/V per layer ([B, S, K, H] each) and next tokens; the cache is untouched,
     so one compile per (B, S) serves every system whatever its slot count."""
@@ -131,7 +137,7 @@ def _prefill(cfg, impl, dtype, w, tokens_BS, lens_B):
     return tuple(ks), tuple(vs), _next_tokens(cfg, w, last_BD)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(_jit, donate_argnums=0)
 def _write_prefill(cache, ks, vs, slots_B):
     """Writes prompt K/V into rows ``slots_B`` (out of range: skipped) of every layer, in place."""
     S = ks[0].shape[1]
@@ -141,7 +147,7 @@ def _write_prefill(cache, ks, vs, slots_B):
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+@functools.partial(_jit, static_argnums=(0, 1), donate_argnums=3)
 def _decode(cfg, impl, w, cache, tokens_b, pos_b, active_b):
     nb = tokens_b.shape[0]
     num_slots, max_len = cache[0][0].shape[:2]
