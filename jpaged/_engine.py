@@ -31,6 +31,7 @@ import numpy as np
 from jpaged import _beam
 from jpaged._allocator import BlockAllocator
 from jpaged._cache import PagedKVCache, pages_for_budget
+from jpaged._detokenize import Detokenizer
 from jpaged._engine_loop import DecodeLoopMixin
 from jpaged._engine_setup import _default_kv_bytes, _model_dtype, _read_eos, _with_params
 from jpaged._engine_step import StepMixin, _sampling_arrays
@@ -589,8 +590,8 @@ class LLM(StepMixin, DecodeLoopMixin):
             ]  # fmt: skip
         else:
             outs = [
-                CompletionOutput(s.index, s.output_ids, self._decode(s.output_ids),
-                                 s.finish_reason, s.cumulative_logprob)
+                CompletionOutput(s.index, s.output_ids, self._text(s), s.finish_reason,
+                                 s.cumulative_logprob)
                 for s in sorted(req.seqs, key=lambda s: s.index)
             ]  # fmt: skip
         return RequestOutput(
@@ -605,6 +606,14 @@ class LLM(StepMixin, DecodeLoopMixin):
 
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def _text(self, seq: Seq) -> str | None:
+        """The sequence's output text, decoded incrementally (a full decode once finished)."""
+        if self.tokenizer is None:
+            return None
+        if seq.detokenizer is None:
+            seq.detokenizer = Detokenizer()
+        return seq.detokenizer.update(self.tokenizer, seq.output_ids, finished=seq.finished)
 
 
 def _id_order(request_id: str):

@@ -66,6 +66,7 @@ class Sequence:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     num_committed: int = 0  # tokens of full pages registered in the prefix cache
+    detokenizer: Any = None  # the engine's incremental ``Detokenizer`` of the output text
 
     @property
     def num_tokens(self) -> int:

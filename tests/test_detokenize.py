@@ -1,0 +1,57 @@
+"""Incremental detokenization: streamed text only grows, never rewrites what it emitted, and
+the finished text is exactly the full decode."""
+
+import itertools
+import pathlib
+
+import numpy as np
+import pytest
+
+import jpaged
+from jpaged._detokenize import Detokenizer
+from jpaged.models import load_tokenizer
+
+CKPT = pathlib.Path(__file__).parent / "checkpoints" / "llama2"
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer, counting the token ids it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tok.decode(ids)
+
+
+@pytest.mark.parametrize("source", ["text", "random"])
+def test_streamed_text_grows_and_ends_equal_to_the_full_decode(source):
+    tok = load_tokenizer(CKPT)
+    rng = np.random.default_rng(0)
+    if source == "text":  # words, digits, punctuation, spaces, non-ASCII (byte fallback)
+        ids = tok.encode("Héllo wörld, 12 naïve cafés: the quick brown fox — ok! 日本").ids * 4
+    else:
+        ids = rng.integers(0, tok.get_vocab_size(), 300).tolist()
+    counting = CountingTokenizer(tok)
+    d, n, text = Detokenizer(), 0, ""
+    while n < len(ids):
+        n = min(len(ids), n + int(rng.integers(1, 9)))  # 1-8 tokens per step, as decode loops
+        new = d.update(counting, ids[:n])
+        assert new.startswith(text)  # never rewrites what was emitted
+        text = new
+    assert tok.decode(ids).startswith(text)
+    assert d.update(counting, ids, finished=True) == tok.decode(ids)
+    # Linear, not quadratic: each update decodes a short window (plus the one final decode).
+    assert counting.decoded < 6 * len(ids) + len(ids)
+
+
+def test_engine_streams_incremental_text():
+    llm = jpaged.LLM(CKPT, page_size=8, num_pages=64, max_num_seqs=4, max_model_len=64,
+                     num_decode_steps=4)  # fmt: skip
+    params = jpaged.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    texts = []
+    for out in llm.stream(["The quick brown fox"], params):
+        texts.append(out.outputs[0].text)
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert out.finished and texts[-1] == llm.tokenizer.decode(out.outputs[0].token_ids)
