@@ -160,6 +160,10 @@ class LLM(StepMixin, DecodeLoopMixin):
             num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
         self._pending = None  # a decode-loop dispatch running in the dispatch thread
         self._dispatcher = None  # its single-thread executor (created on first use)
+        # On GPU a loop's dispatching call can last until the loop has run: it is made from a
+        # worker thread (elsewhere dispatch is asynchronous already, and thread-local JAX
+        # settings would not follow the call).
+        self._threaded_dispatch = jax.default_backend() == "gpu"
         self.cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
         bpp = self.cache.bytes_per_page
         self.alloc = BlockAllocator(
@@ -210,9 +214,17 @@ class LLM(StepMixin, DecodeLoopMixin):
     def cache(self) -> PagedKVCache:
         """The K/V pool. While a decode loop is being dispatched (in the dispatch thread, see
         ``_engine_loop``), reading it waits for that call: its output is the current pool."""
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            self._cache = fut.result()[0][0]
+        fut = self._pending
+        if fut is not None:
+            try:
+                out = fut.result()
+            except Exception:
+                # The call failed in the dispatch thread; the pool is the one it was given
+                # (valid when it failed before donating it). An interrupted wait (Ctrl-C)
+                # leaves the dispatch pending, to be waited for again.
+                self._pending = None
+                raise
+            self._pending, self._cache = None, out[0][0]
         return self._cache
 
     @cache.setter
@@ -399,14 +411,17 @@ class LLM(StepMixin, DecodeLoopMixin):
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
         touched = self._step()
-        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)]
+        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)
+                if rid in self._requests]  # fmt: skip
 
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
         self._retire()  # at the start: the previous step's outputs have been built
         if self._chain is not None:  # a decode loop is in flight: no scheduling, just advance
             t1 = time.perf_counter()
-            touched = {it.request.request_id for it in self._chain[0]}
+            # Rows finished in an earlier loop of the chain were reported then (and may be
+            # retired); rows finishing now are reported through the scheduler's finished list.
+            touched = {it.request.request_id for it in self._chain[0] if not it.request.finished}
             self._steps += 1
             self._advance_chain()
             self._timing["step_s"] += time.perf_counter() - t1
@@ -514,10 +529,9 @@ class LLM(StepMixin, DecodeLoopMixin):
             "tokens_generated": self._tokens_generated,
             # Host time scheduling, host + device time in steps, and of that the time spent
             # waiting for device results (so host work per step = step_s - device_wait_s)
-            # and the time the calls that start device work took to return (dispatch_s: where
-            # a program makes the host wait for the device, e.g. a GPU while loop whose
-            # condition is read back each iteration, that wait shows here, not in
-            # device_wait_s).
+            # and the time the calls that start device work took to return (dispatch_s; a
+            # decode loop's call runs in the dispatch thread on GPU, where it can last until
+            # the loop has run: the main thread's wait for it is in device_wait_s).
             **{f"time_{k}": v for k, v in self._timing.items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

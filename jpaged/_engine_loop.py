@@ -10,9 +10,11 @@ the engine's state set up by ``LLM.__init__`` and the step helpers of
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,33 +103,52 @@ class DecodeLoopMixin:
         mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
         # Processed by the next `step()`, which first dispatches the loop after it: every
         # step makes at most one device call, and host work overlaps the loop in flight.
-        self._chain = (items, mode, self._dispatch_loop(batch, mode))
+        try:
+            self._chain = (items, mode, self._dispatch_loop(batch, mode))
+        except Exception:
+            self._end_chain(items)
+            raise
 
     def _dispatch_loop(self, batch: LoopBatch, mode: str) -> concurrent.futures.Future:
-        """Starts a decode loop from the dispatch thread; returns the future of
+        """Starts a decode loop; returns the future of
         ``((cache, tokens, logprobs, steps run, carry), seconds the call took)``.
 
         On GPU the call that dispatches a loop can return only once the loop has run (XLA
         thunks that synchronise with the host: cuBLAS GEMMs on dynamic slices inside loops,
-        measured on the H200), and it releases the GIL meanwhile: made from a worker thread, it
-        lets the host process the previous loop's tokens while this one runs. Reading
-        ``self.cache`` waits for the call.
+        measured on the H200), and it releases the GIL meanwhile: it is made from a worker
+        thread (``_threaded_dispatch``), so the host processes the previous loop's tokens while
+        this one runs. The caller's default device and matmul precision (thread-local JAX
+        settings) go with it. Reading ``self.cache`` waits for the call.
         """
         cache = self.cache  # the previous dispatch's output pool (waits for that call)
+        self._device_calls += 1
+        settings = (getattr(jax.config, "jax_default_device", None),
+                    getattr(jax.config, "jax_default_matmul_precision", None))  # fmt: skip
+        if not self._threaded_dispatch:
+            fut = concurrent.futures.Future()
+            fut.set_result(self._loop_call(cache, batch, mode, settings))
+            self._pending = fut  # installs its pool on the next read of self.cache
+            return fut
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jpaged-dispatch"
             )
-        fut = self._dispatcher.submit(self._loop_call, cache, batch, mode)
+        fut = self._dispatcher.submit(self._loop_call, cache, batch, mode, settings)
         self._pending = fut
-        self._device_calls += 1
         return fut
 
-    def _loop_call(self, cache, batch: LoopBatch, mode: str):
-        """Runs in the dispatch thread."""
-        t = time.perf_counter()
-        out = self.runner.decode_loop(cache, batch, num_steps=self.num_decode_steps, mode=mode)
-        dt = time.perf_counter() - t
+    def _loop_call(self, cache, batch: LoopBatch, mode: str, settings):
+        """Runs in the dispatch thread (under the dispatching thread's JAX settings)."""
+        device, precision = settings
+        with contextlib.ExitStack() as stack:
+            if device is not None:
+                stack.enter_context(jax.default_device(device))
+            if precision is not None:
+                stack.enter_context(jax.default_matmul_precision(precision))
+            t = time.perf_counter()
+            out = self.runner.decode_loop(cache, batch, num_steps=self.num_decode_steps,
+                                          mode=mode)  # fmt: skip
+            dt = time.perf_counter() - t
         for x in out[1:4]:  # tokens, logprobs, steps run
             x.copy_to_host_async()
         return out, dt
@@ -140,6 +161,27 @@ class DecodeLoopMixin:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
         from its device-side carry, so the host work below overlaps the device."""
         items, mode, fut = self._chain
+        try:
+            self._advance(items, mode, fut)
+        except Exception:
+            # A loop failed (e.g. out of memory, in the dispatch thread or here): the chain
+            # ends and its reservations are released; its rows are scheduled again from what
+            # the host holds (tokens of a loop not yet processed are computed again).
+            self._end_chain(items)
+            raise
+
+    def _end_chain(self, items) -> None:
+        self._chain = None
+        if self._pending is not None and self._pending.done():
+            try:
+                self._pending.result()
+            except Exception:
+                self._pending = None  # its pool is the one it was given
+        for it in items:
+            if not it.seq.finished and it.seq.seq_id in self.alloc:
+                self.alloc.truncate(it.seq.seq_id, it.seq.num_computed)
+
+    def _advance(self, items, mode: str, fut) -> None:
         t = time.perf_counter()
         (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
         self._timing["device_wait_s"] += time.perf_counter() - t

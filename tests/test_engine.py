@@ -353,32 +353,3 @@ def test_preemption_events_are_bounded():
         llm.scheduler.events.append(PreemptionEvent(str(i), "swap", 1, i))
     events = llm.preemption_events
     assert len(events) == 4096 and events[-1].request_id == "4999"
-
-
-@pytest.mark.parametrize("blocking", [False, True])
-def test_decode_loops_are_dispatched_from_the_dispatch_thread(monkeypatch, blocking):
-    """Decode loops start from the engine's dispatch thread (on the H200 the dispatching call
-    returns only once the loop has run; the thread lets the host work meanwhile), also when
-    the dispatch blocks (CPU with async dispatch off); the tokens are unchanged."""
-    import threading
-
-    llm = make_llm(num_decode_steps=4, enable_prefix_caching=False)
-    threads = []
-    loop = llm.runner.decode_loop
-
-    def spy(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return loop(*args, **kwargs)
-
-    monkeypatch.setattr(llm.runner, "decode_loop", spy)
-    prompts = random_prompts(14, (3, 9, 17))
-    greedy = jpaged.SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    old = jax.config.read("jax_cpu_enable_async_dispatch")
-    jax.config.update("jax_cpu_enable_async_dispatch", not blocking)
-    try:
-        outs = llm.generate(prompts, greedy)
-    finally:
-        jax.config.update("jax_cpu_enable_async_dispatch", old)
-    assert len(threads) >= 2 and all(t.startswith("jpaged-dispatch") for t in threads)
-    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 14) for p in prompts]
-    assert llm.stats()["pages_used"] == 0

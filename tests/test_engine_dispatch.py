@@ -1,0 +1,107 @@
+"""The decode-loop dispatch thread (used on GPU, forced on here): tokens, retirement of
+finished requests mid-chain, failures in the thread, thread-local JAX settings."""
+
+import threading
+
+import jax
+import pytest
+from _engine_helpers import make_llm, random_prompts
+from test_engine import dense_greedy
+
+import jpaged
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def threaded_llm(**kw):
+    llm = make_llm(num_decode_steps=4, enable_prefix_caching=False, **kw)
+    llm._threaded_dispatch = True  # the GPU's setting
+    return llm
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_loops_run_in_the_dispatch_thread_and_tokens_are_unchanged(monkeypatch, blocking):
+    """Also when the dispatch blocks (CPU with async dispatch off, as a GPU loop's call)."""
+    llm = threaded_llm()
+    threads = []
+    loop = llm.runner.decode_loop
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return loop(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "decode_loop", spy)
+    prompts = random_prompts(14, (3, 9, 17))
+    old = jax.config.read("jax_cpu_enable_async_dispatch")
+    jax.config.update("jax_cpu_enable_async_dispatch", not blocking)
+    try:
+        outs = llm.generate(prompts, jpaged.SamplingParams(max_tokens=14, **GREEDY))
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", old)
+    assert len(threads) >= 2 and all(t.startswith("jpaged-dispatch") for t in threads)
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 14) for p in prompts]
+    assert llm.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_rows_finished_mid_chain_are_reported_once_even_with_keep_finished_0(threaded):
+    llm = threaded_llm(keep_finished=0)
+    llm._threaded_dispatch = threaded
+    prompts = random_prompts(15, (4, 5, 6))
+    ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=n, **GREEDY))
+           for p, n in zip(prompts, (5, 30, 30), strict=True)]  # fmt: skip
+    finals = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id not in finals  # nothing after its final output
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    assert finals == {i: dense_greedy(p, n) for i, p, n in zip(ids, prompts, (5, 30, 30),
+                                                               strict=True)}  # fmt: skip
+    outs = list(llm.stream(prompts, jpaged.SamplingParams(max_tokens=12, **GREEDY)))
+    done = [o for o in outs if o.finished]
+    assert [o.outputs[0].token_ids for o in done] == [dense_greedy(p, 12) for p in prompts]
+
+
+def test_a_failed_loop_ends_its_chain_and_the_engine_keeps_serving(monkeypatch):
+    llm = threaded_llm()
+    loop = llm.runner.decode_loop
+    calls = [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the first chained loop, before it takes the pool
+            raise RuntimeError("RESOURCE_EXHAUSTED: simulated")
+        return loop(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "decode_loop", flaky)
+    prompts = random_prompts(16, (3, 11))
+    for p in prompts:
+        llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
+    raised, outs = 0, {}
+    while llm.has_unfinished_requests():
+        try:
+            for o in llm.step():
+                outs[o.request_id] = o
+        except RuntimeError as e:
+            assert "simulated" in str(e)
+            raised += 1
+            assert llm._chain is None
+            llm.alloc.check_invariants()
+    assert raised == 1
+    assert [outs[str(i)].outputs[0].token_ids for i in range(2)] == [
+        dense_greedy(p, 20) for p in prompts
+    ]
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_the_callers_matmul_precision_follows_the_loop():
+    llm = threaded_llm()
+    prompts = random_prompts(17, (3, 7))
+    params = jpaged.SamplingParams(max_tokens=10, **GREEDY)
+    with jax.default_matmul_precision("highest"):
+        llm.warmup()
+        warm = llm.stats()["recompiles"]
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["recompiles"] == warm  # the loop traced under the same setting
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 10) for p in prompts]
