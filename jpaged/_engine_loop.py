@@ -182,27 +182,33 @@ class DecodeLoopMixin:
                 self.alloc.truncate(it.seq.seq_id, it.seq.num_computed)
 
     def _advance(self, items, mode: str, fut) -> None:
-        t = time.perf_counter()
-        (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
-        self._timing["device_wait_s"] += time.perf_counter() - t
-        self._timing["dispatch_s"] += dispatch_s
         k = self.num_decode_steps
-        nxt = None
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
-        # Chain only if some row may still be running after this loop (else the next loop
-        # would run zero steps). The loop in flight writes at most k positions per row, the
-        # next one k more.
+        # The next loop's reservations and block tables need only what the host knows now,
+        # so they are prepared while the loop in flight runs: once it is done, dispatching
+        # the next one takes a device op and a submit. Chain only if some row may still be
+        # running after this loop (else the next loop would run zero steps). The loop in
+        # flight writes at most k positions per row, the next one k more.
+        plan = None
         if (
             any(lim > k for it, lim in zip(items, limits, strict=True) if not it.seq.finished)
             and self._may_chain(items)
             and self._reserve(items, [min(2 * k, lim) for lim in limits])
         ):
-            Bp = carry.block_tables.shape[0]
-            tables = self._tables(items, Bp)
+            Bp = self._seq_bucket(len(items))  # the loop's row bucket (`_run_loop`)
             # Rows finished on the host (aborted) are still active in the device carry: their
             # pages may be freed and reused, and their table rows are now zeros (page 0 is
             # someone's page), so they must not decode (nor write K/V) in the next loop.
             live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
+            plan = (self._tables(items, Bp), live)
+        t = time.perf_counter()
+        (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
+        self._timing["device_wait_s"] += time.perf_counter() - t
+        self._timing["dispatch_s"] += dispatch_s
+        nxt = None
+        if plan is not None:
+            tables, live = plan
+            assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
             active = jnp.logical_and(carry.active, live)
             nxt = self._dispatch_loop(
                 dataclasses.replace(carry, block_tables=tables, active=active), mode
