@@ -4,8 +4,10 @@ update instead of every token again (a streamed completion of n tokens costs O(n
 The window starts at the tokens emitted by the previous update (``prefix_offset``), so a
 tokenizer that renders a token differently at the start of a string (SentencePiece's leading
 space) still sees its left context; text is only emitted when the window's decode does not end
-in an incomplete UTF-8 sequence (U+FFFD). A finished sequence's text is one full decode, so
-the final text equals ``tokenizer.decode(token_ids)`` exactly.
+in an incomplete UTF-8 sequence (U+FFFD) and extends what was emitted. A finished sequence's text is
+one full decode, so the final text equals ``tokenizer.decode(token_ids)`` exactly; with a
+byte-fallback tokenizer and a model that emits invalid UTF-8 byte runs, that final decode can
+render bytes already streamed as a valid character as U+FFFD instead.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ class Detokenizer:
             return self.text
         before = tokenizer.decode(ids[self.prefix_offset : self.read_offset])
         window = tokenizer.decode(ids[self.prefix_offset :])
-        if len(window) > len(before) and not window.endswith(_INCOMPLETE):
+        # Emit only an extension of what the window rendered before: a byte-fallback decoder
+        # renders a whole run of byte tokens as U+FFFD once a later byte makes it invalid
+        # UTF-8, which would rewrite text already sent (held back until the window moves on).
+        if (
+            len(window) > len(before)
+            and window.startswith(before)
+            and not window.endswith(_INCOMPLETE)
+        ):
             self.text += window[len(before) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return self.text

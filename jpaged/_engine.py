@@ -225,6 +225,11 @@ class LLM(StepMixin, DecodeLoopMixin):
                 self._pending = None
                 raise
             self._pending, self._cache = None, out[0][0]
+        if self._cache.k_pages.is_deleted():
+            raise RuntimeError(
+                "the K/V pool was lost: a device call that had taken it (donated) failed; "
+                "this engine cannot continue, build a new jpaged.LLM"
+            )
         return self._cache
 
     @cache.setter
@@ -426,6 +431,10 @@ class LLM(StepMixin, DecodeLoopMixin):
             self._advance_chain()
             self._timing["step_s"] += time.perf_counter() - t1
             return self._after_step(touched)
+        # A decode loop left running by the chain that ended: wait for it here, so that its
+        # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
+        # or swap that could then not run).
+        self.cache  # noqa: B018
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()

@@ -171,15 +171,27 @@ class DecodeLoopMixin:
             raise
 
     def _end_chain(self, items) -> None:
+        """Ends a chain after a failure: every row keeps exactly its computed tokens (the
+        allocator's length catches up within the reservation, the rest is released)."""
         self._chain = None
-        if self._pending is not None and self._pending.done():
-            try:
-                self._pending.result()
+        pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending])  # a next loop still running: its error, if
+            try:  # any, surfaces here rather than inside a later scheduling step
+                pending.result()
             except Exception:
                 self._pending = None  # its pool is the one it was given
         for it in items:
-            if not it.seq.finished and it.seq.seq_id in self.alloc:
-                self.alloc.truncate(it.seq.seq_id, it.seq.num_computed)
+            seq = it.seq
+            if seq.finished or seq.seq_id not in self.alloc:
+                continue
+            try:
+                held = self.alloc.num_tokens(seq.seq_id)
+                if seq.num_computed > held:  # tokens processed, lengths not yet caught up
+                    self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+                self.alloc.truncate(seq.seq_id, seq.num_computed)
+            except Exception:  # keep releasing the others; the original error propagates
+                continue
 
     def _advance(self, items, mode: str, fut) -> None:
         k = self.num_decode_steps

@@ -55,3 +55,32 @@ def test_engine_streams_incremental_text():
         texts.append(out.outputs[0].text)
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert out.finished and texts[-1] == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_byte_fallback_runs_that_turn_invalid_never_rewrite_streamed_text():
+    """A SentencePiece-style decoder (byte fallback) renders a whole run of byte tokens as
+    U+FFFD once a stray byte makes it invalid: streamed text must still only grow."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers import models as tok_models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for w in ("\u2581", "\u2581hello", "hello", "\u2581world", "a"):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    byte = {b: vocab[f"<0x{b:02X}>"] for b in range(256)}
+    rng = np.random.default_rng(1)
+    cases = [[vocab["\u2581hello"], byte[0xC3], byte[0xA9], byte[0xA9], vocab["\u2581world"]]]
+    cases += [rng.integers(0, len(vocab), 40).tolist() for _ in range(200)]
+    for ids in cases:
+        d, text = Detokenizer(), ""
+        for n in range(1, len(ids) + 1):
+            new = d.update(tok, ids[:n])
+            assert new.startswith(text), (ids[:n], text, new)
+            # What was streamed is text some prefix of the tokens decodes to (no splice of
+            # an old rendering with a new one).
+            assert any(tok.decode(ids[:m]).startswith(new) for m in range(n + 1)), (ids, new)
+            text = new
+        assert d.update(tok, ids, finished=True) == tok.decode(ids)

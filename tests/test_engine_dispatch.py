@@ -105,3 +105,63 @@ def test_the_callers_matmul_precision_follows_the_loop():
         outs = llm.generate(prompts, params)
         assert llm.stats()["recompiles"] == warm  # the loop traced under the same setting
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_consistent(
+    monkeypatch, threaded
+):
+    """An error after some rows' tokens were taken (lengths not yet caught up in the
+    allocator) is raised as itself; rows keep exactly their computed tokens and the engine
+    finishes every request correctly."""
+    llm = threaded_llm()
+    llm._threaded_dispatch = threaded
+    append = llm._append_many
+    calls = [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # the second row of the first loop processed
+            raise RuntimeError("simulated host failure")
+        return append(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "_append_many", flaky)
+    prompts = random_prompts(18, (3, 6, 10))
+    ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY)) for p in prompts]
+    raised, outs = 0, {}
+    while llm.has_unfinished_requests():
+        try:
+            for o in llm.step():
+                outs[o.request_id] = o
+        except RuntimeError as e:
+            assert "simulated host failure" in str(e)
+            raised += 1
+            llm.alloc.check_invariants()
+            for rid in ids:
+                seq = llm._requests[rid].seqs[0]
+                assert llm.alloc.num_tokens(seq.seq_id) == seq.num_computed
+    assert raised == 1
+    assert [outs[i].outputs[0].token_ids for i in ids] == [dense_greedy(p, 20) for p in prompts]
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_a_failure_after_the_loop_took_the_pool_says_the_pool_is_lost(monkeypatch):
+    llm = threaded_llm()
+    loop = llm.runner.decode_loop
+    calls = [0]
+
+    def fails_after(*args, **kwargs):
+        out = loop(*args, **kwargs)  # the pool is donated and gone
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("simulated device failure")
+        return out
+
+    monkeypatch.setattr(llm.runner, "decode_loop", fails_after)
+    for p in random_prompts(19, (3, 11)):
+        llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        for _ in range(20):
+            llm.step()
+    with pytest.raises(RuntimeError, match=r"K/V pool was lost.*build a new jpaged\.LLM"):
+        llm.step()
