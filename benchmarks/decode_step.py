@@ -14,7 +14,11 @@ in the cache, greedy, ``--k`` steps per loop call):
 
 MBU = (weight bytes + live K/V bytes) per step / step time / HBM read roofline (same process).
 
-    python benchmarks/decode_step.py --model llama-1b --batch 64,128 --variants none,graphs
+    python benchmarks/decode_step.py --model llama-8b --batch 64,256 --variants default,none --engine
+
+Variants (``VARIANTS``): ``default`` is jpaged's own configuration (``GPU_COMPILER_OPTIONS``),
+``none`` XLA's defaults; the others are the configurations compared on the H200 on
+2026-11-29 (``BENCHMARKS.md``, "Serving").
 """
 
 from __future__ import annotations
@@ -236,7 +240,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--output-len", type=int, default=64, help="engine phase output tokens")
-    ap.add_argument("--variants", default="none,graphs")
+    ap.add_argument("--variants", default="default,none")
     ap.add_argument("--engine", action="store_true", help="also profile the engine end to end")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")

@@ -1,0 +1,44 @@
+"""Smoke tests of the decode-step diagnostics (``benchmarks/decode_step.py``,
+``benchmarks/layer_weights_probe.py``) on CPU: tiny shapes, one variant each, in their own
+processes as on the GPU. They check the scripts run end to end and write what the docs say;
+nothing here is a timing."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _run(args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_decode_step_floor_engine_and_trace(tmp_path):
+    out = tmp_path / "ds.json"
+    stdout = _run(["benchmarks/decode_step.py", "--model", "tiny", "--batch", "8", "--ctx", "40",
+                   "--k", "4", "--calls", "2", "--output-len", "6", "--variants", "default",
+                   "--engine", "--trace", "--out", str(out)], tmp_path)  # fmt: skip
+    (variant,) = json.loads(out.read_text())["variants"]
+    assert "error" not in variant, variant.get("error")
+    (row,) = variant["rows"]
+    assert row["batch"] == 8 and row["floor_step_ms"] > 0 and row["floor_mbu"] > 0
+    assert row["engine"]["decode_steps"] > 0 and row["engine"]["step_s"] > 0
+    assert "trace" in row  # CPU traces have no GPU stream: the summary says so
+    assert "[default] B=8: floor" in stdout
+    summary = _run(["tools/summarize_decode_step.py", str(out)], tmp_path)
+    assert summary.startswith("default B=8 floor")
+
+
+def test_layer_weights_probe(tmp_path):
+    out = tmp_path / "probe.json"
+    _run(["benchmarks/layer_weights_probe.py", "--layers", "2", "--batch", "4", "--hidden",
+          "64", "--ffn", "128", "--out", str(out)], tmp_path)  # fmt: skip
+    (res,) = json.loads(out.read_text())
+    assert set(res["rows"]) == {"scan", "scan-unroll", "list"}
+    assert all(r["us"] > 0 for r in res["rows"].values())
