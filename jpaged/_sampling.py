@@ -190,10 +190,15 @@ def sample(
         raise ValueError(f"{mode=} must be None, 'greedy', 'random' or 'truncate'")
     logits_BV = logits_BV.astype(jnp.float32)
     V = logits_BV.shape[-1]
-    logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    # log p(token) = logit - logsumexp(logits): no [B, V] log-softmax is materialised.
+    lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
+
+    def logprob(tok_B):
+        return jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0] - lse_B
+
     greedy_tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if mode == "greedy":
-        return greedy_tok_B, jnp.take_along_axis(logprobs_BV, greedy_tok_B[:, None], axis=-1)[:, 0]
+        return greedy_tok_B, logprob(greedy_tok_B)
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B).astype(jnp.float32)
     scaled_BV = logits_BV / safe_t_B[:, None]
@@ -230,7 +235,7 @@ def sample(
     else:
         sampled_B = truncated() if mode == "truncate" else plain()
     tokens_B = jnp.where(greedy_B, greedy_tok_B, sampled_B).astype(jnp.int32)
-    logprob_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+    logprob_B = logprob(tokens_B)
     return tokens_B, logprob_B
 
 
