@@ -178,6 +178,7 @@ def _child(args) -> None:
         batch = jax.device_put(LoopBatch(
             tokens=rng.integers(0, cfg.vocab_size, B).astype(np.int32),
             lens=np.full(B, ctx, np.int32), block_tables=table, active=np.ones(B, bool),
+            live=np.ones(B, bool),
             max_steps=np.full(B, k, np.int32), min_steps=i32(B),
             stop_ids=np.full((B, 4), -1, np.int32), sampling=samp,
         ))  # fmt: skip

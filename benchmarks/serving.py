@@ -213,7 +213,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
     def loop_batch(B):
         return LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
-                         active=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
+                         active=np.zeros(B, bool), live=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
                          stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
 
     k = llm.num_decode_steps

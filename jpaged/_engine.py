@@ -494,6 +494,7 @@ class LLM(StepMixin, DecodeLoopMixin):
                 batch = LoopBatch(
                     tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
                     block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
+                    live=np.zeros(B, bool),
                     max_steps=np.zeros(B, np.int32), min_steps=np.zeros(B, np.int32),
                     stop_ids=np.full((B, 4), -1, np.int32), sampling=_sampling_arrays(zeros, B),
                 )  # fmt: skip

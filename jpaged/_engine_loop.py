@@ -15,7 +15,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged._engine_step import _sampling_arrays
@@ -93,6 +92,7 @@ class DecodeLoopMixin:
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
             block_tables=self._tables(items, Bp),
             active=pad_to(np.ones(B, bool), Bp, False),
+            live=pad_to(np.ones(B, bool), Bp, False),
             max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
             min_steps=pad_to(np.asarray(min_steps, np.int32), Bp, 0),
             stop_ids=stop_ids,
@@ -221,9 +221,8 @@ class DecodeLoopMixin:
         if plan is not None:
             tables, live = plan
             assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
-            active = jnp.logical_and(carry.active, live)
             nxt = self._dispatch_loop(
-                dataclasses.replace(carry, block_tables=tables, active=active), mode
+                dataclasses.replace(carry, block_tables=tables, live=live), mode
             )
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)

@@ -115,6 +115,9 @@ class LoopBatch:
       lens: i32[B] tokens already in the cache; the input token sits at position ``lens``.
       block_tables: i32[B, W], covering the slots reserved for every step of the loop.
       active: bool[B] rows that decode (padding rows False).
+      live: bool[B] rows the host still serves: a row aborted while a chain of loops runs is
+        still active in the device carry, and is masked out here (host array, so the mask
+        is part of the loop program: no separate device op, no compile mid-serving).
       max_steps: i32[B] tokens each row may still generate (length and ``max_tokens`` limits,
         within the reserved slots).
       min_steps: i32[B] tokens before which stop tokens do not stop a row (``min_tokens``).
@@ -126,6 +129,7 @@ class LoopBatch:
     lens: Any
     block_tables: Any
     active: Any
+    live: Any
     max_steps: Any
     min_steps: Any
     stop_ids: Any
@@ -195,7 +199,7 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
         cache,
         batch.tokens,
         batch.lens,
-        batch.active & (batch.max_steps > 0),
+        batch.active & batch.live & (batch.max_steps > 0),
         jnp.zeros((B,), jnp.int32),
         jnp.full((num_steps, B), -1, jnp.int32),
         jnp.zeros((num_steps, B), jnp.float32),

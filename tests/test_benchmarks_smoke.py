@@ -134,9 +134,15 @@ def test_jpaged_precompile_covers_every_shape_a_run_meets():
     rng = np.random.default_rng(4)
     lengths = [(int(p), int(o)) for p, o in zip(rng.integers(1, 60, 12), rng.integers(1, 30, 12),
                                                 strict=True)]  # fmt: skip
-    trace = _trace(lengths, rate=300.0, seed=5)
-    run = serving.run_trace(system, trace, _workloads.prompt_tokens(trace, 256), progress=False)
-    assert not run["saturated"] and run["compiles"] == 0 and serving.backend_compiles() == before
+    # A burst (prefill-heavy steps) and a slow trickle (chains of decode loops, the next loop
+    # dispatched from the previous one's carry): neither compiles anything.
+    for rate in (300.0, 20.0):
+        trace = _trace(lengths, rate=rate, seed=5)
+        run = serving.run_trace(system, trace, _workloads.prompt_tokens(trace, 256),
+                                progress=False)  # fmt: skip
+        assert not run["saturated"] and run["compiles"] == 0
+    assert serving.backend_compiles() == before
+    assert system.llm.stats()["loop_decode_steps"] > 0
 
 
 # ------------------------------------------------------------------------------ harness

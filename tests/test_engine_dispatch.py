@@ -165,3 +165,28 @@ def test_a_failure_after_the_loop_took_the_pool_says_the_pool_is_lost(monkeypatc
             llm.step()
     with pytest.raises(RuntimeError, match=r"K/V pool was lost.*build a new jpaged\.LLM"):
         llm.step()
+
+
+def test_a_chain_of_loops_compiles_nothing_after_warmup():
+    """Chained loops (the next dispatched from the previous one's carry, aborted rows masked)
+    run no program that warm-up did not compile: not even a small eager op. A row bucket
+    (24) no other test uses, so nothing was compiled for it before."""
+    compiles = [0]
+
+    def count(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    llm = make_llm(num_decode_steps=4, max_num_seqs=24, enable_prefix_caching=False)
+    llm.warmup()
+    before = compiles[0]
+    prompts = random_prompts(20, [3] * 20)
+    ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=13, **GREEDY)) for p in prompts]
+    llm.step()  # prefill
+    llm.step()  # starts a loop
+    llm.abort(ids[0])  # the chain's next loop masks this row
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.stats()["loop_decode_steps"] > 0
+    assert compiles[0] == before
