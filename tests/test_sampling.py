@@ -177,3 +177,12 @@ def test_static_mode_equals_the_device_choice(temperature, top_k, top_p, mode):
         np.testing.assert_array_equal(np.asarray(lp_m), np.asarray(lp))
     with pytest.raises(ValueError, match="mode="):
         sample(*args, mode="nucleus")
+
+
+@pytest.mark.parametrize("module", ["jpaged._sampling", "jpaged._step"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
