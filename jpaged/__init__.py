@@ -36,5 +36,6 @@ from jpaged._sampling import SamplingParams as SamplingParams
 from jpaged._engine import LLM as LLM
 from jpaged._engine import CompletionOutput as CompletionOutput
 from jpaged._engine import RequestOutput as RequestOutput
+from jpaged._step import default_compiler_options as default_compiler_options
 
 __version__ = "0.1.0"

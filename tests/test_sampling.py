@@ -186,3 +186,8 @@ def test_doctests(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_default_compiler_options_is_public():
+    assert jpaged.default_compiler_options("cpu") == {}
+    assert jpaged.default_compiler_options("cuda")["xla_gpu_enable_triton_gemm"] is False
