@@ -358,8 +358,10 @@ class _SlotSystem:
             self.outputs[r.rid].append(r.last_token)
         return [(r.rid, r.generated, r.done) for r in reqs]
 
-    def _decode(self, reqs: list[_Req]) -> list[tuple[int, int, bool]]:
-        nb = bucket(max(r.slot for r in reqs) + 1, 8, self.lm.num_slots)
+    def _decode(self, reqs: list[_Req], nb: int | None = None) -> list[tuple[int, int, bool]]:
+        """One decode step of ``reqs`` over ``nb`` slot rows (default: up to the last slot)."""
+        if nb is None:
+            nb = bucket(max(r.slot for r in reqs) + 1, 8, self.lm.num_slots)
         toks, pos, act = np.zeros(nb, np.int32), np.zeros(nb, np.int32), np.zeros(nb, bool)
         for r in reqs:
             toks[r.slot], pos[r.slot], act[r.slot] = r.last_token, r.num_cached, True
@@ -412,18 +414,8 @@ class StaticBatching(_SlotSystem):
             return out
         # The whole batch decodes (finished rows too: their writes are masked, their compute
         # is the static batch's cost) until its longest request finishes.
-        nb = bucket(len(self.batch), 8, self.lm.num_slots)
-        toks, pos, act = np.zeros(nb, np.int32), np.zeros(nb, np.int32), np.zeros(nb, bool)
         live = [r for r in self.batch if not r.done]
-        for r in live:
-            toks[r.slot], pos[r.slot], act[r.slot] = r.last_token, r.num_cached, True
-        nxt = self.lm.decode(toks, pos, act)
-        for r in live:
-            r.num_cached += 1
-            r.generated += 1
-            r.last_token = int(nxt[r.slot])
-            self.outputs[r.rid].append(r.last_token)
-        out = [(r.rid, r.generated, r.done) for r in live]
+        out = self._decode(live, bucket(len(self.batch), 8, self.lm.num_slots))
         if all(r.done for r in self.batch):
             for r in self.batch:
                 self._release(r)

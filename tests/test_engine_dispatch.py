@@ -13,6 +13,21 @@ import jpaged
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def serve_through_failures(llm, message, check):
+    """Steps ``llm`` until done; every ``RuntimeError`` must carry ``message`` and pass
+    ``check()``. Returns (failures, the last output of each request)."""
+    raised, outs = 0, {}
+    while llm.has_unfinished_requests():
+        try:
+            for o in llm.step():
+                outs[o.request_id] = o
+        except RuntimeError as e:
+            assert message in str(e)
+            raised += 1
+            check()
+    return raised, outs
+
+
 def threaded_llm(**kw):
     llm = make_llm(num_decode_steps=4, enable_prefix_caching=False, **kw)
     llm._threaded_dispatch = True  # the GPU's setting
@@ -78,16 +93,12 @@ def test_a_failed_loop_ends_its_chain_and_the_engine_keeps_serving(monkeypatch):
     prompts = random_prompts(16, (3, 11))
     for p in prompts:
         llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
-    raised, outs = 0, {}
-    while llm.has_unfinished_requests():
-        try:
-            for o in llm.step():
-                outs[o.request_id] = o
-        except RuntimeError as e:
-            assert "simulated" in str(e)
-            raised += 1
-            assert llm._chain is None
-            llm.alloc.check_invariants()
+
+    def check():
+        assert llm._chain is None
+        llm.alloc.check_invariants()
+
+    raised, outs = serve_through_failures(llm, "simulated", check)
     assert raised == 1
     assert [outs[str(i)].outputs[0].token_ids for i in range(2)] == [
         dense_greedy(p, 20) for p in prompts
@@ -128,18 +139,14 @@ def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_cons
     monkeypatch.setattr(llm, "_append_many", flaky)
     prompts = random_prompts(18, (3, 6, 10))
     ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY)) for p in prompts]
-    raised, outs = 0, {}
-    while llm.has_unfinished_requests():
-        try:
-            for o in llm.step():
-                outs[o.request_id] = o
-        except RuntimeError as e:
-            assert "simulated host failure" in str(e)
-            raised += 1
-            llm.alloc.check_invariants()
-            for rid in ids:
-                seq = llm._requests[rid].seqs[0]
-                assert llm.alloc.num_tokens(seq.seq_id) == seq.num_computed
+
+    def check():
+        llm.alloc.check_invariants()
+        for rid in ids:
+            seq = llm._requests[rid].seqs[0]
+            assert llm.alloc.num_tokens(seq.seq_id) == seq.num_computed
+
+    raised, outs = serve_through_failures(llm, "simulated host failure", check)
     assert raised == 1
     assert [outs[i].outputs[0].token_ids for i in ids] == [dense_greedy(p, 20) for p in prompts]
     assert llm.stats()["pages_used"] == 0
