@@ -89,6 +89,11 @@ class ModelSpec:
     max_num_seqs: int
     rates: tuple[float, ...]
     quick_rates: tuple[float, ...]
+    # --quick on a GPU model: per system, rates around its capacity ("inf" = every request at
+    # once: the capacity run) and seconds of arrivals per rate (requests = rate x window).
+    quick_system_rates: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    quick_window_s: float | None = None
+    quick_capacity_requests: int = 256
 
 
 _FULL = {"sharegpt": 1.0, "alpaca": 1.0}
@@ -106,12 +111,27 @@ def model_spec(name: str) -> ModelSpec:
     # held about 7.5 sequences of 2048 tokens; here 16). 128 running sequences is more than
     # the pool holds at ShareGPT-like lengths, and keeps Orca-Oracle's slot buffer (128 x 2048
     # tokens) within the H200 beside the weights.
+    # Quick grids (H200 estimates from the decode step times: static batching ~3.5 req/s,
+    # Orca-Max ~10, jpaged and Orca-Oracle ~30 at ShareGPT-like lengths on the 8B shapes).
+    inf = math.inf
     if name == "llama-1b":
         return ModelSpec(models.llama3_2_1b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 128,
-                         (2.0, 4.0, 8.0, 16.0, 32.0), (2.0, 8.0, 24.0))  # fmt: skip
+                         (2.0, 4.0, 8.0, 16.0, 32.0), (2.0, 8.0, 24.0),
+                         {"static": (2.0, 4.0, 8.0, 12.0, inf),
+                          "orca-max": (4.0, 8.0, 16.0, 24.0, 32.0, inf),
+                          "orca-pow2": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
+                          "orca-oracle": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
+                          "jpaged": (8.0, 16.0, 32.0, 48.0, 64.0, inf)},
+                         12.0)  # fmt: skip
     if name == "llama-8b":
         return ModelSpec(models.llama3_8b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 128,
-                         (1.0, 2.0, 4.0, 8.0, 12.0), (1.0, 3.0, 8.0))  # fmt: skip
+                         (1.0, 2.0, 4.0, 8.0, 12.0), (1.0, 3.0, 8.0),
+                         {"static": (1.0, 2.0, 3.0, 4.0, 6.0, inf),
+                          "orca-max": (2.0, 4.0, 6.0, 8.0, 12.0, 16.0, inf),
+                          "orca-pow2": (4.0, 8.0, 16.0, 24.0, 32.0, inf),
+                          "orca-oracle": (4.0, 8.0, 16.0, 24.0, 32.0, 40.0, inf),
+                          "jpaged": (4.0, 8.0, 16.0, 24.0, 32.0, 40.0, inf)},
+                         12.0)  # fmt: skip
     raise ValueError(f"model={name!r} must be one of tiny, llama-1b, llama-8b")
 
 
@@ -365,9 +385,10 @@ def summarize(run: dict) -> dict:
 
 
 def sustainable_rate(points: list[dict], slo: float) -> float:
-    """Highest swept rate with every request finished and normalised latency <= ``slo``."""
-    ok = [p["rate"] for p in points
-          if not p["saturated"] and p["normalized_latency_s"] <= slo]  # fmt: skip
+    """Highest swept finite rate with every request finished and normalised latency <=
+    ``slo`` (an ``inf`` run measures capacity, not a rate a system sustains)."""
+    ok = [p["rate"] for p in points if math.isfinite(p["rate"])
+          and not p["saturated"] and p["normalized_latency_s"] <= slo]  # fmt: skip
     return max(ok, default=0.0)
 
 
@@ -397,19 +418,45 @@ def _warm_up(system, trace, prompts) -> None:
         run_trace(system, one, [prompts[i]], progress=False)
 
 
+def requests_for_rate(rate: float, num: int, window_s: float | None) -> int:
+    """How many requests of the trace a run at ``rate`` serves.
+
+    Without a window every run serves ``num``. With one, a finite rate serves ``rate x
+    window_s`` requests (at least 8), so every run has about the same span of arrivals and
+    a rate beyond a system's capacity builds a queue that grows for the whole window (a fixed
+    count would make the overload shorter the higher the rate); ``inf`` (all at once: the
+    capacity run) serves ``num``.
+
+    >>> requests_for_rate(4.0, 100, None), requests_for_rate(4.0, 100, 12.0)
+    (100, 48)
+    >>> requests_for_rate(math.inf, 256, 12.0)
+    256
+    """
+    if window_s is None or math.isinf(rate):
+        return num
+    return max(8, math.ceil(rate * window_s))
+
+
 def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_tokens: int,
           page_size: int, max_num_seqs: int, max_num_batched_tokens: int = 2048,
           num_decode_steps: int = 8, seed: int = 0, max_run_s: float = math.inf,
-          warmup: int = 16, progress: bool = True, on_result=None) -> dict:  # fmt: skip
+          warmup: int = 16, progress: bool = True, on_result=None,
+          window_s: float | None = None, capacity_requests: int | None = None) -> dict:  # fmt: skip
     """Every system at every rate (same lengths, fresh Poisson arrivals per rate).
+
+    ``rates``: one tuple for every system, or ``{system: tuple}``. ``window_s``: see
+    `requests_for_rate` (the runs take the first requests of ``trace``, which must be long
+    enough); ``capacity_requests``: requests of the ``inf`` run (default: all of ``trace``).
 
     Returns ``{system: [point, ...]}`` where a point is `summarize`'s dict plus ``rate`` and
     the KV usage series ``usage`` ([t, allocated, live fractions, seqs], downsampled).
     """
+    per_system = rates if isinstance(rates, dict) else {name: rates for name in systems}
     results: dict[str, list[dict]] = {}
     outer = _workloads.tqdm(
-        total=len(systems) * len(rates), desc="sweep", unit="run", disable=not progress
-    )
+        total=sum(len(per_system[n]) for n in systems), desc="sweep", unit="run",
+        disable=not progress,
+    )  # fmt: skip
 
     def build(name):
         # A fresh system per run (no state carried over); the jitted programs are module-level,
@@ -423,10 +470,12 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
         if warmup:
             _warm_up(build(name), trace[:warmup], prompts[:warmup])
         results[name] = []
-        for rate in rates:
+        for rate in per_system[name]:
             system = build(name)
-            timed = _workloads.with_arrivals(trace, rate, seed=seed + 1)
-            run = run_trace(system, timed, prompts, progress=progress, max_run_s=max_run_s,
+            num = capacity_requests if math.isinf(rate) and capacity_requests else len(trace)
+            n = min(len(trace), requests_for_rate(rate, num, window_s))
+            timed = _workloads.with_arrivals(trace[:n], rate, seed=seed + 1)
+            run = run_trace(system, timed, prompts[:n], progress=progress, max_run_s=max_run_s,
                             desc=f"{name} @ {rate:g} req/s")  # fmt: skip
             lm = getattr(system, "lm", None)
             attention = "paged (jpaged dispatch)" if lm is None else lm.attention
@@ -590,6 +639,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=16, help="requests of the warm-up burst")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="few requests and rates")
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help="seconds of arrivals per finite rate (requests = rate x window; --quick on a GPU "
+        "model: 12)",
+    )
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
     ap.add_argument(
@@ -609,19 +665,30 @@ def main(argv=None) -> dict:
     spec = model_spec(args.model)
     if args.max_len:
         spec = dataclasses.replace(spec, max_len=args.max_len)
-    num = args.num_requests or (24 if args.quick else 200)
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: {s!r} must be one of {SYSTEMS}")
+    rates = spec.rates if args.rates is None else tuple(float(r) for r in args.rates.split(","))
+    window, capacity = args.window, None
+    if args.quick and args.rates is None:
+        rates = spec.quick_rates
+        if spec.quick_system_rates:  # per-system grids (the same trace for every system)
+            rates = {n: spec.quick_system_rates.get(n, spec.quick_rates) for n in SYSTEMS}
+            window = spec.quick_window_s if window is None else window
+            capacity = spec.quick_capacity_requests
+    num = args.num_requests or (24 if args.quick and capacity is None else capacity or 200)
+    if window is not None:  # enough requests for the longest window (every system's grid)
+        grid = rates.values() if isinstance(rates, dict) else [rates]
+        finite = [r for g in grid for r in g if math.isfinite(r)]
+        num = max([num] + [requests_for_rate(r, num, window) for r in finite])
     if args.trace:
         trace = _workloads.read_trace(args.trace)
     else:
         trace = _workloads.make_trace(args.dataset, num, seed=args.seed, max_len=spec.max_len,
                                       scale=spec.length_scale[args.dataset])  # fmt: skip
-    rates = spec.rates if args.rates is None else tuple(float(r) for r in args.rates.split(","))
-    if args.quick and args.rates is None:
-        rates = spec.quick_rates
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            raise ValueError(f"--systems: {s!r} must be one of {SYSTEMS}")
+    if isinstance(rates, dict):
+        rates = {n: rates[n] for n in systems}
     kv_tokens = args.kv_tokens or spec.kv_tokens
     kv_tokens -= kv_tokens % args.page_size
     max_num_seqs = args.max_num_seqs or spec.max_num_seqs
@@ -642,7 +709,10 @@ def main(argv=None) -> dict:
         "page_size": args.page_size,
         "max_len": spec.max_len,
         "max_num_seqs": max_num_seqs,
-        "rates": list(rates),
+        "window_s": window,
+        "capacity_requests": capacity,
+        "rates": sorted({r for g in rates.values() for r in g}) if isinstance(rates, dict)
+        else list(rates),
     }  # fmt: skip
 
     kept = _kept_results(out, doc) if args.merge else {}
@@ -662,11 +732,12 @@ def main(argv=None) -> dict:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     num_decode_steps=args.decode_steps, seed=args.seed,
                     max_run_s=max_run_s, warmup=args.warmup,
-                    progress=not args.no_progress, on_result=save)  # fmt: skip
+                    progress=not args.no_progress, on_result=save, window_s=window,
+                    capacity_requests=capacity)  # fmt: skip
     save(results)
     for name, points in kept.items():
         for p in points:
-            if p["rate"] not in rates or name not in results:
+            if name not in results:
                 print(_row(name, p) + "  (from --out)")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}")
@@ -703,7 +774,16 @@ def _kept_results(out: pathlib.Path, doc: dict) -> dict:
     if not out.exists():
         return {}
     old = json.loads(out.read_text())
-    keys = ("model", "workload", "kv_budget_tokens", "page_size", "max_len", "max_num_seqs")
+    keys = (
+        "model",
+        "workload",
+        "kv_budget_tokens",
+        "page_size",
+        "max_len",
+        "max_num_seqs",
+        "window_s",
+        "capacity_requests",
+    )
     diff = [k for k in keys if old.get(k) != doc[k]]
     if diff:
         raise ValueError(f"--merge: {out} was measured with other settings ({diff}); "
@@ -722,6 +802,8 @@ def _merge(old: dict, new: dict) -> dict:
 
 
 def _sustainable(results: dict, slo: float | None) -> dict:
+    """Sustainable rate per system (finite rates) and, where an ``inf`` run exists, capacity:
+    its throughput with every request queued at once (requests/s and output tokens/s)."""
     lowest = [pts[0]["normalized_latency_s"] for pts in results.values() if pts]
     lowest = [x for x in lowest if np.isfinite(x)]
     if slo is None:
@@ -730,7 +812,16 @@ def _sustainable(results: dict, slo: float | None) -> dict:
     base = rates.get("jpaged", 0.0)
     ratios = {f"jpaged_over_{n}": (base / r if r else None) for n, r in rates.items()
               if n != "jpaged"}  # fmt: skip
-    return {"slo_s_per_token": slo, "sustainable_rate": rates, **ratios}
+    out = {"slo_s_per_token": slo, "sustainable_rate": rates, **ratios}
+    capacity = {name: {"req_s": p["throughput_req_s"], "tok_s": p["throughput_tok_s"]}
+                for name, pts in results.items() for p in pts if math.isinf(p["rate"])}  # fmt: skip
+    if capacity:
+        out["capacity"] = capacity
+        if "jpaged" in capacity:
+            top = capacity["jpaged"]["tok_s"]
+            out.update({f"capacity_jpaged_over_{n}": top / c["tok_s"]
+                        for n, c in capacity.items() if n != "jpaged" and c["tok_s"]})  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ here times anything. One shape configuration (``serving.model_spec("tiny")``, pa
 used throughout, so the jitted programs compile once for the file.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -197,12 +198,35 @@ def test_serving_main_writes_json_and_merges(tmp_path):
         serving.main(["--systems", "static", "--merge", *common, "--page-size", "8"])
 
 
+def test_serving_windowed_sweep_and_capacity(tmp_path, monkeypatch):
+    # --quick on a GPU model: per-system grids, rate x window requests per finite rate, an
+    # inf (capacity) run of its own size; the same trace for every system, so runs merge.
+    spec = dataclasses.replace(SPEC, quick_system_rates={"jpaged": (100.0, math.inf),
+                                                         "static": (400.0,)},
+                               quick_window_s=0.1, quick_capacity_requests=5)  # fmt: skip
+    monkeypatch.setattr(serving, "model_spec", lambda name: spec)
+    out = tmp_path / "w.json"
+    common = ["--quick", "--warmup", "0", "--no-progress", "--out", str(out), "--merge"]
+    serving.main(["--systems", "jpaged", *common])
+    doc = serving.main(["--systems", "static", *common])
+    assert doc["workload"]["num_requests"] == 40  # 400 req/s x 0.1 s: the longest window
+    (fin, cap), (static,) = doc["results"]["jpaged"], doc["results"]["static"]
+    assert (fin["rate"], fin["num_requests"]) == (100.0, 10)
+    assert (cap["rate"], cap["num_requests"]) == (math.inf, 5)
+    assert static["num_requests"] == 40
+    assert all(p["num_finished"] == p["num_requests"] for p in (fin, cap, static))
+    summary = doc["summary"]
+    assert summary["sustainable_rate"]["jpaged"] in (0.0, 100.0)  # never inf
+    assert summary["capacity"]["jpaged"]["tok_s"] == cap["throughput_tok_s"]
+    assert "capacity_jpaged_over_static" not in summary  # static has no inf run
+
+
 def test_doctests():
     import doctest
 
     import _plots
 
-    for mod in (_workloads, _baselines, _plots):
+    for mod in (_workloads, _baselines, _plots, serving):
         failed, _ = doctest.testmod(mod)
         assert failed == 0, mod.__name__
 
