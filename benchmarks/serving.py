@@ -93,7 +93,7 @@ class ModelSpec:
     # once: the capacity run) and seconds of arrivals per rate (requests = rate x window).
     quick_system_rates: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quick_window_s: float | None = None
-    quick_capacity_requests: int = 256
+    quick_capacity_requests: int = 128
 
 
 _FULL = {"sharegpt": 1.0, "alpaca": 1.0}
@@ -111,8 +111,9 @@ def model_spec(name: str) -> ModelSpec:
     # held about 7.5 sequences of 2048 tokens; here 16). 128 running sequences is more than
     # the pool holds at ShareGPT-like lengths, and keeps Orca-Oracle's slot buffer (128 x 2048
     # tokens) within the H200 beside the weights.
-    # Quick grids (H200 estimates from the decode step times: static batching ~3.5 req/s,
-    # Orca-Max ~10, jpaged and Orca-Oracle ~30 at ShareGPT-like lengths on the 8B shapes).
+    # Quick grids around each system's capacity at ShareGPT-like lengths (8B: from the decode
+    # step times, static batching ~3.5 req/s, Orca-Max ~10; jpaged measured 14 req/s before
+    # the lookahead fix on 2026-11-29), 10-12 s of arrivals per rate.
     inf = math.inf
     if name == "llama-1b":
         return ModelSpec(models.llama3_2_1b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 128,
@@ -122,16 +123,16 @@ def model_spec(name: str) -> ModelSpec:
                           "orca-pow2": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
                           "orca-oracle": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
                           "jpaged": (8.0, 16.0, 32.0, 48.0, 64.0, inf)},
-                         12.0)  # fmt: skip
+                         12.0, 128)  # fmt: skip
     if name == "llama-8b":
         return ModelSpec(models.llama3_8b(), jnp.bfloat16, 2048, _FULL, 16 * 2048, 128,
                          (1.0, 2.0, 4.0, 8.0, 12.0), (1.0, 3.0, 8.0),
-                         {"static": (1.0, 2.0, 3.0, 4.0, 6.0, inf),
-                          "orca-max": (2.0, 4.0, 6.0, 8.0, 12.0, 16.0, inf),
-                          "orca-pow2": (4.0, 8.0, 16.0, 24.0, 32.0, inf),
-                          "orca-oracle": (4.0, 8.0, 16.0, 24.0, 32.0, 40.0, inf),
-                          "jpaged": (4.0, 8.0, 16.0, 24.0, 32.0, 40.0, inf)},
-                         12.0)  # fmt: skip
+                         {"static": (1.0, 2.0, 4.0, inf),
+                          "orca-max": (4.0, 8.0, 12.0, 16.0, inf),
+                          "orca-pow2": (4.0, 8.0, 16.0, 24.0, inf),
+                          "orca-oracle": (8.0, 16.0, 24.0, 32.0, inf),
+                          "jpaged": (4.0, 16.0, 24.0, 32.0, 40.0, inf)},
+                         10.0, 128)  # fmt: skip
     raise ValueError(f"model={name!r} must be one of tiny, llama-1b, llama-8b")
 
 
@@ -248,7 +249,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
         for kind, b, d in work
     ]  # fmt: skip
     _baselines.compile_parallel(lowered, threads)
-    return len(work)
+    return len(work) + llm._warmup_page_programs()  # copy-on-write and swap (preemption)
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,

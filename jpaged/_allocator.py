@@ -186,8 +186,10 @@ class BlockAllocator(SwapMixin):
         *,
         token_ids: Sequence[int] | None = None,
         salt: bytes | str | None = None,
+        keep_free: int = 0,
     ) -> bool:
-        """Whether a new sequence of ``num_tokens`` fits while keeping the watermark free.
+        """Whether a new sequence of ``num_tokens`` fits while keeping the watermark (and
+        ``keep_free`` more pages, e.g. running sequences' lookahead) free.
 
         With ``token_ids`` (the prompt), pages that `allocate_with_prefix` would take from
         the prefix cache are accounted for.
@@ -195,7 +197,13 @@ class BlockAllocator(SwapMixin):
         needed = self._pages_for(num_tokens)
         if token_ids is not None:
             needed = self._prefix_plan(token_ids, salt)[2]
-        return needed <= self.num_free_pages - self.watermark_pages
+        return needed <= self.num_free_pages - self.watermark_pages - keep_free
+
+    def growth_pages(self, seq_id: Hashable, num_tokens: int) -> int:
+        """New pages ``reserve(seq_id, num_tokens)`` would take now (pages already reserved
+        count as held; a shared page in the way counts, as it would be copied)."""
+        seq = self._get(seq_id, "growth_pages")
+        return self._growth_pages(seq, seq.num_tokens + self._count(num_tokens, "growth_pages"))
 
     def can_append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether ``append_slots(seq_id, num_tokens)`` (or ``reserve``) would succeed."""

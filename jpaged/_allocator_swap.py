@@ -41,11 +41,12 @@ class SwapMixin:
         seqs = self._group(seq_ids, "can_swap_out", swapped=False)
         return len(self._group_pages(seqs)) <= len(self._host_free)
 
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the device pool has room (above the watermark) to swap ``seq_ids`` in."""
+    def can_swap_in(self, seq_ids: Iterable[Hashable], *, keep_free: int = 0) -> bool:
+        """Whether the device pool has room (above the watermark and ``keep_free`` more
+        pages) to swap ``seq_ids`` in."""
         seqs = self._group(seq_ids, "can_swap_in", swapped=True)
         needed = len(self._group_pages(seqs))
-        return needed <= self.num_free_pages - self.watermark_pages
+        return needed <= self.num_free_pages - self.watermark_pages - keep_free
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Moves the sequences ``seq_ids`` to the host pool.

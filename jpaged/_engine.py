@@ -191,6 +191,9 @@ class LLM(StepMixin, DecodeLoopMixin):
             on_copies=self._apply_copies,
             on_admit=self._on_admit,
             swap_space_bytes=swap_space,
+            # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and
+            # the next one; `_engine_loop`); admission keeps the pages of one loop free.
+            lookahead_tokens=self.num_decode_steps if self.num_decode_steps > 1 else 0,
         )
         if compiler_options is None:
             compiler_options = default_compiler_options()
@@ -467,9 +470,9 @@ class LLM(StepMixin, DecodeLoopMixin):
         """Compiles every step program this engine can meet, on inputs that write nothing.
 
         Covers the decode step for every sequence bucket, the decode loop for every sequence
-        bucket and sampling mode (greedy, random, truncated) and the ragged step for every
-        (sequence, token) bucket pair; beam search's top-k variant compiles on
-        first use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        bucket and sampling mode (greedy, random, truncated), the ragged step for every
+        (sequence, token) bucket pair and the page programs of copy-on-write and swap
+        (`_warmup_page_programs`); beam search's top-k variant compiles on first use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.
@@ -507,8 +510,28 @@ class LLM(StepMixin, DecodeLoopMixin):
                 width=W, num_rows=B, num_tokens=T,
             )  # fmt: skip
             self.cache = self.runner.step(self.cache, batch, decode=kind == "decode")[0]
+        num = len(shapes) + self._warmup_page_programs()
         jax.block_until_ready(self.cache)
-        return len(shapes)
+        return num
+
+    def _warmup_page_programs(self) -> int:
+        """Compiles the page programs of copy-on-write and swap (`copy_pages`, and with swap
+        space `gather_pages` / `scatter_pages`) for every page-count bucket up to one
+        sequence of ``max_model_len``, on ids that touch nothing; returns how many. Swapping
+        a group of more pages compiles its bucket on first use."""
+        from jpaged._cache import copy_pages, gather_pages, scatter_pages
+
+        num, M, top = 0, 8, bucket(self.width, 8, 1 << 30)
+        while M <= top:
+            ids = np.full(M, -1, np.int32)
+            self.cache = copy_pages(self.cache, np.full((M, 2), -1, np.int32), validate=False)
+            num += 1
+            if self.alloc.num_host_pages:
+                k, v = gather_pages(self.cache, ids, validate=False)
+                self.cache = scatter_pages(self.cache, ids, k, v, validate=False)
+                num += 2
+            M *= 2
+        return num
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""

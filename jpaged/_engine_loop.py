@@ -154,8 +154,11 @@ class DecodeLoopMixin:
         return out, dt
 
     def _may_chain(self, items) -> bool:
+        # A waiting request ends the chain only if it would be admitted now: with the pool
+        # full (or every seat taken) it keeps waiting, and ending the chain would only turn
+        # the decode loops back into single synchronous steps.
         live = sum(not it.seq.finished for it in items)
-        return not self.scheduler.waiting and 2 * live >= len(items)
+        return 2 * live >= len(items) and not self.scheduler.can_admit_head()
 
     def _advance_chain(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop

@@ -15,7 +15,10 @@ most ``max_num_seqs`` sequences:
    preempted, by recompute (pages freed, tokens computed again later) or by swap (pages
    copied to host memory, restored later), chosen per request by cost; see ``_preempt``.
 2. If nothing was preempted, waiting requests (swapped ones first, then new ones, FCFS)
-   are admitted while the pool has room above the watermark.
+   are admitted while the pool has room above the watermark and the running sequences'
+   lookahead (``lookahead_tokens`` each: the engine's multi-step decode reserves that many
+   positions ahead; admitting into that room would turn every decode loop back into single
+   steps once the pool fills).
 
 The allocator is the single authority over pages; the scheduler never writes a page
 itself. Copy-on-write pairs and swap transfers are handed to callbacks that run them on
@@ -189,6 +192,8 @@ class Scheduler:
       max_preemptions: a request preempted more often than this fails ("error"), so an
         undersized pool cannot livelock.
       max_events: preemption events kept in ``events`` (the latest ones).
+      lookahead_tokens: positions each running sequence may reserve ahead of its length
+        (multi-step decode); admission keeps the pages they need free.
     """
 
     def __init__(
@@ -207,6 +212,7 @@ class Scheduler:
         swap_space_bytes: int = 1 << 30,
         max_preemptions: int = 64,
         max_events: int = 4096,
+        lookahead_tokens: int = 0,
     ):
         if preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"{preemption_mode=} must be 'auto', 'recompute' or 'swap'")
@@ -219,6 +225,9 @@ class Scheduler:
         self._on_copies, self._on_admit = on_copies, on_admit
         self.swap_space_bytes = swap_space_bytes
         self.max_preemptions = max_preemptions
+        if not isinstance(lookahead_tokens, int) or lookahead_tokens < 0:
+            raise ValueError(f"{lookahead_tokens=} must be an int >= 0")
+        self.lookahead_tokens = lookahead_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped_bytes = 0  # currently on host
@@ -388,13 +397,52 @@ class Scheduler:
             f"{self.alloc.page_size} tokens"
         )
 
+    def lookahead_pages(self) -> int:
+        """Pages the running sequences would take to reserve ``lookahead_tokens`` each."""
+        if not self.lookahead_tokens:
+            return 0
+        n = self.lookahead_tokens
+        return sum(self.alloc.growth_pages(s.seq_id, n) for r in self.running
+                   for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
+
+    def _own_lookahead(self, req: Request) -> int:
+        """Lookahead pages of a request about to be admitted (its sequences once forked)."""
+        C = self.alloc.page_size
+        return req.fan_out * -(-self.lookahead_tokens // C) if self.lookahead_tokens else 0
+
+    def can_admit_head(self) -> bool:
+        """Whether the head of the queue would be admitted now (seats and pages, the
+        running sequences' lookahead kept free); changes nothing. The engine ends a chain of
+        decode loops for a waiting request only when this holds."""
+        if not self.waiting:
+            return False
+        req = self.waiting[0]
+        seats = sum(len(r.live_seqs()) for r in self.running)
+        if seats + len(req.live_seqs()) > self.max_num_seqs:
+            return False
+        keep = self.lookahead_pages() + self._own_lookahead(req)
+        free = self.alloc.num_free_pages - self.alloc.watermark_pages - keep
+        if req.status == Status.SWAPPED:
+            ids = [s.seq_id for s in req.live_seqs()]
+            return self.alloc.can_swap_in(ids, keep_free=keep)
+        seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
+        if len(seqs) == 1:
+            return self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
+                                           salt=req.salt, keep_free=keep)  # fmt: skip
+        return sum(-(-s.num_tokens // self.alloc.page_size) for s in seqs) <= free
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        reserve = self.lookahead_pages()
         while self.waiting and budget > 0:
             req = self.waiting[0]
             seq_room = self.max_num_seqs - len(out.scheduled)
             if len(req.live_seqs()) > seq_room:
                 return
+            keep = reserve + self._own_lookahead(req)
             if req.status == Status.SWAPPED:
+                ids = [s.seq_id for s in req.live_seqs()]
+                if self.running and not self.alloc.can_swap_in(ids, keep_free=keep):
+                    return
                 try:
                     self._swap_in(req)
                 except OutOfPagesError:
@@ -402,8 +450,9 @@ class Scheduler:
                 self.swapped_bytes -= req.swapped["bytes"]
                 req.swapped = None
             else:
-                if not self._allocate_fresh(req, budget):
+                if not self._allocate_fresh(req, budget, keep if self.running else 0):
                     return
+            reserve += self._own_lookahead(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
             # Oldest first, by arrival: a re-admitted request regains its place, so the
@@ -417,19 +466,19 @@ class Scheduler:
             budget -= used
             out.num_tokens += used
 
-    def _allocate_fresh(self, req: Request, budget: int) -> bool:
+    def _allocate_fresh(self, req: Request, budget: int, keep: int = 0) -> bool:
         """Registers the request's sequences in the allocator (prefix hits attached), keeping
-        the watermark free."""
+        the watermark and ``keep`` more pages (lookahead) free."""
         seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
         if len(seqs) == 1 and not self.alloc.can_allocate(
-            seqs[0].num_tokens, token_ids=seqs[0].tokens, salt=req.salt
+            seqs[0].num_tokens, token_ids=seqs[0].tokens, salt=req.salt, keep_free=keep
         ):
             return False
         try:
             self._on_admit(req)  # creates the sequences (all or nothing)
         except OutOfPagesError:
             return False
-        if self.alloc.num_free_pages < self.alloc.watermark_pages and self.running:
+        if self.alloc.num_free_pages < self.alloc.watermark_pages + keep and self.running:
             for s in seqs:  # a group (recomputed n > 1 or beams) that eats the watermark
                 self.alloc.free(s.seq_id)
                 s.num_computed = 0

@@ -94,8 +94,9 @@ def dataclasses_replace(obj, **kw):
 
 def test_no_recompiles_after_warmup():
     llm = make_llm(num_decode_steps=4)
-    # One sequence bucket: decode, the loop in 3 sampling modes, ragged at 16 and 32 tokens.
-    assert llm.warmup() == 6
+    # One sequence bucket: decode, the loop in 3 sampling modes, ragged at 16 and 32 tokens;
+    # the page programs of copy-on-write and swap at one page-count bucket.
+    assert llm.warmup() == 9  # + copy_pages, gather_pages, scatter_pages at 8 pages
     warm = llm.stats()["recompiles"]  # 0 if an earlier test compiled the same programs
     lengths = (3, 20, 9, 1, 15, 30)
     llm.generate(random_prompts(2, lengths), jpaged.SamplingParams(max_tokens=6, seed=0))

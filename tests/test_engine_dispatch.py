@@ -197,3 +197,23 @@ def test_a_chain_of_loops_compiles_nothing_after_warmup():
         llm.step()
     assert llm.stats()["loop_decode_steps"] > 0
     assert compiles[0] == before
+
+
+@pytest.mark.parametrize("full", ["seats", "pages"])
+def test_a_waiting_request_that_cannot_be_admitted_does_not_end_the_chain(monkeypatch, full):
+    # With every seat taken (or the pool full, lookahead kept free), the head of the queue
+    # waits whether the chain ends or not: ending it per loop would only turn the decode
+    # loops back into synchronous single steps. Tokens are unchanged either way.
+    kw = {"max_num_seqs": 2} if full == "seats" else {"num_pages": 8, "watermark": 0.0}
+    prompts = random_prompts(2, (5, 9, 14))
+    params = jpaged.SamplingParams(max_tokens=24, **GREEDY)
+    chains = []
+    llm = threaded_llm(**kw)
+    monkeypatch.setattr(type(llm), "_run_loop",
+                        lambda self, s, _o=type(llm)._run_loop: (chains.append(1), _o(self, s))[1])  # fmt: skip
+    outs = llm.generate(prompts, params)
+    for o, p in zip(outs, prompts, strict=True):
+        assert o.error is None and o.outputs[0].token_ids == dense_greedy(p, 24)
+    # Chains started: with the chain ended at every loop for the waiting request, 7 (seats)
+    # and 8 (pages: 8 pages of 8 tokens for 4 + 5 + 5 pages, one swap) here.
+    assert len(chains) <= (3 if full == "seats" else 5), len(chains)

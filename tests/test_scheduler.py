@@ -16,7 +16,8 @@ C = 4
 
 class Harness:
     def __init__(self, num_pages=32, budget=16, max_num_seqs=8, mode="recompute", watermark=0.0,
-                 swap_s=1.0, recompute_s=2.0, max_preemptions=64, host_pages=64):  # fmt: skip
+                 swap_s=1.0, recompute_s=2.0, max_preemptions=64, host_pages=64,
+                 lookahead=0):  # fmt: skip
         self.alloc = jpaged.BlockAllocator(num_pages, C, watermark=watermark,
                                            num_host_pages=host_pages)  # fmt: skip
         self.swapped_out = []
@@ -32,6 +33,7 @@ class Harness:
             on_copies=lambda pairs: None,
             on_admit=self._admit,
             max_preemptions=max_preemptions,
+            lookahead_tokens=lookahead,
         )
         self.ids = itertools.count()
 
@@ -170,3 +172,41 @@ def test_abort_frees_pages_in_every_state():
     assert stats.used_pages == 0 and stats.host_free_pages == stats.host_pages
     h.alloc.check_invariants()
     assert not h.sched.has_unfinished()
+
+
+@pytest.mark.parametrize("lookahead", [0, 4, 8])
+def test_admission_keeps_the_running_sequences_lookahead_free(lookahead):
+    # Multi-step decode reserves `lookahead` positions per running sequence: right after an
+    # admission the pool holds the pages for them, and `can_admit_head` predicts `_admit`
+    # exactly (swapped heads too).
+    h = Harness(num_pages=16, budget=64, lookahead=lookahead, mode="swap")
+    reqs = [h.add(6, max_tokens=10) for _ in range(8)]  # 2 pages each, 4 at the end
+    admissions = 0
+    for _ in range(400):
+        predicted = h.sched.can_admit_head()
+        waiting = list(h.sched.waiting)
+        out = h.step()
+        if out.preempted or not waiting:
+            continue
+        admitted = waiting[0] not in h.sched.waiting
+        assert admitted == predicted
+        if admitted:
+            admissions += sum(r not in h.sched.waiting for r in waiting)
+            assert h.alloc.num_free_pages >= h.sched.lookahead_pages()
+        if not h.sched.has_unfinished():
+            break
+    assert not h.sched.has_unfinished() and admissions >= 8
+    assert all(r.status == Status.FINISHED and r.error is None for r in reqs)
+
+
+def test_lookahead_lowers_admission_and_is_validated():
+    plain, ahead = Harness(num_pages=8, budget=64), Harness(num_pages=8, budget=64, lookahead=8)
+    for h in (plain, ahead):
+        for _ in range(4):
+            h.add(7, max_tokens=5)  # 2 pages each
+        h.step()
+    assert len(plain.sched.running) == 4  # 8 pages, nothing kept
+    assert len(ahead.sched.running) == 2  # 2 x (2 pages + 2 of lookahead: 7 -> 15 tokens)
+    assert ahead.sched.lookahead_pages() == 2 * 2
+    with pytest.raises(ValueError, match="lookahead_tokens"):
+        Harness(lookahead=-1)
