@@ -521,8 +521,8 @@ class LLM(StepMixin, DecodeLoopMixin):
         a group of more pages compiles its bucket on first use."""
         from jpaged._cache import copy_pages, gather_pages, scatter_pages
 
-        num, M, top = 0, 8, bucket(self.width, 8, 1 << 30)
-        while M <= top:
+        num = 0
+        for M in (8 << i for i in range(bucket(self.width, 8, 1 << 30).bit_length() - 3)):
             ids = np.full(M, -1, np.int32)
             self.cache = copy_pages(self.cache, np.full((M, 2), -1, np.int32), validate=False)
             num += 1
@@ -530,7 +530,6 @@ class LLM(StepMixin, DecodeLoopMixin):
                 k, v = gather_pages(self.cache, ids, validate=False)
                 self.cache = scatter_pages(self.cache, ids, k, v, validate=False)
                 num += 2
-            M *= 2
         return num
 
     def stats(self) -> dict[str, Any]:
