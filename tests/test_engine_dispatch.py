@@ -209,8 +209,13 @@ def test_a_waiting_request_that_cannot_be_admitted_does_not_end_the_chain(monkey
     params = jpaged.SamplingParams(max_tokens=24, **GREEDY)
     chains = []
     llm = threaded_llm(**kw)
-    monkeypatch.setattr(type(llm), "_run_loop",
-                        lambda self, s, _o=type(llm)._run_loop: (chains.append(1), _o(self, s))[1])  # fmt: skip
+    run_loop = type(llm)._run_loop
+
+    def counting(self, sched):
+        chains.append(1)
+        return run_loop(self, sched)
+
+    monkeypatch.setattr(type(llm), "_run_loop", counting)
     outs = llm.generate(prompts, params)
     for o, p in zip(outs, prompts, strict=True):
         assert o.error is None and o.outputs[0].token_ids == dense_greedy(p, 24)
