@@ -157,8 +157,11 @@ class DecodeLoopMixin:
         # A waiting request ends the chain only if it would be admitted now: with the pool
         # full (or every seat taken) it keeps waiting, and ending the chain would only turn
         # the decode loops back into single synchronous steps.
+        # The allocator's lengths are those before the loop in flight, whose k tokens (and
+        # the next step's one) come before an admission.
         live = sum(not it.seq.finished for it in items)
-        return 2 * live >= len(items) and not self.scheduler.can_admit_head()
+        ahead = self.num_decode_steps + 1
+        return 2 * live >= len(items) and not self.scheduler.can_admit_head(ahead)
 
     def _advance_chain(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop

@@ -397,51 +397,75 @@ class Scheduler:
             f"{self.alloc.page_size} tokens"
         )
 
-    def lookahead_pages(self) -> int:
-        """Pages the running sequences would take to reserve ``lookahead_tokens`` each."""
+    def lookahead_pages(self, ahead: int = 0) -> int:
+        """Pages the running sequences would take to reserve ``lookahead_tokens`` each, after
+        growing ``ahead`` tokens first (beam search never runs decode loops: none for it)."""
         if not self.lookahead_tokens:
             return 0
-        n = self.lookahead_tokens
+        n = self.lookahead_tokens + ahead
         return sum(self.alloc.growth_pages(s.seq_id, n) for r in self.running
-                   for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
+                   if not r.is_beam for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
 
     def _own_lookahead(self, req: Request) -> int:
-        """Lookahead pages of a request about to be admitted (its sequences once forked)."""
-        C = self.alloc.page_size
-        return req.fan_out * -(-self.lookahead_tokens // C) if self.lookahead_tokens else 0
+        """Lookahead pages of a request about to be admitted (its sequences once forked: each
+        may first copy the shared last page of the prompt)."""
+        if not self.lookahead_tokens or req.is_beam:
+            return 0
+        per_seq = -(-self.lookahead_tokens // self.alloc.page_size) + (req.fan_out > 1)
+        return req.fan_out * per_seq
 
-    def can_admit_head(self) -> bool:
-        """Whether the head of the queue would be admitted now (seats and pages, the
-        running sequences' lookahead kept free); changes nothing. The engine ends a chain of
-        decode loops for a waiting request only when this holds."""
+    def _swap_keep(self, req: Request, keep: int) -> int:
+        """Pages a swap-in must leave free beyond the watermark: the lookahead ``keep``, and
+        (the engine's rule against swapping straight back out) one page per sequence that
+        will run."""
+        if not self.running:
+            return keep
+        seqs = sum(len(r.live_seqs()) for r in self.running) + len(req.live_seqs())
+        return max(keep, seqs - self.alloc.watermark_pages)
+
+    def can_admit_head(self, ahead: int = 1) -> bool:
+        """Whether the head of the queue would be admitted once every running sequence has
+        grown ``ahead`` more tokens (1: the next step's token; in a chain of decode loops
+        also the tokens of the loop in flight), keeping the watermark and the running
+        sequences' lookahead free; changes nothing. The engine ends a chain of decode loops
+        for a waiting request only when this holds."""
         if not self.waiting:
             return False
         req = self.waiting[0]
         seats = sum(len(r.live_seqs()) for r in self.running)
         if seats + len(req.live_seqs()) > self.max_num_seqs:
             return False
-        keep = self.lookahead_pages() + self._own_lookahead(req)
-        free = self.alloc.num_free_pages - self.alloc.watermark_pages - keep
+        keep = self.lookahead_pages(ahead) + self._own_lookahead(req)
+        if self.running and not self.lookahead_tokens:  # single steps: each row's next slot
+            keep += sum(self.alloc.growth_pages(s.seq_id, ahead) for r in self.running
+                        for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
+        if not self.running:  # `_admit` keeps nothing free for an empty batch
+            keep = 0
         if req.status == Status.SWAPPED:
             ids = [s.seq_id for s in req.live_seqs()]
-            return self.alloc.can_swap_in(ids, keep_free=keep)
+            return self.alloc.can_swap_in(ids, keep_free=self._swap_keep(req, keep))
         seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
         if len(seqs) == 1:
             return self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
                                            salt=req.salt, keep_free=keep)  # fmt: skip
+        free = self.alloc.num_free_pages - self.alloc.watermark_pages - keep
         return sum(-(-s.num_tokens // self.alloc.page_size) for s in seqs) <= free
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        reserve = self.lookahead_pages()
+        reserve = None  # the running sequences' lookahead, computed once something waits
         while self.waiting and budget > 0:
             req = self.waiting[0]
             seq_room = self.max_num_seqs - len(out.scheduled)
             if len(req.live_seqs()) > seq_room:
                 return
+            if reserve is None:
+                reserve = self.lookahead_pages()
             keep = reserve + self._own_lookahead(req)
             if req.status == Status.SWAPPED:
                 ids = [s.seq_id for s in req.live_seqs()]
-                if self.running and not self.alloc.can_swap_in(ids, keep_free=keep):
+                if self.running and not self.alloc.can_swap_in(
+                    ids, keep_free=self._swap_keep(req, keep)
+                ):
                     return
                 try:
                     self._swap_in(req)

@@ -4,11 +4,13 @@ finished requests mid-chain, failures in the thread, thread-local JAX settings."
 import threading
 
 import jax
+import numpy as np
 import pytest
 from _engine_helpers import make_llm, random_prompts
 from test_engine import dense_greedy
 
 import jpaged
+from jpaged._scheduler import Status
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -201,9 +203,10 @@ def test_a_chain_of_loops_compiles_nothing_after_warmup():
 
 @pytest.mark.parametrize("full", ["seats", "pages"])
 def test_a_waiting_request_that_cannot_be_admitted_does_not_end_the_chain(monkeypatch, full):
-    # With every seat taken (or the pool full, lookahead kept free), the head of the queue
-    # waits whether the chain ends or not: ending it per loop would only turn the decode
-    # loops back into synchronous single steps. Tokens are unchanged either way.
+    # With every seat taken (or the pool full), the head of the queue waits whether the chain
+    # ends or not: ending it per loop would only start a new chain per loop (a wait for the
+    # pool, a scheduling step and a fresh upload of the loop's inputs each time). Tokens are
+    # unchanged either way.
     kw = {"max_num_seqs": 2} if full == "seats" else {"num_pages": 8, "watermark": 0.0}
     prompts = random_prompts(2, (5, 9, 14))
     params = jpaged.SamplingParams(max_tokens=24, **GREEDY)
@@ -222,3 +225,51 @@ def test_a_waiting_request_that_cannot_be_admitted_does_not_end_the_chain(monkey
     # Chains started: with the chain ended at every loop for the waiting request, 7 (seats)
     # and 8 (pages: 8 pages of 8 tokens for 4 + 5 + 5 pages, one swap) here.
     assert len(chains) <= (3 if full == "seats" else 5), len(chains)
+
+
+@pytest.mark.parametrize("pages,k,C,seed", [(64, 4, 8, 1), (24, 8, 16, 2)])
+def test_a_chain_ends_for_a_waiting_request_only_if_the_next_step_admits_it(pages, k, C, seed):
+    # `can_admit_head(k + 1)` at the end of each loop predicts the admission of the step
+    # after the chain ends (no chain ended for nothing), under a pool that keeps requests
+    # waiting; every request still gets the tokens of an unconstrained run. (Predicting from
+    # the lengths before the loop in flight, `can_admit_head(1)`, ends chains for nothing in
+    # both cases.)
+    rng = np.random.default_rng(seed)
+    prompts, params = [], []
+    for _ in range(40):
+        n, max_tokens = int(rng.integers(3, 40)), int(rng.integers(8, 60))
+        prompts.append(rng.integers(3, 300, n).tolist())
+        params.append(jpaged.SamplingParams(max_tokens=max_tokens, **GREEDY))
+    kw = dict(num_decode_steps=k, page_size=C, enable_prefix_caching=False, max_model_len=128,
+              max_num_seqs=16, max_num_batched_tokens=64)  # fmt: skip
+    expected = [
+        o.outputs[0].token_ids for o in make_llm(num_pages=512, **kw).generate(prompts, params)
+    ]
+    llm = make_llm(num_pages=pages, watermark=0.0, **kw)
+    ended_for = []
+    may_chain = type(llm)._may_chain
+
+    def watching(self, items):
+        ok = may_chain(self, items)
+        if not ok and 2 * sum(not it.seq.finished for it in items) >= len(items):
+            ended_for.append(self.scheduler.waiting[0])  # ended for the head of the queue
+        return ok
+
+    type(llm)._may_chain = watching
+    try:
+        ids = [llm.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        checked = 0
+        while llm.has_unfinished_requests():
+            llm.step()
+            if ended_for and llm._chain is None:  # the chain ended: the next step admits
+                head = ended_for.pop()
+                preempted = llm.stats()["preemptions_recompute"] + llm.stats()["preemptions_swap"]
+                llm.step()
+                after = llm.stats()["preemptions_recompute"] + llm.stats()["preemptions_swap"]
+                if after == preempted:
+                    assert head.status not in (Status.WAITING, Status.SWAPPED)
+                    checked += 1
+    finally:
+        type(llm)._may_chain = may_chain
+    assert checked >= 2
+    assert [llm.get_output(rid).outputs[0].token_ids for rid in ids] == expected
