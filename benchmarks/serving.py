@@ -645,7 +645,7 @@ def main(argv=None) -> dict:
         type=float,
         default=None,
         help="seconds of arrivals per finite rate (requests = rate x window; --quick on a GPU "
-        "model: 12)",
+        "model: its spec's, 10 s for llama-8b)",
     )
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
@@ -678,7 +678,7 @@ def main(argv=None) -> dict:
             rates = {n: spec.quick_system_rates.get(n, spec.quick_rates) for n in SYSTEMS}
             window = spec.quick_window_s if window is None else window
             capacity = spec.quick_capacity_requests
-    num = args.num_requests or (24 if args.quick and capacity is None else capacity or 200)
+    num = args.num_requests or capacity or (24 if args.quick else 200)
     if window is not None:  # enough requests for the longest window (every system's grid)
         grid = rates.values() if isinstance(rates, dict) else [rates]
         finite = [r for g in grid for r in g if math.isfinite(r)]
@@ -738,7 +738,7 @@ def main(argv=None) -> dict:
     save(results)
     for name, points in kept.items():
         for p in points:
-            if name not in results:
+            if name not in results or p["rate"] not in {q["rate"] for q in results[name]}:
                 print(_row(name, p) + "  (from --out)")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}")

@@ -472,7 +472,8 @@ class LLM(StepMixin, DecodeLoopMixin):
         Covers the decode step for every sequence bucket, the decode loop for every sequence
         bucket and sampling mode (greedy, random, truncated), the ragged step for every
         (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`_warmup_page_programs`); beam search's top-k variant compiles on first use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        (`_warmup_page_programs`); beam search's top-k variant compiles on first use. After
+        this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.

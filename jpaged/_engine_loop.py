@@ -154,11 +154,10 @@ class DecodeLoopMixin:
         return out, dt
 
     def _may_chain(self, items) -> bool:
-        # A waiting request ends the chain only if it would be admitted now: with the pool
-        # full (or every seat taken) it keeps waiting, and ending the chain would only turn
-        # the decode loops back into single synchronous steps.
-        # The allocator's lengths are those before the loop in flight, whose k tokens (and
-        # the next step's one) come before an admission.
+        # A waiting request ends the chain only if it would be admitted: with the pool full
+        # (or every seat taken) it keeps waiting either way. The allocator's lengths are
+        # those before the loop in flight, whose k tokens (and the next step's one) come
+        # before an admission.
         live = sum(not it.seq.finished for it in items)
         ahead = self.num_decode_steps + 1
         return 2 * live >= len(items) and not self.scheduler.can_admit_head(ahead)
@@ -192,12 +191,19 @@ class DecodeLoopMixin:
             if seq.finished or seq.seq_id not in self.alloc:
                 continue
             try:
-                held = self.alloc.num_tokens(seq.seq_id)
-                if seq.num_computed > held:  # tokens processed, lengths not yet caught up
-                    self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+                self._catch_up(seq)
                 self.alloc.truncate(seq.seq_id, seq.num_computed)
             except Exception:  # keep releasing the others; the original error propagates
                 continue
+
+    def _catch_up(self, seq) -> None:
+        """The allocator's length of ``seq`` catches up with its computed tokens, within the
+        pages the chain reserved (nothing is allocated, nothing copied)."""
+        held = self.alloc.num_tokens(seq.seq_id)
+        if seq.num_computed > held:
+            copies = self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+            if copies:  # never within a reservation, unless forked since: not here
+                raise AssertionError(f"unexpected copy-on-write in a decode chain: {copies}")
 
     def _advance(self, items, mode: str, fut) -> None:
         k = self.num_decode_steps
@@ -247,13 +253,7 @@ class DecodeLoopMixin:
         for it in items:
             seq = it.seq
             if not seq.finished:
-                held = self.alloc.num_tokens(seq.seq_id)
-                if seq.num_computed > held:
-                    copies = self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
-                    if copies:  # never within a reservation, unless forked since: not here
-                        raise AssertionError(
-                            f"unexpected copy-on-write in a decode chain: {copies}"
-                        )
+                self._catch_up(seq)
                 if not chained:  # end of the chain: release the unused reservation
                     self.alloc.truncate(seq.seq_id, seq.num_computed)
                 self._commit_pages(it.request, seq)

@@ -398,13 +398,12 @@ class Scheduler:
         )
 
     def lookahead_pages(self, ahead: int = 0) -> int:
-        """Pages the running sequences would take to reserve ``lookahead_tokens`` each, after
-        growing ``ahead`` tokens first (beam search never runs decode loops: none for it)."""
-        if not self.lookahead_tokens:
-            return 0
-        n = self.lookahead_tokens + ahead
-        return sum(self.alloc.growth_pages(s.seq_id, n) for r in self.running
-                   if not r.is_beam for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
+        """Pages the running sequences would take to grow ``ahead`` tokens and then reserve
+        ``lookahead_tokens`` each (beam search never runs decode loops: no lookahead)."""
+        return sum(
+            self.alloc.growth_pages(s.seq_id, ahead + (0 if r.is_beam else self.lookahead_tokens))
+            for r in self.running for s in r.live_seqs() if s.seq_id in self.alloc
+        ) if ahead or self.lookahead_tokens else 0  # fmt: skip
 
     def _own_lookahead(self, req: Request) -> int:
         """Lookahead pages of a request about to be admitted (its sequences once forked: each
@@ -423,6 +422,24 @@ class Scheduler:
         seqs = sum(len(r.live_seqs()) for r in self.running) + len(req.live_seqs())
         return max(keep, seqs - self.alloc.watermark_pages)
 
+    @staticmethod
+    def _admitted_seqs(req: Request) -> list[Sequence]:
+        """The sequences admission registers (after a recompute of a group, the first)."""
+        return req.live_seqs()[:1] if req.refork else req.live_seqs()
+
+    def _fits(self, req: Request, keep: int) -> bool:
+        """Whether the request's pages fit above the watermark and ``keep`` more pages (a
+        group's fresh pages estimated from its lengths); changes nothing."""
+        if req.status == Status.SWAPPED:
+            ids = [s.seq_id for s in req.live_seqs()]
+            return self.alloc.can_swap_in(ids, keep_free=self._swap_keep(req, keep))
+        seqs = self._admitted_seqs(req)
+        if len(seqs) == 1:
+            return self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
+                                           salt=req.salt, keep_free=keep)  # fmt: skip
+        free = self.alloc.num_free_pages - self.alloc.watermark_pages - keep
+        return sum(-(-s.num_tokens // self.alloc.page_size) for s in seqs) <= free
+
     def can_admit_head(self, ahead: int = 1) -> bool:
         """Whether the head of the queue would be admitted once every running sequence has
         grown ``ahead`` more tokens (1: the next step's token; in a chain of decode loops
@@ -435,21 +452,9 @@ class Scheduler:
         seats = sum(len(r.live_seqs()) for r in self.running)
         if seats + len(req.live_seqs()) > self.max_num_seqs:
             return False
-        keep = self.lookahead_pages(ahead) + self._own_lookahead(req)
-        if self.running and not self.lookahead_tokens:  # single steps: each row's next slot
-            keep += sum(self.alloc.growth_pages(s.seq_id, ahead) for r in self.running
-                        for s in r.live_seqs() if s.seq_id in self.alloc)  # fmt: skip
-        if not self.running:  # `_admit` keeps nothing free for an empty batch
-            keep = 0
-        if req.status == Status.SWAPPED:
-            ids = [s.seq_id for s in req.live_seqs()]
-            return self.alloc.can_swap_in(ids, keep_free=self._swap_keep(req, keep))
-        seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
-        if len(seqs) == 1:
-            return self.alloc.can_allocate(seqs[0].num_tokens, token_ids=seqs[0].tokens,
-                                           salt=req.salt, keep_free=keep)  # fmt: skip
-        free = self.alloc.num_free_pages - self.alloc.watermark_pages - keep
-        return sum(-(-s.num_tokens // self.alloc.page_size) for s in seqs) <= free
+        # `_admit` keeps nothing free for an empty batch.
+        keep = self.lookahead_pages(ahead) + self._own_lookahead(req) if self.running else 0
+        return self._fits(req, keep)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         reserve = None  # the running sequences' lookahead, computed once something waits
@@ -460,12 +465,9 @@ class Scheduler:
                 return
             if reserve is None:
                 reserve = self.lookahead_pages()
-            keep = reserve + self._own_lookahead(req)
+            keep = reserve + self._own_lookahead(req) if self.running else 0
             if req.status == Status.SWAPPED:
-                ids = [s.seq_id for s in req.live_seqs()]
-                if self.running and not self.alloc.can_swap_in(
-                    ids, keep_free=self._swap_keep(req, keep)
-                ):
+                if not self._fits(req, keep):
                     return
                 try:
                     self._swap_in(req)
@@ -474,7 +476,7 @@ class Scheduler:
                 self.swapped_bytes -= req.swapped["bytes"]
                 req.swapped = None
             else:
-                if not self._allocate_fresh(req, budget, keep if self.running else 0):
+                if not self._allocate_fresh(req, budget, keep):
                     return
             reserve += self._own_lookahead(req)
             self.waiting.popleft()
@@ -493,10 +495,8 @@ class Scheduler:
     def _allocate_fresh(self, req: Request, budget: int, keep: int = 0) -> bool:
         """Registers the request's sequences in the allocator (prefix hits attached), keeping
         the watermark and ``keep`` more pages (lookahead) free."""
-        seqs = req.live_seqs()[:1] if req.refork else req.live_seqs()
-        if len(seqs) == 1 and not self.alloc.can_allocate(
-            seqs[0].num_tokens, token_ids=seqs[0].tokens, salt=req.salt, keep_free=keep
-        ):
+        seqs = self._admitted_seqs(req)
+        if len(seqs) == 1 and not self._fits(req, keep):
             return False
         try:
             self._on_admit(req)  # creates the sequences (all or nothing)
