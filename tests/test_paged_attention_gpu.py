@@ -95,6 +95,27 @@ def test_interpret_matches_reference(C, splits, extra):
     _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, num_splits=splits, **extra)
 
 
+@pytest.mark.parametrize(
+    "C,lengths,extra",
+    [
+        (16, [0, 1, 17, 300], {"block_kv": 64, "num_stages": 2}),  # 5 tiles: the ring wraps
+        (
+            8,
+            [0, 1, 9, 150, 300],
+            {"block_kv": 64, "num_stages": 1, "num_splits": 2, "soft_cap": 20.0, "window": 100},
+        ),  # every tile a refill
+        (128, [0, 1, 129, 1000], {"num_layers": 2, "layer": jnp.int32(1)}),  # 4 stages, 8 tiles
+    ],
+    ids=["C16-T64-st2", "C8-T64-st1-split2-cap-window", "C128-T128-default-stages-layer"],
+)
+def test_interpret_producer_matches_reference(C, lengths, extra):
+    # Two warpgroups run as two interpreter threads. The ragged kernel's two-warpgroup variants
+    # hung now and then in the interpreter on a 2-core machine; these three passed 20 times
+    # by hand there (also two processes at once), 2-4 s each.
+    rng = np.random.default_rng(C + 1)
+    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, producer=True, **extra)
+
+
 def test_interpret_through_public_dispatch():
     import jpaged
 
@@ -125,6 +146,13 @@ _VARIANTS = [
     dict(N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(N=64, K=8, C=64, num_stages=2, longest_first=False),  # G = 8
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
+    # The producer warpgroup (two warpgroups, setmaxnreg, K/V-consumed barriers):
+    dict(producer=True),  # 4 stages by default
+    dict(producer=True, num_stages=6),  # the deepest that fits at H=128
+    dict(producer=True, num_splits=4, C=64),  # split: f32 partials aliasing the ring
+    dict(producer=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128, 8 copies per tile
+    dict(producer=True, H=256, C=256, num_splits=2, logits_soft_cap=30.0, sliding_window=100),
+    dict(producer=True, N=64, K=8, C=32, num_stages=1, longest_first=False),  # G=8, 1 stage
 ]
 
 
@@ -199,6 +227,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(block_kv=32), "block_kv=32"),
         (dict(num_splits=0), "num_splits=0"),
         (dict(num_stages=9), "num_stages=9"),
+        (dict(num_stages=7, producer=True), "num_stages=7"),  # 249 KB at H=128
         (dict(dtype=jnp.float32), "cannot run this call"),
     ],
 )
@@ -228,6 +257,11 @@ def test_default_tuning_from_static_shapes():
         stages = kernel_gpu.default_num_stages(H)
         assert stages >= 2
         assert kernel_gpu._smem_bytes(H, 64, stages) <= 113 * 1024 or stages == 2
+    # The producer variant runs one CTA per SM (registers): 4 stages where one CTA's SMEM fits.
+    for H, stages in ((64, 4), (128, 4), (256, 2)):
+        T = kernel_gpu.default_block_kv(H)
+        assert kernel_gpu.default_num_stages(H, T, producer=True) == stages
+        assert kernel_gpu._smem_bytes(H, T, stages, producer=True) <= kernel_gpu._SMEM_BYTES
 
 
 # --------------------------------------------------------------------------- GPU
@@ -283,3 +317,26 @@ def test_gpu_many_sequences_default_tuning():
     rng = np.random.default_rng(11)
     lengths = rng.integers(0, 3000, size=96)
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
+
+
+# Last in the file: the warp-specialized variant (a hang here would not hide earlier results).
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [16, 64])
+@pytest.mark.parametrize(
+    "H,extra",
+    [
+        (128, dict(num_splits=1)),  # default ring: 4 stages
+        (128, dict(num_splits=1, num_stages=6)),  # the deepest that fits
+        (128, dict(num_splits=4)),
+        (128, dict(num_splits=1, num_stages=2)),  # the ring wraps every other tile
+        (128, dict(num_splits=2, num_stages=1)),
+        (128, dict(num_splits=3, window=700, soft_cap=50.0)),
+        (64, dict(num_splits=1)),  # T=128
+        (256, dict(num_splits=2)),  # 2 stages
+    ],
+    ids=str,
+)
+def test_gpu_producer_warpgroup(C, H, extra):
+    rng = np.random.default_rng(C + H)
+    lengths = [0, 1, C - 1, C, C + 1, 99, 1000, 2500]
+    _run_case(rng, lengths, K=4, G=4, H=H, C=C, producer=True, **extra)

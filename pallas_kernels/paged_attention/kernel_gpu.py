@@ -1,11 +1,12 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm90).
 
-One CTA (one warpgroup) per (KV head, split, sequence). It reads each K/V byte once: the G query
-heads of a KV head are one 64-row wgmma tile (rows past G hold neighbouring heads' queries and are
-computed and dropped). K/V tiles of ``T = block_kv`` tokens are gathered page by page with TMA
-(``copy_gmem_to_smem``) into a multi-stage SMEM ring; each barrier slot expects one arrival per
-page copy. The compute tile is independent of the page size: a tile holds ``T / C`` whole pages
-when ``C <= T`` and a ``T``-row slice of one page when ``C > T``.
+One CTA (one warpgroup; two with ``producer``) per (KV head, split, sequence). It reads each
+K/V byte once: the G query heads of a KV head are one 64-row wgmma tile (rows past G hold
+neighbouring heads' queries and are computed and dropped). K/V tiles of ``T = block_kv``
+tokens are gathered page by page with TMA (``copy_gmem_to_smem``) into a multi-stage SMEM ring;
+each barrier slot expects one arrival per page copy. The compute tile is independent of the page
+size: a tile holds ``T / C`` whole pages when ``C <= T`` and a ``T``-row slice of one page when
+``C > T``.
 
 Scores and the online softmax run in f32 in base 2 (``log2(e)`` folded into the scale). Q and P
 are wgmma operands in SMEM (the variant the Mosaic GPU interpreter can run, and as fast as
@@ -15,6 +16,16 @@ end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach t
 Long sequences are split across ``num_splits`` CTAs (split-KV); each writes its normalised f32
 partial output and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is
 chosen from static shapes only (no host sync; jit- and CUDA-graph safe).
+
+``producer=True`` (opt-in) specializes the warpgroups as JAX's FA3 example does: a second,
+40-register warpgroup reads the block table and issues every page copy, refilling a ring slot
+as soon as the computing warpgroup arrives on that slot's K-consumed (after ``Q K^T``) or
+V-consumed (after ``P @ V``) barrier, so the copies no longer wait behind the math. The output
+tiles alias the ring (``RefUnion``): every SMEM allocation of a two-warpgroup kernel must be made
+by both, and the ring is idle once the last tile is read. It is correct on the H200 but 2-28%
+slower than the default in every row of the quick decode table (first run, 4 stages): ptxas
+launches it at 232 registers a thread (ncu), so one CTA, and one computing warpgroup, per SM
+where the default (177 registers, 128 threads) runs two.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper (sm90: the kernel is built on wgmma; Blackwell would need tcgen05), f32, page
@@ -41,6 +52,11 @@ _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
 _LSE_COLS = 32  # lse rows are 32 f32 = 128 B: TMA needs 128-byte-aligned SMEM row slices
 _SMEM_BYTES = 227 * 1024
+# setmaxnreg split of the producer variant's 2 x 128 threads. ptxas launches the kernel at the
+# larger count (232 a thread, ncu on the H200): 232 * 256 = 59392 of the SM's 64K registers, so
+# one such CTA per SM whatever its SMEM.
+_COMPUTE_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -62,6 +78,7 @@ class _Config:
     block_kv: int  # T
     num_stages: int
     num_splits: int
+    producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
     interpret: bool
 
@@ -78,9 +95,13 @@ class _Config:
         return min(self.page_size, self.block_kv)
 
 
-def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
+def _smem_bytes(
+    head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2, producer: bool = False
+) -> int:
     q = _ROWS * head_dim * itemsize
     kv = 2 * num_stages * block_kv * head_dim * itemsize
+    if producer:  # the output tiles share the ring's SMEM (RefUnion), the largest at S > 1
+        kv = max(kv, _ROWS * (head_dim + _LSE_COLS) * 4 + 1024)
     p = _ROWS * block_kv * itemsize
     return q + kv + p + 1024  # barriers and alignment
 
@@ -91,8 +112,19 @@ def default_block_kv(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
 
 
-def default_num_stages(head_dim: int, block_kv: int = 64) -> int:
-    """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2."""
+def default_num_stages(head_dim: int, block_kv: int = 64, producer: bool = False) -> int:
+    """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2.
+
+    With the producer warpgroup the registers already hold the SM to one CTA
+    (``_COMPUTE_REGISTERS``), so SMEM is no constraint below 227 KB: 4 stages where they fit
+    (else the deepest that does). On the H200 quick table 4 beat 6 (the deepest at H=128) in
+    every row and were within 2% of 2 or better.
+    """
+    if producer:
+        stages = 4
+        while stages > 1 and _smem_bytes(head_dim, block_kv, stages, producer=True) > _SMEM_BYTES:
+            stages -= 1
+        return stages
     for stages in (4, 3):
         if _smem_bytes(head_dim, block_kv, stages) <= 113 * 1024:
             return stages
@@ -199,28 +231,35 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     qrow8 = pl.multiple_of((qrow // 8) * 8, 8)
     qoff = qrow - qrow8
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar):
-        def lookup(i):  # block-table entries of tile i (clamped: never past the last page)
-            tile_tok = (start + i) * T
-            return [bt_ref[b, jnp.minimum((tile_tok + j * r) // C, last_page)] for j in range(n_cp)]
+    def lookup(i):  # block-table entries of tile i (clamped: never past the last page)
+        tile_tok = (start + i) * T
+        return [bt_ref[b, jnp.minimum((tile_tok + j * r) // C, last_page)] for j in range(n_cp)]
 
-        def issue(i, slot, pages=None):
-            tile_tok = (start + i) * T
-            pages = lookup(i) if pages is None else pages
-            for j, page in enumerate(pages):
-                tok = tile_tok + j * r
-                row = pl.multiple_of(head_base + page * C + tok % C, 8)
-                dst = pl.ds(j * r, r)
+    def issue(i, slot, pages, streams):
+        """Page copies of tile i into ring slot ``slot``: for each page, one copy per
+        ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
+        tile_tok = (start + i) * T
+        for j, page in enumerate(pages):
+            tok = tile_tok + j * r
+            row = pl.multiple_of(head_base + page * C + tok % C, 8)
+            for src, ring, bar in streams:
                 plgpu.copy_gmem_to_smem(
-                    k_ref.at[pl.ds(row, r)], k_smem.at[slot, dst], k_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_ref.at[pl.ds(row, r)], v_smem.at[slot, dst], v_bar.at[slot]
+                    src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
                 )
 
+    def attend(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, consumed=None):
+        """The attention loop over this split's n tiles: (acc, m, l) in the WGMMA layout.
+
+        Without ``consumed`` this warpgroup also issues every copy: the first ``stages`` tiles
+        up front, tile i + stages once tile i's P @ V has read the slot. With ``consumed`` (the
+        K- and V-consumed barriers of the producer variant) it issues none and arrives on
+        them as soon as the slot's K (after Q K^T) or V (after P @ V) is no longer read.
+        """
+        kv = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qrow8, _ROWS)], q_smem, q_bar)
-        for i in range(stages):
-            pl.when(i < n)(functools.partial(issue, i, i))
+        if consumed is None:
+            for i in range(stages):
+                pl.when(i < n)(lambda i=i: issue(i, i, lookup(i), kv))
         plgpu.barrier_wait(q_bar)
 
         acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
@@ -233,7 +272,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(stages))
             tile_tok = (start + i) * T
-            next_pages = lookup(i + stages)  # loads in flight while this tile computes
+            if consumed is None:
+                next_pages = lookup(i + stages)  # loads in flight while this tile computes
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -241,6 +281,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
                 return acc_ref[...]
 
             sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+            if consumed is not None:  # reading the result waited for the wgmma: K is free
+                plgpu.barrier_arrive(consumed[0].at[slot])
             if cfg.logits_soft_cap:
                 cap = cfg.logits_soft_cap
                 sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
@@ -274,54 +316,126 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
                 return acc_ref[...]
 
             o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
+            if consumed is not None:
+                plgpu.barrier_arrive(consumed[1].at[slot])
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-            pl.when(i + stages < n)(lambda: issue(i + stages, slot, next_pages))
+            if consumed is None:
+                pl.when(i + stages < n)(lambda: issue(i + stages, slot, next_pages, kv))
             return acc, m_new, l
 
         return lax.fori_loop(0, n, step, (acc, m, l))
 
-    tr = _smem_transforms()
-    acc, m, l = pl.run_scoped(
-        scoped,
-        plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-    )
-    empty = l == 0.0
-    inv_l = 1.0 / jnp.where(empty, 1.0, l)
-    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    def finish(acc, m, l):
+        """The normalised output (rows that saw no key give zeros) and, split, its base-2
+        log-sum-exp."""
+        empty = l == 0.0
+        inv_l = 1.0 / jnp.where(empty, 1.0, l)
+        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        if S == 1:
+            return out, None
+        return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
-    if S == 1:
-        (o_ref,) = outs
-
-        def write(o_smem):
+    def store(out, lse, out_smem):
+        """Writes the G real rows: the output tile in ``q.dtype`` (S == 1), or the f32 partial
+        and its log-sum-exp."""
+        if S == 1:
+            (o_ref,), (o_smem,) = outs, out_smem
             o_smem[...] = out.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[pl.ds(qrow, G)])
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(write, plgpu.SMEM((_ROWS, H), dtype))
-    else:
-        o_ref, lse_ref = outs
-        lse = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-
-        def write_split(o_smem, lse_smem):
+        else:
+            (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
             o_smem[...] = out
             lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[s, pl.ds(qrow, G)])
             plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(qoff, G)], lse_ref.at[s, pl.ds(qrow, G)])
-            plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            write_split,
+    # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
+    if S == 1:
+        out_scratch = (plgpu.SMEM((_ROWS, H), dtype),)
+    else:
+        out_scratch = (
             plgpu.SMEM((_ROWS, H), jnp.float32),
             plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
         )
+    tr = _smem_transforms()
+    q_scratch = plgpu.SMEM((_ROWS, H), dtype, transforms=tr)
+    ring_scratch = (
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+    )
+    p_scratch = plgpu.SMEM((_ROWS, T), dtype, transforms=tr)
+    q_barrier = plgpu.Barrier(num_arrivals=1)
+    ring_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages)
+
+    if not cfg.producer:
+        acc, m, l = pl.run_scoped(
+            attend, q_scratch, *ring_scratch, p_scratch, q_barrier, ring_barrier, ring_barrier
+        )
+        out, lse = finish(acc, m, l)
+        # A second scope: stack-allocated, it reuses the ring's SMEM.
+        pl.run_scoped(lambda *out_smem: store(out, lse, out_smem), *out_scratch)
+        return
+
+    def warp_specialized(q_smem, ring, p_smem, q_bar, k_bar, v_bar, k_consumed, v_consumed):
+        (k_smem, v_smem), out_smem = ring
+        wg = lax.axis_index("wg")
+
+        def drain(consumed):
+            """Observes each used slot's last 'consumed' completion (no refill waited on it).
+
+            Free on hardware (nothing is refilled after them); keeps every completion observed,
+            which the Mosaic GPU interpreter checks when the barrier is freed.
+            """
+            for d in range(stages):
+                pl.when(d < n)(
+                    lambda d=d: plgpu.barrier_wait(
+                        consumed.at[lax.rem(n - 1 - d, jnp.int32(stages))]
+                    )
+                )
+
+        @pl.when(wg == 1)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            @pl.loop(0, n)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                pages = lookup(i)  # the table reads overlap the wait for the slot
+                refill = i >= stages  # the slot last held tile i - stages
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                issue(i, slot, pages, [(k_ref, k_smem, k_bar)])
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                issue(i, slot, pages, [(v_ref, v_smem, v_bar)])
+
+            drain(k_consumed)
+            drain(v_consumed)
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            acc, m, l = attend(
+                q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, (k_consumed, v_consumed)
+            )
+            # Every copy into the ring has landed (all its barriers were waited on) and no
+            # wgmma reads it any more: the output tiles may overwrite it.
+            store(*finish(acc, m, l), out_smem)
+
+    consumed_barrier = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+    pl.run_scoped(
+        warp_specialized,
+        q_scratch,
+        plgpu.RefUnion(ring_scratch, out_scratch),
+        p_scratch,
+        q_barrier,
+        ring_barrier,
+        ring_barrier,
+        consumed_barrier,
+        consumed_barrier,
+        collective_axes="wg",
+    )
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
@@ -360,7 +474,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             jax.ShapeDtypeStruct((S, B * N, H), jnp.float32),
             jax.ShapeDtypeStruct((S, B * N, _LSE_COLS), jnp.float32),
         )
-    name = f"paged_decode_mgpu_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    ws = "_ws" if cfg.producer else ""
+    name = f"paged_decode_mgpu{ws}_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
     body = functools.partial(_kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     kernel = plgpu.kernel(
@@ -370,6 +485,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         grid_names=("h", "s", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+        **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
     )
     out = kernel(*args)
     if S == 1:
@@ -394,6 +510,7 @@ def paged_attention_pallas_gpu(
     num_stages: int | None = None,
     num_splits: int | None = None,
     longest_first: bool | None = None,
+    producer: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -410,9 +527,13 @@ def paged_attention_pallas_gpu(
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
       interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
       block_kv: tokens per K/V tile T, 64 or 128 (default ``default_block_kv(H)``).
-      num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM).
+      num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM; with
+        ``producer``, 4 where it fits in 227 KB).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device argsort); default B >= 16.
+      producer: warp specialization: a second warpgroup issues the K/V page copies and the
+        computing one never waits on the block table or the TMA issue (opt-in: slower than
+        the default on the H200, see the module docstring).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -439,8 +560,12 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
-    stages = default_num_stages(H, block_kv) if num_stages is None else int(num_stages)
-    if stages < 1 or _smem_bytes(H, block_kv, stages) > _SMEM_BYTES:
+    producer = bool(producer)
+    if num_stages is None:
+        stages = default_num_stages(H, block_kv, producer)
+    else:
+        stages = int(num_stages)
+    if stages < 1 or _smem_bytes(H, block_kv, stages, producer=producer) > _SMEM_BYTES:
         raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
     splits = default_num_splits(B, K, W * C, block_kv) if num_splits is None else int(num_splits)
     if splits < 1:
@@ -459,6 +584,7 @@ def paged_attention_pallas_gpu(
         block_kv=block_kv,
         num_stages=stages,
         num_splits=splits,
+        producer=producer,
         longest_first=(B >= 16) if longest_first is None else bool(longest_first),
         interpret=bool(interpret),
     )
