@@ -61,6 +61,21 @@ def cupti_us(fn: Callable, *args, iterations: int = 20) -> float | None:
     return statistics.median(times_ms) * 1e3
 
 
+def cupti_kernels_us(fn: Callable, *args) -> list[tuple[str, float]] | None:
+    """Each kernel of one call with its CUPTI time in us (name, us), launch order; None where
+    CUPTI cannot run. Shows what the XLA ops around a Pallas kernel cost."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, timings = profiler.measure(fn, aggregate=False)(*args)
+    except Exception as e:
+        print(f"cupti unavailable: {type(e).__name__}: {e}")
+        return None
+    return [(str(name), float(ms) * 1e3) for name, ms in (timings or [])]
+
+
 def read_roofline_tbs(num_bytes: int = 4 << 30, dtype=jnp.bfloat16) -> tuple[float, float]:
     """HBM read bandwidth of ``jnp.sum`` over ``num_bytes`` of random data.
 

@@ -21,7 +21,7 @@ from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 
 
 def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_tuning):
-    knobs = ("block_kv", "num_stages", "num_wgs", "producer", "longest_first")
+    knobs = ("block_kv", "num_stages", "num_wgs", "producer", "fa3", "direct_io", "tile_order")
     tuning = {k: opts_and_tuning.pop(k) for k in knobs if k in opts_and_tuning}
     opts = opts_and_tuning
     H = case.args[0].shape[-1]
@@ -48,7 +48,8 @@ def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_
     ],
     ids=["G4-C16", "G3-C8-window-cap", "G1-C128-noncausal-layer"],
 )
-def test_interpret_matches_oracle(N, C, extra):
+@pytest.mark.parametrize("direct_io", [False, True], ids=["gather_io", "direct_io"])
+def test_interpret_matches_oracle(N, C, extra, direct_io):
     # One warpgroup only: num_wgs=2 and producer=True (1 or 2 compute warpgroups) also matched
     # the oracle in the interpreter when run by hand, but the interpreter runs warpgroups as
     # threads that block in host callbacks and it hung now and then on a 2-core machine. Those
@@ -60,7 +61,7 @@ def test_interpret_matches_oracle(N, C, extra):
         rng, (0, 1, C - 1, C + 1, 90), (0, 1, 3, C + 1, 40), num_q_heads=N, num_kv_heads=2,
         head_dim=64, page_size=C, dtype=jnp.bfloat16, num_layers=L,
     )  # fmt: skip
-    out = _run(case, jnp.bfloat16, interpret=True, **extra)
+    out = _run(case, jnp.bfloat16, interpret=True, direct_io=direct_io, **extra)
     assert np.all(out[sum(case.q_lens) :] == 0.0)  # padding rows
 
 
@@ -77,7 +78,19 @@ _VARIANTS = [
     {"H": 256, "C": 256, "N": 8, "K": 8},
     {"H": 64, "C": 8, "K": 4, "dtype": jnp.float16, "L": 3},
     {"N": 8, "K": 8, "C": 32, "block_kv": 128},  # G = 1, 64 tokens per tile
-    {"N": 40, "K": 8, "num_stages": 2, "longest_first": False},  # G = 5: padded rows
+    {"N": 40, "K": 8, "num_stages": 2, "tile_order": "index"},  # G = 5: padded rows
+    # the FA3-style body (GPU only: the interpreter has no register wgmma operands)
+    {"fa3": True},
+    {"fa3": True, "num_wgs": 1, "causal": False},
+    {"fa3": True, "sliding_window": 50, "logits_soft_cap": 30.0},
+    {"fa3": True, "H": 256, "C": 256, "N": 8, "K": 8},
+    {"fa3": True, "H": 64, "C": 8, "K": 4, "dtype": jnp.float16, "L": 3},
+    {"fa3": True, "N": 40, "K": 8, "num_stages": 3, "block_kv": 64},
+    {"fa3": True, "N": 24, "K": 8},  # G = 3: 16 tokens per warpgroup in place
+    {"fa3": True, "direct_io": False},  # Q / O through XLA gathers
+    {"fa3": True, "N": 64, "K": 4},  # G = 16: in place unsupported, gathers
+    {"fa3": False, "direct_io": True},
+    {"fa3": True, "C": 192},  # 192-key pages keep 64-key tiles
 ]
 
 
@@ -146,23 +159,38 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         ({"block_kv": 32}, "block_kv=32"),
         ({"num_stages": 9}, "num_stages=9"),
         ({"num_wgs": 3}, "num_wgs=3"),
+        ({"tile_order": "random"}, "tile_order='random' must be one of"),
+        ({"fa3": True, "num_stages": 1}, "num_stages=1 must be >= 2"),
+        ({"direct_io": True, "N": 64, "K": 4}, "direct_io=True needs a group size G <= 8"),
         ({"dtype": jnp.float32}, "cannot run this call"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
-    dtype = kw.pop("dtype", jnp.bfloat16)
-    args = [jnp.zeros(s.shape, s.dtype) for s in _shapes(dtype=dtype)]
+    kw = dict(kw)
+    shape_kw = {k: kw.pop(k) for k in ("dtype", "N", "K") if k in kw}
+    args = [jnp.zeros(s.shape, s.dtype) for s in _shapes(**shape_kw)]
     with pytest.raises(ValueError, match=match):
         kernel_gpu.ragged_paged_attention_pallas_gpu(*args, sm_scale=0.1, **kw)
 
 
-def test_smem_budget_of_defaults():
+def test_fa3_in_interpret_mode_is_a_clear_error():
+    args = [jnp.zeros(s.shape, s.dtype) for s in _shapes()]
+    with pytest.raises(ValueError, match="fa3=True cannot run in the Mosaic GPU interpreter"):
+        kernel_gpu.ragged_paged_attention_pallas_gpu(*args, sm_scale=0.1, interpret=True, fa3=True)
+
+
+@pytest.mark.parametrize("fa3", [False, True], ids=["smem", "fa3"])
+def test_smem_budget_of_defaults(fa3):
     for H in kernel_gpu.SUPPORTED_HEAD_DIMS:
-        T = tuning_gpu.default_block_kv(H)
+        T = tuning_gpu.default_block_kv(H, fa3)
         for wgs in (1, 2):
-            stages = tuning_gpu.default_num_stages(H, T, wgs)
+            stages = tuning_gpu.default_num_stages(H, T, wgs, fa3)
             assert stages >= 2
-            assert tuning_gpu.smem_bytes(H, T, stages, wgs) <= tuning_gpu.SMEM_BYTES
+            assert tuning_gpu.smem_bytes(H, T, stages, wgs, fa3) <= tuning_gpu.SMEM_BYTES
+    assert tuning_gpu.default_block_kv(128, True, page_size=16) == 128
+    assert tuning_gpu.default_block_kv(128, True, page_size=256) == 128
+    assert tuning_gpu.default_block_kv(128, True, page_size=192) == 64
+    assert tuning_gpu.default_block_kv(256, True, page_size=16) == 64
     assert tuning_gpu.default_num_wgs(64, 64) == 1  # decode-only batch
     assert tuning_gpu.default_num_wgs(4096, 8) == 2  # prefill
 
@@ -181,8 +209,9 @@ GPU_PRODUCT = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fa3", [False, True], ids=["smem", "fa3"])
 @pytest.mark.parametrize(("C", "G", "H", "dtype"), GPU_PRODUCT, ids=str)
-def test_gpu_mixed_batch(C, G, H, dtype):
+def test_gpu_mixed_batch(C, G, H, dtype, fa3):
     rng = np.random.default_rng(C * 1000 + G * 10 + H)
     kv_lens = (0, 1, C - 1, C, C + 1, 2 * C + 5, int(rng.integers(300, 1500)), 1000)
     q_lens = (0, 1, 1, C, 1, 7, 1, 1000)  # decodes, a short chunk, a 1000-token prefill
@@ -190,13 +219,14 @@ def test_gpu_mixed_batch(C, G, H, dtype):
         rng, kv_lens, q_lens, num_q_heads=2 * G, num_kv_heads=2, head_dim=H, page_size=C,
         dtype=dtype,
     )  # fmt: skip
-    _run(case, dtype)
+    _run(case, dtype, fa3=fa3)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fa3", [False, True], ids=["smem", "fa3"])
 @pytest.mark.parametrize("wgs", [1, 2], ids=["wgs1", "wgs2"])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_gpu_decode_only_and_prefill_only(kind, wgs):
+def test_gpu_decode_only_and_prefill_only(kind, wgs, fa3):
     rng = np.random.default_rng(3)
     if kind == "decode":
         kv_lens = tuple(int(x) for x in rng.integers(1, 3000, size=64))
@@ -206,11 +236,12 @@ def test_gpu_decode_only_and_prefill_only(kind, wgs):
     case = make_ragged_case(
         rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16
     )
-    _run(case, jnp.bfloat16, num_wgs=wgs)
+    _run(case, jnp.bfloat16, num_wgs=wgs, fa3=fa3)
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_prefill_equals_one_prefill():
+@pytest.mark.parametrize("fa3", [False, True], ids=["smem", "fa3"])
+def test_gpu_chunked_prefill_equals_one_prefill(fa3):
     rng = np.random.default_rng(4)
     n = 700
     case = make_ragged_case(
@@ -220,7 +251,7 @@ def test_gpu_chunked_prefill_equals_one_prefill():
     q, kp, vp, bt, _, _, _ = case.args
     f = jax.jit(
         lambda q, kl, cu: kernel_gpu.ragged_paged_attention_pallas_gpu(
-            q, kp, vp, bt, kl, cu, jnp.int32(1), sm_scale=0.1
+            q, kp, vp, bt, kl, cu, jnp.int32(1), sm_scale=0.1, fa3=fa3
         )
     )
     full = np.asarray(f(q, np.array([n], np.int32), np.array([0, n], np.int32)), np.float32)
@@ -246,19 +277,26 @@ def test_gpu_chunked_prefill_equals_one_prefill():
         {"block_kv": 128},
         {"num_wgs": 1},
         {"num_wgs": 2, "block_kv": 128, "num_stages": 2},
-        {"num_stages": 2, "longest_first": False, "sm_scale": 0.3},
+        {"num_stages": 2, "tile_order": "index", "sm_scale": 0.3},
+        {"tile_order": "longest_first"},
+        {"tile_order": "by_sequence"},
+        {"num_stages": 3, "block_kv": 64, "sm_scale": -0.2},
+        {"direct_io": False},
+        {"direct_io": True, "num_q_heads": 24},  # G = 6: 8 tokens per warpgroup in place
     ],
     ids=str,
 )
-def test_gpu_options(extra):
+@pytest.mark.parametrize("fa3", [False, True], ids=["smem", "fa3"])
+def test_gpu_options(extra, fa3):
     rng = np.random.default_rng(7)
     extra = dict(extra)
     L = extra.pop("num_layers", None)
+    N = extra.pop("num_q_heads", 16)
     case = make_ragged_case(
         rng, (0, 1, 15, 16, 17, 99, 1000, 2500), (0, 1, 1, 16, 5, 99, 1, 1200),
-        num_q_heads=16, num_kv_heads=4, head_dim=128, dtype=jnp.bfloat16, num_layers=L,
+        num_q_heads=N, num_kv_heads=4, head_dim=128, dtype=jnp.bfloat16, num_layers=L,
     )  # fmt: skip
-    _run(case, jnp.bfloat16, **extra)
+    _run(case, jnp.bfloat16, fa3=fa3, **extra)
 
 
 @pytest.mark.gpu

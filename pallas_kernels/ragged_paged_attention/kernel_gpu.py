@@ -1,14 +1,20 @@
 """Ragged paged attention on Mosaic GPU (Hopper sm90 and newer).
 
-FA3-style forward over paged K/V, one warpgroup per CTA, grid (query tile, KV head):
+FA3-style forward over paged K/V, grid (query tile, KV head), one or two 64-row compute
+warpgroups per CTA:
 
-- A query tile is ``Tq = 64 // G`` consecutive query tokens of ONE sequence x the G query heads
-  of one KV head, packed into the 64 rows of a wgmma M tile (row ``r`` is token ``r // G``,
-  head ``r % G``). Tiles are cut on device from ``cu_q_lens`` (``schedule.tile_schedule``; a
-  static upper bound on their number, no host sync) and the Q rows of each tile are gathered
-  into a contiguous ``[64, H]`` block by XLA before the kernel, so the Q load and the output
-  store are one aligned TMA each. A decode row costs one tile; a 1000-token prefill
-  ``1000 / Tq`` tiles: mixed batches run in one call without padding to the longest.
+- A warpgroup's query tile is ``Tw`` consecutive query tokens of ONE sequence x the G query
+  heads of one KV head, packed into the 64 rows of a wgmma M tile. Tiles are cut on device from
+  ``cu_q_lens`` (``schedule.tile_schedule``; a static upper bound on their number, no host
+  sync). A decode row costs one tile; a 1000-token prefill ``1000 / Tq`` tiles: mixed batches
+  run in one call without padding to the longest.
+- Q and O (``direct_io``, the default with the FA3 body): Q is loaded by TMA straight from
+  ``q[T, N, H]``, one ``[Tw, H]`` box per head (row ``r`` is head ``r // Tw``, token
+  ``r % Tw``; ``Tw`` a multiple of 8), and O is stored the same way, a sequence's last, partial
+  tile row by row so no other sequence's rows are touched; the schedule's empty tiles write the
+  zero padding rows. Otherwise (G > 8, or ``direct_io=False``) XLA gathers Q into ``[64, H]``
+  tile blocks before the kernel (row ``r`` is token ``r // G``, head ``r % G``) and gathers O
+  back after it, which costs 13% of a long prefill.
 - K/V tiles of ``block_kv`` keys are gathered page by page with TMA (``copy_gmem_to_smem``
   with a dynamic row start into a ``[stages, block_kv, H]`` SMEM ring, one barrier arrival
   per page copy). The page size is independent of the tile: a tile holds ``block_kv / C``
@@ -17,14 +23,22 @@ FA3-style forward over paged K/V, one warpgroup per CTA, grid (query tile, KV he
 - Only the KV tiles some row of the query tile can see are visited (causal end, sliding
   window start): fully masked tiles are never read. Tiles that every row sees entirely run
   a loop without masking; the boundary tiles run the masked loop.
-- Online softmax in f32, base 2 (``log2(e)`` folded into the scale). Q and P are wgmma
-  operands in SMEM and each wgmma gets a fresh accumulator: the variant the Mosaic GPU
-  interpreter can run (``research/mosaic_gpu.md`` section 5). V rows past the sequence end are
-  zeroed in SMEM before ``P @ V`` so NaN/stale page tails never reach the output.
+- Online softmax in f32, base 2 (``log2(e)`` folded into the scale). V rows past the sequence
+  end are zeroed in SMEM before ``P @ V`` so NaN/stale page tails never reach the output.
+- Two bodies. ``_kernel_body_fa3`` (the GPU default): a producer warpgroup issues every K/V
+  copy, K and V slots are released separately, P is a register wgmma operand accumulated in
+  place, and a schedule barrier alternates the two compute warpgroups' matmuls (ping-pong), as
+  in JAX's FA3 example. ``_kernel_body``: Q and P as SMEM operands with fresh accumulators, the
+  variant the Mosaic GPU interpreter can run (``research/mosaic_gpu.md`` section 5); CPU CI
+  runs it, and cross-lowers both.
+- CTAs take the tiles sequence by sequence, longest first within each (``by_sequence``: the
+  CTAs running at once share one sequence's K/V in L2), or longest first over the whole batch
+  for decode-heavy batches (``tuning_gpu.default_tile_order``).
 
-Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention"): 0.57-0.67x cuDNN dense
-causal at T >= 4k with the defaults; correct on the GPU over page sizes 8-128, G 1/4/8, head dims
-64-256, bf16/f16 mixed batches.
+Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention", fourth session): 0.89-0.95x
+cuDNN dense causal wall-clock at T = 4k-16k with the defaults (0.57-0.67x before the FA3 body,
+in-place Q/O and the tile order); correct on the GPU over page sizes 8-128, G 1/4/6/8, head
+dims 64-256, bf16/f16 mixed batches, with both bodies.
 
 Not covered (``unsupported_reason`` says so; auto dispatch falls back to ``xla``): f32 or mixed
 dtypes, page sizes that are not multiples of 8 or neither divide nor are divided by the tile,
@@ -71,7 +85,9 @@ class _Config:
     num_stages: int
     num_wgs: int  # compute warpgroups per CTA (64 rows each), sharing the K/V ring
     producer: bool  # an extra warpgroup issues every K/V copy (FA3-style warp specialization)
-    longest_first: bool
+    fa3: bool  # _kernel_body_fa3: producer + register P + ping-pong (implies producer)
+    direct_io: bool  # Q / O read and written in place in [T, N, H] (no XLA gather / scatter)
+    tile_order: str  # one of TILE_ORDERS
     interpret: bool
 
     @property
@@ -80,7 +96,11 @@ class _Config:
 
     @property
     def block_q(self) -> int:
-        return self.num_wgs * tuning_gpu.tokens_per_tile(self.group)
+        return self.num_wgs * self.tokens_per_wg
+
+    @property
+    def tokens_per_wg(self) -> int:
+        return tuning_gpu.tokens_per_tile(self.group, self.direct_io)
 
     @property
     def copies_per_tile(self) -> int:
@@ -137,7 +157,11 @@ def unsupported_reason(
     *_, C, H = k_pages.shape
     if H not in SUPPORTED_HEAD_DIMS:
         reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
-    T = tuning_gpu.default_block_kv(H) if block_kv is None else block_kv
+    T = (
+        tuning_gpu.default_block_kv(H, tuning_gpu.default_fa3(False), page_size=C)
+        if block_kv is None
+        else block_kv
+    )
     if C % 8 or (T % C and C % T):
         reasons.append(
             f"page_size={C} must be a multiple of 8 that divides or is a multiple of the "
@@ -158,31 +182,40 @@ def _smem_transforms():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _kernel_body(
-    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
-    order_ref, o_ref,
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """What one CTA (query tile ``i`` x KV head ``h``) knows about its work, shared by both
+    kernel bodies."""
+
+    wg: Any  # this warpgroup's index (0 without warp specialization)
+    cwg: Any  # compute warpgroup index (the producer's is clamped; unused)
+    seq: Any
+    ntok: Any  # real query tokens in the tile (0: empty tile)
+    pos0: Any  # position of the tile's first token
+    kv_len: Any
+    t_lo: Any  # first K/V tile visited
+    n: Any  # K/V tiles visited
+    n_full: Any  # leading tiles every row sees entirely (no mask)
+    last_page: Any
+    head_base: Any
+    q_row: Any  # first row of this warpgroup's Q/O tile in the [K*NT*W*64, H] slabs (gather)
+    t0: Any  # direct_io: first query row of this warpgroup in [T, N, H]
+    n_store: Any  # direct_io: rows of this warpgroup to store (0 .. tokens_per_wg)
+    head0: Any  # first query head of the KV head
+
+
+def _tile(
+    cfg: _Config, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref,
+    qs_ref, store_ref,
 ):  # fmt: skip
-    """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
-
-    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tq, (w+1) Tq)``);
-    all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
-    consumed a slot (``c_bar``).
-    """
-    T, H, C, G, W = cfg.block_kv, cfg.head_dim, cfg.page_size, cfg.group, cfg.num_wgs
-    stages, dtype = cfg.num_stages, cfg.dtype
-    n_cp, r = cfg.copies_per_tile, cfg.rows_per_copy
-    NT = q_ref.shape[0] // (cfg.num_kv_heads * _ROWS * W)
-    Tq = cfg.block_q // W  # tokens per warpgroup
-
+    T, C, W, Tw = cfg.block_kv, cfg.page_size, cfg.num_wgs, cfg.tokens_per_wg
+    NT = order_ref.shape[0]
     h = lax.axis_index("h")
     threads = W + int(cfg.producer)
     wg = lax.axis_index("wg") if threads > 1 else jnp.int32(0)
-    cwg = jnp.minimum(wg, W - 1)  # compute warpgroup index (the producer's is unused)
+    cwg = jnp.minimum(wg, W - 1)
     i = order_ref[lax.axis_index("i")]
-    seq = seq_ref[i]
-    ntok = ntok_ref[i]  # real query tokens in the tile (0: empty tile)
-    pos0 = pos0_ref[i]  # position of the tile's first token
-    kv_len = kvlen_ref[i]
+    ntok, pos0, kv_len = ntok_ref[i], pos0_ref[i], kvlen_ref[i]
     pos_last = pos0 + ntok - 1
     # Keys any row of the tile may see: [lo, hi).
     hi = jnp.minimum(kv_len, pos_last + 1) if cfg.causal else kv_len
@@ -201,37 +234,182 @@ def _kernel_body(
         n_full = jnp.clip(jnp.minimum(pos0 + 1, kv_len) // T, 0, n)
     else:
         n_full = jnp.clip(kv_len // T, 0, n)
-    last_page = jnp.clip((kv_len + C - 1) // C - 1, 0, bt_ref.shape[1] - 1)
-    head_base = base_ref[0] + h * (cfg.num_pages * C)
-    q_row = pl.multiple_of(((h * NT + i) * W + cwg) * _ROWS, _ROWS)
+    return _Tile(
+        wg=wg,
+        cwg=cwg,
+        seq=seq_ref[i],
+        ntok=ntok,
+        pos0=pos0,
+        kv_len=kv_len,
+        t_lo=t_lo,
+        n=n,
+        n_full=n_full,
+        last_page=jnp.clip((kv_len + C - 1) // C - 1, 0, bt_ref.shape[1] - 1),
+        head_base=base_ref[0] + h * (cfg.num_pages * C),
+        q_row=pl.multiple_of(((h * NT + i) * W + cwg) * _ROWS, _ROWS),
+        t0=qs_ref[i] + cwg * Tw,
+        n_store=jnp.clip(store_ref[i] - cwg * Tw, 0, Tw),
+        head0=h * cfg.group,
+    )
 
-    def scoped(q_smem2, k_smem, v_smem, p_smem2, q_bar, k_bar, v_bar, c_bar):
+
+def _tile_rows(cfg: _Config, t: _Tile, bt_ref, step):
+    """Pool rows of the page copies of K/V tile ``step`` (clamped to the sequence's pages)."""
+    T, C, r = cfg.block_kv, cfg.page_size, cfg.rows_per_copy
+    rows = []
+    for j in range(cfg.copies_per_tile):
+        tok = (t.t_lo + step) * T + j * r
+        page = bt_ref[t.seq, jnp.minimum(tok // C, t.last_page)]
+        page = jnp.clip(page, 0, cfg.num_pages - 1)
+        rows.append(t.head_base + page * C + tok % C)
+    return rows
+
+
+def _issue(cfg: _Config, src_ref, smem, bar, rows, slot):
+    """Page copies of one K (or V) tile into ``smem[slot]``, one arrival on ``bar[slot]`` each."""
+    r = cfg.rows_per_copy
+    for j, row in enumerate(rows):
+        row = pl.multiple_of(row, 8)
+        plgpu.copy_gmem_to_smem(
+            src_ref.at[pl.ds(row, r)], smem.at[slot, pl.ds(j * r, r)], bar.at[slot]
+        )
+
+
+def _visible(cfg: _Config, t: _Tile, tile_tok, shape):
+    """[64, block_kv] mask of the keys each row of this warpgroup's Q tile may see."""
+    G, Tw = cfg.group, cfg.tokens_per_wg
+    col = tile_tok + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    # Row r is (token r // G, head r % G), or with direct_io (head r // Tw, token r % Tw).
+    # Padding rows (token >= ntok) repeat the last real token: never all-masked.
+    in_wg = lax.rem(row, jnp.int32(Tw)) if cfg.direct_io else lax.div(row, jnp.int32(G))
+    tok = jnp.minimum(t.cwg * Tw + in_wg, t.ntok - 1)
+    pos = t.pos0 + tok
+    visible = col < t.kv_len
+    if cfg.causal:
+        visible = visible & (col <= pos)
+    if cfg.sliding_window is not None:
+        visible = visible & (pos - col < cfg.sliding_window)
+    return visible
+
+
+def _zero_v_tail(cfg: _Config, t: _Tile, v_tile, tile_tok):
+    """Zeroes the V rows of the tile past the sequence end (stale or NaN page tails: 0 * NaN
+    would poison P @ V). With several warpgroups each writes the same values: benign."""
+
+    @pl.when(tile_tok + cfg.block_kv > t.kv_len)
+    def _():
+        shape = (cfg.block_kv, cfg.head_dim)
+        rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        vals = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+        v_tile[...] = jnp.where(rows < t.kv_len, vals, jnp.zeros_like(vals))
+        plgpu.commit_smem()
+
+
+def _load_q(cfg: _Config, t: _Tile, q_ref, q_smem, o_smem, bar):
+    """Starts the Q tile's TMA: one aligned [64, H] block of the gathered slab, or with
+    ``direct_io`` one [Tw, H] box per query head straight from q[T, N, H] into the untiled O
+    staging tile (rows past T read as zeros; rows of the next sequence in a partial tile are
+    computed and never stored). A tiled destination would need 8-aligned row starts, which
+    sequence boundaries do not give; ``_wait_q`` moves the tile into the tiled Q buffer."""
+    if not cfg.direct_io:
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t.q_row, _ROWS)], q_smem, bar)
+        return
+    Tw = cfg.tokens_per_wg
+    for g in range(cfg.group):
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[pl.ds(t.t0, Tw), t.head0 + g], o_smem.at[pl.ds(g * Tw, Tw)], bar
+        )
+
+
+def _wait_q(cfg: _Config, q_smem, o_smem, bar):
+    """Waits for the Q tile; with ``direct_io`` copies it (through registers) from the untiled
+    staging tile into the tiled, swizzled wgmma operand. Staging rows past ``G * Tw`` are never
+    written: their garbage stays in their own rows, which are computed and never stored."""
+    plgpu.barrier_wait(bar)
+    if cfg.direct_io:
+        q_smem[...] = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+
+
+def _finish(cfg: _Config, t: _Tile, acc, l, q_smem, o_smem, o_ref):
+    """Normalises the accumulator (rows that saw no key give zeros) and stores the O tile.
+
+    With ``direct_io`` the tile goes through an untiled SMEM staging tile straight into
+    o[T, N, H]: a whole warpgroup tile as one [Tw, H] box per head, a partial one (a
+    sequence's last tile) row by row, so no row of another sequence is overwritten. Tiles past
+    the real ones write the zero rows of the padding (``n_store``).
+    """
+    empty = l == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(cfg.dtype)
+    if not cfg.direct_io:
+        q_smem[...] = out  # Q is no longer needed: reuse its tile for O
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(t.q_row, _ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+        return
+    G, Tw = cfg.group, cfg.tokens_per_wg
+    o_smem[...] = out
+    plgpu.commit_smem()
+
+    @pl.when(t.n_store == Tw)
+    def _whole():
+        for g in range(G):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(g * Tw, Tw)], o_ref.at[pl.ds(t.t0, Tw), t.head0 + g]
+            )
+
+    @pl.when((t.n_store > 0) & (t.n_store < Tw))
+    def _partial():
+        @pl.loop(0, t.n_store)
+        def _(j):
+            for g in range(G):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(g * Tw + j, 1)], o_ref.at[pl.ds(t.t0 + j, 1), t.head0 + g]
+                )
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _init_state(H):
+    acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return acc, m, l
+
+
+def _kernel_body(
+    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
+    order_ref, qs_ref, store_ref, o_ref,
+):  # fmt: skip
+    """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
+
+    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tq, (w+1) Tq)``);
+    all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
+    consumed a slot (``c_bar``).
+    """
+    H, W = cfg.head_dim, cfg.num_wgs
+    stages, dtype = cfg.num_stages, cfg.dtype
+    t = _tile(
+        cfg, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
+        store_ref,
+    )  # fmt: skip
+    wg, cwg, n, n_full, t_lo = t.wg, t.cwg, t.n, t.n_full, t.t_lo
+    T = cfg.block_kv
+
+    def scoped(q_smem2, k_smem, v_smem, p_smem2, o_smem2, q_bar, k_bar, v_bar, c_bar):
         q_smem, p_smem = q_smem2.at[cwg], p_smem2.at[cwg]
+        o_smem = None if o_smem2 is None else o_smem2.at[cwg]
 
         def tile_rows(step):
-            """Pool rows of the n_cp page copies of K/V tile ``step`` (clamped to real pages).
-
-            Loaded a whole step ahead of the copies so the block-table reads' latency hides
-            behind the current tile's math.
-            """
-            rows = []
-            for j in range(n_cp):
-                tok = (t_lo + step) * T + j * r
-                page = bt_ref[seq, jnp.minimum(tok // C, last_page)]
-                page = jnp.clip(page, 0, cfg.num_pages - 1)
-                rows.append(head_base + page * C + tok % C)
-            return rows
+            # Loaded a whole step ahead of the copies so the block-table reads' latency hides
+            # behind the current tile's math.
+            return _tile_rows(cfg, t, bt_ref, step)
 
         def issue(rows, slot):
-            for j, row in enumerate(rows):
-                row = pl.multiple_of(row, 8)
-                dst = pl.ds(j * r, r)
-                plgpu.copy_gmem_to_smem(
-                    k_ref.at[pl.ds(row, r)], k_smem.at[slot, dst], k_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_ref.at[pl.ds(row, r)], v_smem.at[slot, dst], v_bar.at[slot]
-                )
+            _issue(cfg, k_ref, k_smem, k_bar, rows, slot)
+            _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
 
         def drain_consumed():
             """Observes each slot's last 'consumed' completion (the refills skipped them).
@@ -245,17 +423,12 @@ def _kernel_body(
                 )
 
         def compute():
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, _ROWS)], q_smem, q_bar.at[cwg])
+            _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
             if not cfg.producer:
                 for s in range(stages):
                     pl.when((s < n) & (wg == 0))(functools.partial(issue, tile_rows(s), s))
-            plgpu.barrier_wait(q_bar.at[cwg])
-
-            acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-            m = plgpu.layout_cast(
-                jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
+            acc, m, l = _init_state(H)
 
             def step(masked: bool, st, carry):
                 acc, m, l = carry
@@ -275,20 +448,7 @@ def _kernel_body(
                 else:
                     sc = sc * (cfg.sm_scale * _LOG2E)
                 if masked:
-                    shape = (_ROWS, T)
-                    col = tile_tok + plgpu.broadcasted_iota(
-                        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
-                    )
-                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                    # Padding rows (token >= ntok) repeat the last real token: never all-masked.
-                    tok = jnp.minimum(cwg * Tq + lax.div(row, jnp.int32(G)), ntok - 1)
-                    pos = pos0 + tok
-                    visible = col < kv_len
-                    if cfg.causal:
-                        visible = visible & (col <= pos)
-                    if cfg.sliding_window is not None:
-                        visible = visible & (pos - col < cfg.sliding_window)
-                    sc = jnp.where(visible, sc, -jnp.inf)
+                    sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc.max(axis=1))
                 if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -301,17 +461,7 @@ def _kernel_body(
                 plgpu.commit_smem()
                 plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
-
-                    @pl.when(tile_tok + T > kv_len)
-                    def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
-                        # (with several warpgroups each writes the same values: a benign overlap)
-                        tile = v_smem.at[slot]
-                        rows = tile_tok + plgpu.broadcasted_iota(
-                            jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
-                        )
-                        vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-                        tile[...] = jnp.where(rows < kv_len, vals, jnp.zeros_like(vals))
-                        plgpu.commit_smem()
+                    _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
@@ -336,13 +486,7 @@ def _kernel_body(
             acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
             if W > 1 and not cfg.producer:
                 pl.when(wg == 0)(drain_consumed)
-            empty = l == 0.0
-            inv_l = 1.0 / jnp.where(empty, 1.0, l)
-            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-            q_smem[...] = out.astype(dtype)  # Q is no longer needed: reuse its tile for O
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q_row, _ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            _finish(cfg, t, acc, l, q_smem, o_smem, o_ref)
 
         if not cfg.producer:
             compute()
@@ -370,18 +514,173 @@ def _kernel_body(
             compute()
 
     tr = _smem_transforms()
+    threads = W + int(cfg.producer)
+    n_cp = cfg.copies_per_tile
+    q_arrivals = cfg.group if cfg.direct_io else 1
     pl.run_scoped(
         scoped,
         plgpu.SMEM((W, _ROWS, H), dtype, transforms=tr),
         plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((W, _ROWS, T), dtype, transforms=tr),
-        plgpu.Barrier(num_arrivals=1, num_barriers=W),
+        plgpu.SMEM((W, _ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=W),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=W, num_barriers=stages) if threads > 1 else None,
         **({"collective_axes": "wg"} if threads > 1 else {}),
     )
+
+
+def _kernel_body_fa3(
+    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
+    order_ref, qs_ref, store_ref, o_ref,
+):  # fmt: skip
+    """FA3-style CTA: a producer warpgroup issues every K/V page copy; ``num_wgs`` compute
+    warpgroups take P as a register wgmma operand and accumulate ``P @ V`` onto the running
+    output in place; K and V slots are released separately (K right after ``Q K^T``); with two
+    compute warpgroups a schedule barrier alternates their tensor-core phases (ping-pong), so one
+    warpgroup's softmax overlaps the other's matmuls. Needs the GPU: the Mosaic GPU interpreter
+    cannot run register wgmma operands (``research/mosaic_gpu.md`` section 5).
+    """
+    H, W, T = cfg.head_dim, cfg.num_wgs, cfg.block_kv
+    stages, dtype = cfg.num_stages, cfg.dtype
+    t = _tile(
+        cfg, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
+        store_ref,
+    )  # fmt: skip
+    wg, cwg, n = t.wg, t.cwg, t.n
+    # Scores stay unscaled; the scale is folded into exp2's argument (one FMA per score).
+    fold = not cfg.logits_soft_cap and cfg.sm_scale > 0
+    c = cfg.sm_scale * _LOG2E
+
+    def scoped(q_smem2, k_smem, v_smem, o_smem2, q_bar, k_bar, v_bar, kc_bar, vc_bar, sched_bar):
+        def sched():  # the other compute warpgroup's matching phase has begun
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
+        @pl.when(wg == W)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n)
+            def _(st):
+                slot = lax.rem(st, jnp.int32(stages))
+                rows = _tile_rows(cfg, t, bt_ref, st)
+                pl.when(st >= stages)(lambda: plgpu.barrier_wait(kc_bar.at[slot]))
+                _issue(cfg, k_ref, k_smem, k_bar, rows, slot)
+                pl.when(st >= stages)(lambda: plgpu.barrier_wait(vc_bar.at[slot]))
+                _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
+
+        @pl.when(wg < W)
+        def _compute():
+            plgpu.set_max_registers(232 if W == 2 else 240, action="increase")
+            q_smem = q_smem2.at[cwg]
+            o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+            _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
+            _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
+            acc, m, l = _init_state(H)
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
+            if W == 2:
+                pl.when(wg == 1)(sched)
+
+            def step(masked: bool, st, carry):
+                acc, m, l = carry
+                slot = lax.rem(st, jnp.int32(stages))
+                tile_tok = (t.t_lo + st) * T
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    if W == 2:
+                        sched()
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+                plgpu.barrier_arrive(kc_bar.at[slot])
+                if cfg.logits_soft_cap:
+                    cap = cfg.logits_soft_cap
+                    sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+                elif not fold:
+                    sc = sc * c
+                if masked:
+                    sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1) * c if fold else sc.max(axis=1))
+                if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = jnp.exp2(m - m_use)
+                m_b = lax.broadcast_in_dim(m_use, sc.shape, [0])
+                p = jnp.exp2(sc * c - m_b if fold else sc - m_b)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                # The order of these barriers against the softmax's tail matters for speed
+                # (JAX's FA3 example found the same); keep the math above them.
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                if W == 2:
+                    plgpu.barrier_arrive(sched_bar)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked:
+                    _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
+                if W == 2:
+                    plgpu.barrier_wait(sched_bar)  # the tensor cores are free
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = st + 1
+
+                    @pl.when(nxt < n)
+                    def _():  # overlaps the wgmma in flight
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(vc_bar.at[slot])
+                return acc, m_new, l
+
+            carry = lax.fori_loop(0, t.n_full, functools.partial(step, False), (acc, m, l))
+            acc, m, l = lax.fori_loop(t.n_full, n, functools.partial(step, True), carry)
+            if W == 2:
+                pl.when(wg == 0)(sched)
+            _finish(cfg, t, acc, l, q_smem, o_smem, o_ref)
+
+    tr = _smem_transforms()
+    n_cp = cfg.copies_per_tile
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((W, _ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((W, _ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.Barrier(num_arrivals=cfg.group if cfg.direct_io else 1, num_barriers=W),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=W) if W == 2 else None,
+        collective_axes="wg",
+    )
+
+
+TILE_ORDERS = ("longest_first", "by_sequence", "index")
+
+
+def _tile_order(cfg: _Config, ts: schedule.TileSchedule, B: int) -> jax.Array:
+    """The order CTAs take the query tiles in (an on-device sort; empty tiles last).
+
+    ``longest_first``: the tiles with the most K/V tiles to visit first, over the whole batch
+    (the best tail when tiles are few, as in decode-heavy batches). ``by_sequence``: sequence
+    by sequence, longest first within each, so the CTAs running at once share one sequence's
+    K/V in L2 (long prefills). ``index``: schedule order.
+    """
+    NT = ts.seq.shape[0]
+    if cfg.tile_order == "index":
+        return jnp.arange(NT, dtype=jnp.int32)
+    work = jnp.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if cfg.causal else ts.kv_len
+    real = ts.q_rows > 0
+    if cfg.tile_order == "longest_first":
+        return jnp.argsort(-jnp.where(real, work, -1)).astype(jnp.int32)
+    return jnp.lexsort((-work, jnp.where(real, ts.seq, B))).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -391,36 +690,49 @@ def _ragged_attention(
     T, N, H = q_TNH.shape
     K, P, C, G, W = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.num_wgs
     threads = W + int(cfg.producer)
-    Tw = tuning_gpu.tokens_per_tile(G)  # tokens per warpgroup (64 rows)
+    Tw = cfg.tokens_per_wg  # tokens per warpgroup (64 rows)
     Tq = W * Tw  # tokens per query tile (CTA)
-    tm = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
-    ts = schedule.tile_schedule(kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq, tmap=tm)
-    NT = ts.seq.shape[0]
-    # Q tiles: [NT, W, Tw, K, G, H] -> [K, NT, W, Tw*G (padded to 64), H]: one aligned TMA per
-    # warpgroup.
-    tok_IQ = jnp.clip(ts.q_start[:, None] + jnp.arange(Tq, dtype=jnp.int32)[None, :], 0, T - 1)
-    q_IQKGH = q_TNH.reshape(T, K, G, H)[tok_IQ]
-    q_KIWRH = q_IQKGH.reshape(NT, W, Tw, K, G, H).transpose(3, 0, 1, 2, 4, 5)
-    q_KIWRH = q_KIWRH.reshape(K, NT, W, Tw * G, H)
-    q_KIWRH = jnp.pad(q_KIWRH, ((0, 0), (0, 0), (0, 0), (0, _ROWS - Tw * G), (0, 0)))
-    q_RH = q_KIWRH.reshape(K * NT * W * _ROWS, H)
+    if cfg.direct_io:
+        # Q and O in place: the empty tiles past the real ones zero the padding rows.
+        ts = schedule.tile_schedule(
+            kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq, extra_tiles=2,
+            token_rows=False,
+        )  # fmt: skip
+        NT = ts.seq.shape[0]
+        q_start = jnp.where(ts.q_rows > 0, ts.q_start, ts.pad_start)
+        store = jnp.where(ts.q_rows > 0, ts.q_rows, jnp.where(ts.pad_start < T, Tq, 0))
+        q_in = q_TNH
+        out_type = jax.ShapeDtypeStruct((T, N, H), cfg.dtype)
+    else:
+        tm = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
+        ts = schedule.tile_schedule(
+            kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq, tmap=tm
+        )
+        NT = ts.seq.shape[0]
+        q_start = store = jnp.zeros((NT,), jnp.int32)  # unused
+        # Q tiles: [NT, W, Tw, K, G, H] -> [K, NT, W, Tw*G (padded to 64), H]: one aligned TMA
+        # per warpgroup.
+        tok_IQ = jnp.clip(ts.q_start[:, None] + jnp.arange(Tq, dtype=jnp.int32)[None, :], 0, T - 1)
+        q_IQKGH = q_TNH.reshape(T, K, G, H)[tok_IQ]
+        q_KIWRH = q_IQKGH.reshape(NT, W, Tw, K, G, H).transpose(3, 0, 1, 2, 4, 5)
+        q_KIWRH = q_KIWRH.reshape(K, NT, W, Tw * G, H)
+        q_KIWRH = jnp.pad(q_KIWRH, ((0, 0), (0, 0), (0, 0), (0, _ROWS - Tw * G), (0, 0)))
+        q_in = q_KIWRH.reshape(K * NT * W * _ROWS, H)
+        out_type = jax.ShapeDtypeStruct((K * NT * W * _ROWS, H), cfg.dtype)
     k_RH = k_pages.reshape(-1, H)
     v_RH = v_pages.reshape(-1, H)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
-    if cfg.longest_first:  # KV tiles visited per query tile, most first
-        work = jnp.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if cfg.causal else ts.kv_len
-        order = jnp.argsort(-jnp.where(ts.q_rows > 0, work, -1)).astype(jnp.int32)
-    else:
-        order = jnp.arange(NT, dtype=jnp.int32)
+    order = _tile_order(cfg, ts, B=block_tables_BW.shape[0])
     name = (
-        f"ragged_paged_mgpu_wg{W}{'p' if cfg.producer else ''}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
+        f"ragged_paged_mgpu_wg{W}{'fa3' if cfg.fa3 else 'p' if cfg.producer else ''}"
+        f"{'_io' if cfg.direct_io else ''}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
         f"{'_causal' if cfg.causal else ''}"
     )
-    body = functools.partial(_kernel_body, cfg)
+    body = functools.partial(_kernel_body_fa3 if cfg.fa3 else _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((K * NT * W * _ROWS, H), cfg.dtype),
+        out_type=out_type,
         grid=(NT, K),
         grid_names=("i", "h"),
         num_threads=threads if threads > 1 else None,
@@ -428,12 +740,14 @@ def _ragged_attention(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )
-    o_RH = kernel(
-        q_RH, k_RH, v_RH, block_tables_BW.astype(jnp.int32), ts.seq, ts.q_rows, ts.pos0,
-        ts.kv_len, base, order,
+    o = kernel(
+        q_in, k_RH, v_RH, block_tables_BW.astype(jnp.int32), ts.seq, ts.q_rows, ts.pos0,
+        ts.kv_len, base, order, q_start, store,
     )  # fmt: skip
+    if cfg.direct_io:
+        return o
     # [K, NT, W, 64, H] -> rows of [NT * Tq, N, H] -> back to the order of q.
-    o_KIWRH = o_RH.reshape(K, NT, W, _ROWS, H)[:, :, :, : Tw * G]
+    o_KIWRH = o.reshape(K, NT, W, _ROWS, H)[:, :, :, : Tw * G]
     o_rows = o_KIWRH.reshape(K, NT, W, Tw, G, H).transpose(1, 2, 3, 0, 4, 5)
     o_TNH = o_rows.reshape(NT * Tq, N, H)[ts.tile_T * Tq + ts.row_T]
     return jnp.where(tm.valid_T[:, None, None], o_TNH, jnp.zeros((), cfg.dtype))
@@ -458,7 +772,9 @@ def ragged_paged_attention_pallas_gpu(
     num_stages: int | None = None,
     num_wgs: int | None = None,
     producer: bool = False,
-    longest_first: bool = True,
+    fa3: bool | None = None,
+    direct_io: bool | None = None,
+    tile_order: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
 
@@ -474,16 +790,25 @@ def ragged_paged_attention_pallas_gpu(
       causal, logits_soft_cap, sliding_window: as in ``reference``.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
       interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
-      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``).
+      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
+        depends on ``fa3``).
       num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
       num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, one shared K/V ring);
         default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
         mode).
-      producer: add a warpgroup that only issues the K/V copies (FA3-style warp
-        specialization); compute warpgroups then never wait on the block table or each other.
-        Matched the oracle in the interpreter (run by hand) and cross-lowers for CUDA, but has
-        not yet run on a GPU: opt-in until it has.
-      longest_first: run the query tiles with the most K/V work first (an on-device argsort).
+      producer: add a warpgroup that only issues the K/V copies (warp specialization);
+        compute warpgroups then never wait on the block table or each other.
+      fa3: the FA3-style body (``_kernel_body_fa3``: producer warpgroup, P as a register wgmma
+        operand accumulated in place, K and V released separately, ping-pong of two compute
+        warpgroups). Default ``tuning_gpu.default_fa3(interpret)``; the interpreter cannot run
+        it, so ``fa3=True`` with ``interpret=True`` is an error.
+      direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
+        head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
+        the empty tiles) instead of an XLA gather into tile order before the kernel and a
+        gather back after it, which cost 13% of a long prefill. Needs G <= 8 and SMEM room for
+        an untiled O tile per warpgroup. Default: on with ``fa3`` where it fits.
+      tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
+        ``_tile_order``); default ``tuning_gpu.default_tile_order``.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -492,7 +817,16 @@ def ragged_paged_attention_pallas_gpu(
       ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
     """
     T, N, H = q.shape
-    block_kv = tuning_gpu.default_block_kv(H) if block_kv is None else int(block_kv)
+    fa3 = tuning_gpu.default_fa3(interpret) if fa3 is None else bool(fa3)
+    if fa3 and interpret:
+        raise ValueError(
+            "fa3=True cannot run in the Mosaic GPU interpreter (it has no register wgmma "
+            "operands); pass fa3=False with interpret=True"
+        )
+    C = k_pages.shape[-2]
+    block_kv = (
+        tuning_gpu.default_block_kv(H, fa3, page_size=C) if block_kv is None else int(block_kv)
+    )
     reason = unsupported_reason(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         block_kv=block_kv, check_backend=False,
@@ -518,11 +852,28 @@ def ragged_paged_attention_pallas_gpu(
         wgs = int(num_wgs)
     if wgs not in (1, 2):
         raise ValueError(f"num_wgs={wgs} must be 1 or 2")
-    stages = (
-        tuning_gpu.default_num_stages(H, block_kv, wgs) if num_stages is None else int(num_stages)
-    )
-    if stages < 1 or tuning_gpu.smem_bytes(H, block_kv, stages, wgs) > tuning_gpu.SMEM_BYTES:
-        raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    if num_stages is None:
+        stages = tuning_gpu.default_num_stages(H, block_kv, wgs, fa3)
+    else:
+        stages = int(num_stages)
+    order = tuning_gpu.default_tile_order(T, B) if tile_order is None else str(tile_order)
+    if order not in TILE_ORDERS:
+        raise ValueError(f"tile_order={order!r} must be one of {TILE_ORDERS}")
+    G = N // K
+    io_fits = tuning_gpu.direct_io_supported(G, H, block_kv, stages, wgs, fa3)
+    if direct_io is None:
+        direct_io = fa3 and io_fits
+    elif direct_io and tuning_gpu.tokens_per_tile(G, True) == 0:
+        raise ValueError(f"direct_io=True needs a group size G <= 8, got G={G}")
+    direct_io = bool(direct_io)
+    if (
+        stages < 1
+        or (fa3 and stages < 2)
+        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io) > tuning_gpu.SMEM_BYTES
+    ):
+        raise ValueError(
+            f"num_stages={stages} must be >= {2 if fa3 else 1} and fit in 227 KB of SMEM"
+        )
     cfg = _Config(
         num_tokens=T,
         num_q_heads=N,
@@ -538,8 +889,10 @@ def ragged_paged_attention_pallas_gpu(
         block_kv=block_kv,
         num_stages=stages,
         num_wgs=wgs,
-        producer=bool(producer),
-        longest_first=bool(longest_first),
+        producer=bool(producer) or fa3,
+        fa3=fa3,
+        direct_io=direct_io,
+        tile_order=order,
         interpret=bool(interpret),
     )
     return _ragged_attention(

@@ -84,8 +84,12 @@ class TileSchedule(NamedTuple):
       pos0: i32[NT] position of the tile's first row in its sequence.
       kv_len: i32[NT] ``kv_lens`` of the tile's sequence (0 for empty tiles).
       num_tiles: i32[] number of non-empty tiles.
-      tile_T: i32[T] tile holding each row of q (meaningful for valid rows only).
-      row_T: i32[T] row of each q row within its tile.
+      tile_T: i32[T] tile holding each row of q (meaningful for valid rows only); None when
+        not asked for (``token_rows=False``).
+      row_T: i32[T] row of each q row within its tile; None likewise.
+      pad_start: i32[NT] for each empty tile ``j`` (counting from ``num_tiles``), the first row
+        of the ``j``-th ``block_q``-row chunk of the padding ``[cu_q_lens[num_seqs], T)``, or
+        T when the chunk starts past T (also T for the real tiles).
     """
 
     seq: jax.Array
@@ -94,8 +98,9 @@ class TileSchedule(NamedTuple):
     pos0: jax.Array
     kv_len: jax.Array
     num_tiles: jax.Array
-    tile_T: jax.Array
-    row_T: jax.Array
+    tile_T: jax.Array | None
+    row_T: jax.Array | None
+    pad_start: jax.Array
 
 
 def tile_schedule(
@@ -106,14 +111,18 @@ def tile_schedule(
     num_tokens: int,
     block_q: int,
     tmap: TokenMap | None = None,
+    extra_tiles: int = 0,
+    token_rows: bool = True,
 ) -> TileSchedule:
     """Splits each live sequence's query rows into tiles of ``block_q`` rows.
 
-    The number of tiles NT is the static bound ``num_tiles_bound(T, B, block_q)``; tiles past
-    the real ones have ``q_rows == 0``.
+    The number of tiles NT is the static bound ``num_tiles_bound(T, B, block_q)`` plus
+    ``extra_tiles``; tiles past the real ones have ``q_rows == 0``. Two extra tiles make the
+    empty ones cover the padding rows in ``block_q`` chunks (``pad_start``): a kernel that
+    writes its output in place can zero the padding with them.
     """
     B = kv_lens_B.shape[0]
-    NT = num_tiles_bound(num_tokens, B, block_q)
+    NT = num_tiles_bound(num_tokens, B, block_q) + extra_tiles
     ns = _num_seqs_scalar(num_seqs, B)
     live_B = jnp.arange(B, dtype=jnp.int32) < ns
     q_len_B = jnp.where(live_B, cu_q_lens[1:] - cu_q_lens[:-1], 0)
@@ -129,10 +138,13 @@ def tile_schedule(
     q_rows = jnp.where(real, jnp.clip(q_len_B[seq] - local * block_q, 0, block_q), 0)
     kv_len = jnp.where(real, kv_lens_B[seq], 0)
     pos0 = kv_len - q_len_B[seq] + local * block_q
-    if tmap is None:
-        tmap = token_map(kv_lens_B, cu_q_lens, num_seqs, num_tokens)
-    tile_T = cu_tiles[tmap.seq_T] + tmap.offset_T // block_q
-    row_T = tmap.offset_T % block_q
+    tile_T = row_T = None
+    if token_rows:
+        if tmap is None:
+            tmap = token_map(kv_lens_B, cu_q_lens, num_seqs, num_tokens)
+        tile_T = jnp.clip(cu_tiles[tmap.seq_T] + tmap.offset_T // block_q, 0, NT - 1)
+        row_T = tmap.offset_T % block_q
+    pad_start = jnp.where(real, num_tokens, cu_q_lens[ns] + (i_NT - cu_tiles[-1]) * block_q)
     return TileSchedule(
         seq=seq,
         q_start=jnp.where(real, q_start, 0),
@@ -140,8 +152,9 @@ def tile_schedule(
         pos0=pos0,
         kv_len=kv_len,
         num_tiles=cu_tiles[-1],
-        tile_T=jnp.clip(tile_T, 0, NT - 1),
+        tile_T=tile_T,
         row_T=row_T,
+        pad_start=jnp.minimum(pad_start, num_tokens),
     )
 
 

@@ -9,24 +9,65 @@ ROWS = 64  # wgmma M tile per warpgroup: query tokens x the G query heads of one
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on Hopper
 TWO_CTAS_BYTES = 113 * 1024  # per-CTA budget that keeps two CTAs resident per SM
 BLOCK_KV_CHOICES = (64, 128)
+FA3_DEFAULT = True  # the FA3-style body (kernel_gpu._kernel_body_fa3) as the GPU default
 
 
-def tokens_per_tile(group: int) -> int:
-    """Query tokens per 64-row warpgroup tile: ``64 // G`` (rows past ``tokens * G`` pad)."""
+def tokens_per_tile(group: int, direct_io: bool = False) -> int:
+    """Query tokens per 64-row warpgroup tile: ``64 // G`` (rows past ``tokens * G`` pad).
+
+    With ``direct_io`` (Q loaded and O stored by TMA straight from/to ``[T, N, H]``, one
+    ``tokens x H`` box per head) the tokens are rounded down to a multiple of 8, the row
+    granularity of the (8, 64)-tiled SMEM tile; 0 (unsupported) for G > 8.
+    """
+    if direct_io:
+        return ROWS // group // 8 * 8
     return max(1, ROWS // group)
 
 
-def smem_bytes(head_dim: int, block_kv: int, num_stages: int, num_wgs: int = 1) -> int:
-    """SMEM of one CTA (2-byte dtypes): Q/O tiles, the K/V ring, the P tiles, barriers."""
+def smem_bytes(
+    head_dim: int,
+    block_kv: int,
+    num_stages: int,
+    num_wgs: int = 1,
+    fa3: bool = False,
+    direct_io: bool = False,
+) -> int:
+    """SMEM of one CTA (2-byte dtypes): Q tiles, the K/V ring, the P tiles (none with
+    ``fa3``: P stays in registers), the untiled O staging tiles of ``direct_io``, barriers."""
     q = num_wgs * ROWS * head_dim * 2
     kv = 2 * num_stages * block_kv * head_dim * 2
-    p = num_wgs * ROWS * block_kv * 2
-    return q + kv + p + 1024
+    p = 0 if fa3 else num_wgs * ROWS * block_kv * 2
+    o = num_wgs * ROWS * head_dim * 2 if direct_io else 0
+    return q + kv + p + o + 1024
 
 
-def default_block_kv(head_dim: int) -> int:
-    """Keys per K/V tile."""
-    del head_dim
+def direct_io_supported(
+    group: int, head_dim: int, block_kv: int, num_stages: int, num_wgs: int, fa3: bool
+) -> bool:
+    """Whether the kernel can read Q / write O in place (``tokens_per_tile(.., True) > 0`` and
+    the untiled O staging tiles fit the SMEM budget)."""
+    return (
+        tokens_per_tile(group, True) > 0
+        and smem_bytes(head_dim, block_kv, num_stages, num_wgs, fa3, True) <= SMEM_BYTES
+    )
+
+
+def default_fa3(interpret: bool) -> bool:
+    """Whether the FA3-style body is the default (never in the interpreter, which cannot run
+    it)."""
+    return FA3_DEFAULT and not interpret
+
+
+def default_block_kv(head_dim: int, fa3: bool = False, page_size: int | None = None) -> int:
+    """Keys per K/V tile: 64, or 128 for the FA3-style body up to head dim 128 (at 256 the
+    f32 scores and accumulator would not fit the registers) when the page size divides or is
+    a multiple of 128 (a page of 192 keeps 64-key tiles)."""
+    if (
+        fa3
+        and head_dim <= 128
+        and (page_size is None or page_size % 128 == 0 or 128 % page_size == 0)
+    ):
+        return 128
     return 64
 
 
@@ -36,8 +77,17 @@ def default_num_wgs(num_tokens: int, num_seqs_max: int) -> int:
     return 2 if num_tokens > 2 * num_seqs_max else 1
 
 
-def default_num_stages(head_dim: int, block_kv: int, num_wgs: int = 1) -> int:
-    """Deepest TMA ring (up to 4) that keeps two CTAs per SM, at least 2."""
+def default_tile_order(num_tokens: int, num_seqs_max: int) -> str:
+    """``longest_first`` for decode-heavy batches (T <= 2 B: few tiles, the tail matters),
+    else ``by_sequence`` (L2 reuse of each sequence's K/V)."""
+    return "longest_first" if num_tokens <= 2 * num_seqs_max else "by_sequence"
+
+
+def default_num_stages(head_dim: int, block_kv: int, num_wgs: int = 1, fa3: bool = False) -> int:
+    """Deepest TMA ring (up to 4) that keeps two CTAs per SM, at least 2 (always 2 for the
+    FA3-style body, one CTA per SM, as in JAX's FA3 example)."""
+    if fa3:
+        return 2
     for stages in (4, 3):
         if smem_bytes(head_dim, block_kv, stages, num_wgs) <= TWO_CTAS_BYTES:
             return stages

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Kernel work on the GPU (issues 3 and 4), in parts that fit one 10-minute device call; each
+# command has its own timeout and prints "== rc N", so a hang cannot starve the rest:
+#
+#   bash tools/gpu_kernels.sh ragged-tests OUT [PYTEST -k EXPR]   # ragged kernel GPU tests
+#   bash tools/gpu_kernels.sh decode-tests OUT [PYTEST -k EXPR]   # decode kernel GPU tests
+#   bash tools/gpu_kernels.sh prefill OUT [VARIANT...]            # prefill benchmark (+ variants)
+#   bash tools/gpu_kernels.sh decode OUT [VARIANT...]             # decode benchmark, --quick
+#
+# OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
+# BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
+set -u
+PART=${1:?part: ragged-tests, decode-tests, prefill or decode}
+DEST=${2:-benchmarks/results}
+mkdir -p "$DEST"
+export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
+PY=${PYTHON:-python3}
+
+run() {  # run SECONDS LOG command...
+  local limit=$1 log=$2
+  shift 2
+  echo "== $*"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "^[WI][0-9]{4} " | tee -a "$log"
+  echo "== rc ${PIPESTATUS[0]}"
+}
+
+tests() {  # tests FILE [-k EXPR]
+  local file=$1
+  shift
+  local k=()
+  [ $# -gt 0 ] && k=(-k "$*")
+  run "${TEST_TIMEOUT:-240}" "$DEST/$(basename "$file" .py).log" \
+    "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider --durations=5 "$file" "${k[@]}"
+}
+
+case "$PART" in
+  ragged-tests) tests tests/test_ragged_gpu.py "${@:3}" ;;
+  decode-tests) tests tests/test_paged_attention_gpu.py "${@:3}" ;;
+  prefill)
+    v=()
+    [ $# -gt 2 ] && v=(--variants "${@:3}" --variant-lengths ${VARIANT_LENGTHS:-4096 16384 8192 2048})
+    run "${BENCH_TIMEOUT:-300}" "$DEST/prefill.log" "$PY" benchmarks/prefill_attention.py \
+      "${v[@]}" --out "$DEST/prefill_ragged_h200.json"
+    ;;
+  decode)
+    v=()
+    [ $# -gt 2 ] && v=(--variants "${@:3}")
+    run "${BENCH_TIMEOUT:-300}" "$DEST/decode.log" "$PY" benchmarks/decode_attention.py --quick \
+      "${v[@]}" --out "$DEST/decode_quick_h200.json"
+    ;;
+  *)
+    echo "unknown part $PART: ragged-tests, decode-tests, prefill or decode" >&2
+    exit 2
+    ;;
+esac
