@@ -300,6 +300,20 @@ def test_gpu_options(extra, fa3):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("q_lens", [(1,), (3,), (1, 2), (5, 11)], ids=str)
+def test_gpu_batches_smaller_than_a_tile(q_lens, G):
+    # T below one warpgroup's tokens (64 at G = 1): the in-place Q / O boxes reach past T.
+    rng = np.random.default_rng(sum(q_lens) + G)
+    kv_lens = tuple(q + 20 for q in q_lens)
+    case = make_ragged_case(
+        rng, kv_lens, q_lens, num_q_heads=2 * G, num_kv_heads=2, head_dim=128,
+        dtype=jnp.bfloat16, extra_rows=1, extra_seqs=0,
+    )  # fmt: skip
+    _run(case, jnp.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_auto_dispatch_picks_the_kernel():
     rng = np.random.default_rng(8)
     case = make_ragged_case(
