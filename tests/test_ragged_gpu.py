@@ -91,6 +91,8 @@ _VARIANTS = [
     {"fa3": True, "N": 64, "K": 4},  # G = 16: in place unsupported, gathers
     {"fa3": False, "direct_io": True},
     {"fa3": True, "C": 192},  # 192-key pages keep 64-key tiles
+    {"fa3": True, "H": 256, "num_wgs": 1},  # decode-heavy at 256: Q / O gathered (see tuning)
+    {"fa3": False, "H": 256, "num_wgs": 1},
 ]
 
 
@@ -162,12 +164,13 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         ({"tile_order": "random"}, "tile_order='random' must be one of"),
         ({"fa3": True, "num_stages": 1}, "num_stages=1 must be >= 2"),
         ({"direct_io": True, "N": 64, "K": 4}, "direct_io=True needs a group size G <= 8"),
+        ({"direct_io": True, "H": 256}, r"head_dim <= 128 \(got 256\)"),
         ({"dtype": jnp.float32}, "cannot run this call"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
     kw = dict(kw)
-    shape_kw = {k: kw.pop(k) for k in ("dtype", "N", "K") if k in kw}
+    shape_kw = {k: kw.pop(k) for k in ("dtype", "N", "K", "H") if k in kw}
     args = [jnp.zeros(s.shape, s.dtype) for s in _shapes(**shape_kw)]
     with pytest.raises(ValueError, match=match):
         kernel_gpu.ragged_paged_attention_pallas_gpu(*args, sm_scale=0.1, **kw)
@@ -187,6 +190,11 @@ def test_smem_budget_of_defaults(fa3):
             stages = tuning_gpu.default_num_stages(H, T, wgs, fa3)
             assert stages >= 2
             assert tuning_gpu.smem_bytes(H, T, stages, wgs, fa3) <= tuning_gpu.SMEM_BYTES
+            io = tuning_gpu.direct_io_supported(4, H, T, stages, wgs, fa3)
+            if io:
+                assert tuning_gpu.smem_bytes(H, T, stages, wgs, fa3, True) <= tuning_gpu.SMEM_BYTES
+            if fa3:  # in place wherever the FA3 body's defaults leave room, never at 256
+                assert io == (H <= 128)
     assert tuning_gpu.default_block_kv(128, True, page_size=16) == 128
     assert tuning_gpu.default_block_kv(128, True, page_size=256) == 128
     assert tuning_gpu.default_block_kv(128, True, page_size=192) == 64

@@ -12,7 +12,8 @@ warpgroups per CTA:
   ``q[T, N, H]``, one ``[Tw, H]`` box per head (row ``r`` is head ``r // Tw``, token
   ``r % Tw``; ``Tw`` a multiple of 8), and O is stored the same way, a sequence's last, partial
   tile row by row so no other sequence's rows are touched; the schedule's empty tiles write the
-  zero padding rows. Otherwise (G > 8, or ``direct_io=False``) XLA gathers Q into ``[64, H]``
+  zero padding rows. Otherwise (G > 8, head dim 256, no SMEM room for the staging tile, the
+  SMEM body's default, or ``direct_io=False``) XLA gathers Q into ``[64, H]``
   tile blocks before the kernel (row ``r`` is token ``r // G``, head ``r % G``) and gathers O
   back after it, which costs 13% of a long prefill.
 - K/V tiles of ``block_kv`` keys are gathered page by page with TMA (``copy_gmem_to_smem``
@@ -38,7 +39,7 @@ warpgroups per CTA:
 Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention", fourth session): 0.89-0.95x
 cuDNN dense causal wall-clock at T = 4k-16k with the defaults (0.57-0.67x before the FA3 body,
 in-place Q/O and the tile order); correct on the GPU over page sizes 8-128, G 1/4/6/8, head
-dims 64-256, bf16/f16 mixed batches, with both bodies.
+dims 64-256 (in-place Q/O: 64 and 128), bf16/f16 mixed batches, with both bodies.
 
 Not covered (``unsupported_reason`` says so; auto dispatch falls back to ``xla``): f32 or mixed
 dtypes, page sizes that are not multiples of 8 or neither divide nor are divided by the tile,
@@ -295,7 +296,10 @@ def _visible(cfg: _Config, t: _Tile, tile_tok, shape):
 
 def _zero_v_tail(cfg: _Config, t: _Tile, v_tile, tile_tok):
     """Zeroes the V rows of the tile past the sequence end (stale or NaN page tails: 0 * NaN
-    would poison P @ V). With several warpgroups each writes the same values: benign."""
+    would poison P @ V). With several warpgroups each zeroes the same rows while the other may
+    be reading the tile (its own P @ V): formally a data race (the interpreter's race detector
+    flags it), harmless because every write stores the value already there or a zero that the
+    first writer already stored; the reader never sees a third value."""
 
     @pl.when(tile_tok + cfg.block_kv > t.kv_len)
     def _():
@@ -385,7 +389,7 @@ def _kernel_body(
 ):  # fmt: skip
     """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
 
-    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tq, (w+1) Tq)``);
+    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tw, (w+1) Tw)``);
     all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
     consumed a slot (``c_bar``).
     """
@@ -677,6 +681,8 @@ def _tile_order(cfg: _Config, ts: schedule.TileSchedule, B: int) -> jax.Array:
     if cfg.tile_order == "index":
         return jnp.arange(NT, dtype=jnp.int32)
     work = jnp.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if cfg.causal else ts.kv_len
+    if cfg.sliding_window is not None:  # keys before the first row's window are never read
+        work = work - jnp.maximum(ts.pos0 - cfg.sliding_window + 1, 0)
     real = ts.q_rows > 0
     if cfg.tile_order == "longest_first":
         return jnp.argsort(-jnp.where(real, work, -1)).astype(jnp.int32)
@@ -805,8 +811,9 @@ def ragged_paged_attention_pallas_gpu(
       direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
         head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
         the empty tiles) instead of an XLA gather into tile order before the kernel and a
-        gather back after it, which cost 13% of a long prefill. Needs G <= 8 and SMEM room for
-        an untiled O tile per warpgroup. Default: on with ``fa3`` where it fits.
+        gather back after it, which cost 13% of a long prefill. Needs G <= 8, head dim <= 128
+        and SMEM room for an untiled O tile per warpgroup (``tuning_gpu.direct_io_supported``).
+        Default: on with ``fa3`` where supported.
       tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
         ``_tile_order``); default ``tuning_gpu.default_tile_order``.
 
@@ -863,8 +870,12 @@ def ragged_paged_attention_pallas_gpu(
     io_fits = tuning_gpu.direct_io_supported(G, H, block_kv, stages, wgs, fa3)
     if direct_io is None:
         direct_io = fa3 and io_fits
-    elif direct_io and tuning_gpu.tokens_per_tile(G, True) == 0:
-        raise ValueError(f"direct_io=True needs a group size G <= 8, got G={G}")
+    elif direct_io and not io_fits:
+        raise ValueError(
+            f"direct_io=True needs a group size G <= 8 (got G={G}), head_dim <= 128 (got {H}) "
+            f"and SMEM for an untiled O tile per warpgroup (num_wgs={wgs}, "
+            f"num_stages={stages}, block_kv={block_kv}); pass direct_io=False or None"
+        )
     direct_io = bool(direct_io)
     if (
         stages < 1
