@@ -65,6 +65,13 @@ _ROWS = tuning_gpu.ROWS
 _LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# setmaxnreg split of a warp-specialized CTA: the producer warpgroup needs few registers; the
+# compute warpgroups take the rest of the 64K (1 or 2 of them + the producer, 128 threads each).
+_PRODUCER_REGISTERS = 40
+
+
+def _compute_registers(num_compute_wgs: int) -> int:
+    return 232 if num_compute_wgs == 2 else 240
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,7 +505,7 @@ def _kernel_body(
 
         @pl.when(wg == W)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
             @pl.loop(0, n)
             def _(st):
@@ -514,7 +521,7 @@ def _kernel_body(
 
         @pl.when(wg < W)
         def _compute():
-            plgpu.set_max_registers(232 if W == 2 else 240, action="increase")
+            plgpu.set_max_registers(_compute_registers(W), action="increase")
             compute()
 
     tr = _smem_transforms()
@@ -565,7 +572,7 @@ def _kernel_body_fa3(
 
         @pl.when(wg == W)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
             @pl.loop(0, n)
             def _(st):
@@ -578,7 +585,7 @@ def _kernel_body_fa3(
 
         @pl.when(wg < W)
         def _compute():
-            plgpu.set_max_registers(232 if W == 2 else 240, action="increase")
+            plgpu.set_max_registers(_compute_registers(W), action="increase")
             q_smem = q_smem2.at[cwg]
             o_smem = None if o_smem2 is None else o_smem2.at[cwg]
             _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
