@@ -153,6 +153,21 @@ def _ours(inp: Inputs, case: Case, **tuning):
     return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
 
 
+def _ragged(inp: Inputs, case: Case, **tuning):
+    """The same decode batch through jpaged's ragged kernel (one query token per sequence)."""
+    from pallas_kernels.ragged_paged_attention import kernel_gpu as ragged_gpu
+
+    scale = 1.0 / math.sqrt(case.H)
+    cu = jnp.arange(case.B + 1, dtype=jnp.int32)
+    ns = jnp.int32(case.B)
+    f = jax.jit(
+        lambda q, k, v, bt, ln: ragged_gpu.ragged_paged_attention_pallas_gpu(
+            q, k, v, bt, ln, cu, ns, sm_scale=scale, **tuning
+        )
+    )
+    return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
 def _xla(inp: Inputs, case: Case):
     from pallas_kernels.paged_attention import xla
 
@@ -225,6 +240,10 @@ def _measure(name, builder, nbytes, args_ns, results, ref=None):
         return None
 
 
+def _parse_ints(spec: str) -> dict:
+    return {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+
+
 def run_case(case: Case, rng, ns, roofline) -> dict:
     inp = make_inputs(case, rng, width_multiple=64)
     nbytes = live_bytes(case, inp.lengths_np)
@@ -238,8 +257,12 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
     for S in ns.splits:
         _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
     for spec in ns.variants:  # "num_stages=3,num_splits=4"
-        kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        kw = _parse_ints(spec)
         _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res)
+    for spec in ns.ragged_variants:  # "default" or "paired=0,block_kv=64"
+        kw = {} if spec == "default" else _parse_ints(spec)
+        name = f"pallas_gpu_ragged_{spec}"
+        _measure(name, lambda kw=kw: _ragged(inp, case, **kw), nbytes, ns, res, ref)
     if not ns.skip_cudnn:
         kd, vd = _dense_kv(inp, case)
         _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), nbytes, ns, res, ref)
@@ -299,6 +322,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--splits", type=int, nargs="*", default=[], help="extra split counts")
     p.add_argument("--variants", nargs="*", default=[], help='tuning sets, e.g. "num_stages=3"')
+    p.add_argument(
+        "--ragged-variants",
+        nargs="*",
+        default=[],
+        help='the batch through the ragged kernel too: "default" or tunings, e.g. "paired=0"',
+    )
     p.add_argument("--max-live-gb", type=float, default=4.0)
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")

@@ -21,7 +21,9 @@ from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 
 
 def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_tuning):
-    knobs = ("block_kv", "num_stages", "num_wgs", "producer", "fa3", "direct_io", "tile_order")
+    knobs = (
+        "block_kv", "num_stages", "num_wgs", "producer", "fa3", "direct_io", "tile_order", "paired",
+    )  # fmt: skip
     tuning = {k: opts_and_tuning.pop(k) for k in knobs if k in opts_and_tuning}
     opts = opts_and_tuning
     H = case.args[0].shape[-1]
@@ -93,6 +95,11 @@ _VARIANTS = [
     {"fa3": True, "C": 192},  # 192-key pages keep 64-key tiles
     {"fa3": True, "H": 256, "num_wgs": 1},  # decode-heavy at 256: Q / O gathered (see tuning)
     {"fa3": False, "H": 256, "num_wgs": 1},
+    # paired: one query tile (own K/V ring) per compute warpgroup, for decode-like batches
+    {"paired": True},
+    {"paired": True, "causal": False, "sliding_window": 50, "logits_soft_cap": 30.0},
+    {"paired": True, "H": 64, "C": 8, "K": 4, "dtype": jnp.float16, "L": 3},  # 128-key tiles
+    {"paired": True, "N": 48, "K": 8, "C": 128, "tile_order": "index"},  # G = 6
 ]
 
 
@@ -165,6 +172,10 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         ({"fa3": True, "num_stages": 1}, "num_stages=1 must be >= 2"),
         ({"direct_io": True, "N": 64, "K": 4}, "direct_io=True needs a group size G <= 8"),
         ({"direct_io": True, "H": 256}, r"head_dim <= 128 \(got 256\)"),
+        ({"paired": True, "fa3": False}, "paired=True needs the FA3-style body"),
+        ({"paired": True, "num_wgs": 1}, "num_wgs=1 must be 2"),
+        ({"paired": True, "direct_io": False}, "paired=True needs direct_io"),
+        ({"paired": True, "block_kv": 128}, "paired=True needs direct_io"),  # no SMEM room
         ({"dtype": jnp.float32}, "cannot run this call"),
     ],
 )
@@ -201,6 +212,20 @@ def test_smem_budget_of_defaults(fa3):
     assert tuning_gpu.default_block_kv(256, True, page_size=16) == 64
     assert tuning_gpu.default_num_wgs(64, 64) == 1  # decode-only batch
     assert tuning_gpu.default_num_wgs(4096, 8) == 2  # prefill
+
+
+def test_paired_defaults():
+    for H, bkv in ((64, 128), (128, 64)):
+        assert tuning_gpu.paired_block_kv(H) == bkv
+        stages = tuning_gpu.PAIRED_STAGES
+        assert tuning_gpu.smem_bytes(H, bkv, stages, 2, True, True, True) <= tuning_gpu.SMEM_BYTES
+        assert tuning_gpu.direct_io_supported(4, H, bkv, stages, 2, True, paired=True)
+        assert tuning_gpu.default_paired(128, 128, 4, H)  # decode-only batch
+        assert tuning_gpu.default_paired(16 * 128, 128, 4, H)  # 16 tokens per sequence
+        assert not tuning_gpu.default_paired(4096 + 64, 65, 4, H)  # a long prefill
+    assert tuning_gpu.paired_block_kv(64, page_size=192) == 64
+    assert not tuning_gpu.default_paired(128, 128, 4, 256)  # two rings do not fit
+    assert not tuning_gpu.default_paired(128, 128, 16, 128)  # G > 8: no in-place Q / O
 
 
 # --------------------------------------------------------------------------- GPU
@@ -319,6 +344,39 @@ def test_gpu_batches_smaller_than_a_tile(q_lens, G):
         dtype=jnp.bfloat16, extra_rows=1, extra_seqs=0,
     )  # fmt: skip
     _run(case, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"num_seqs": 63},  # an odd tile count: the last CTA's second warpgroup is inert
+        {"page_size": 8, "sliding_window": 200, "logits_soft_cap": 30.0},
+        {"page_size": 128, "causal": False, "num_layers": 2, "layer": jnp.int32(1)},
+        {"num_q_heads": 48, "tile_order": "index"},  # G = 6: 8 tokens per warpgroup
+        {"head_dim": 64, "dtype": jnp.float16},  # 128-key tiles
+        {"q_len": 3},  # multi-token decode (speculative): 3 tokens per sequence
+        {"mixed": True},  # decodes beside a 700-token prefill, forced paired
+    ],
+    ids=str,
+)
+def test_gpu_paired(extra):
+    extra = dict(extra)
+    rng = np.random.default_rng(11)
+    B = extra.pop("num_seqs", 64)
+    q_len = extra.pop("q_len", 1)
+    kv_lens = [0, 1, 15, 16, 17] + [int(x) for x in rng.integers(1, 3000, size=B - 5)]
+    q_lens = [min(q_len, k) for k in kv_lens]
+    if extra.pop("mixed", False):
+        kv_lens[-1] = q_lens[-1] = 700
+    dtype = extra.pop("dtype", jnp.bfloat16)
+    case = make_ragged_case(
+        rng, tuple(kv_lens), tuple(q_lens), num_q_heads=extra.pop("num_q_heads", 32),
+        num_kv_heads=8, head_dim=extra.pop("head_dim", 128), dtype=dtype,
+        page_size=extra.pop("page_size", 16), num_layers=extra.pop("num_layers", None),
+    )  # fmt: skip
+    _run(case, dtype, paired=True, **extra)
 
 
 @pytest.mark.gpu

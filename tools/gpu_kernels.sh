@@ -6,6 +6,8 @@
 #   bash tools/gpu_kernels.sh decode-tests OUT [PYTEST -k EXPR]   # decode kernel GPU tests
 #   bash tools/gpu_kernels.sh prefill OUT [VARIANT...]            # prefill benchmark (+ variants)
 #   bash tools/gpu_kernels.sh decode OUT [VARIANT...]             # decode benchmark, --quick
+#     (RAGGED_VARIANTS="default paired=0": the same batches through the ragged kernel too;
+#      DECODE_ARGS: extra flags, e.g. "--skip-xla --only 0 3")
 #
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
 # BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
@@ -46,8 +48,9 @@ case "$PART" in
   decode)
     v=()
     [ $# -gt 2 ] && v=(--variants "${@:3}")
+    [ -n "${RAGGED_VARIANTS:-}" ] && v+=(--ragged-variants $RAGGED_VARIANTS)
     run "${BENCH_TIMEOUT:-300}" "$DEST/decode.log" "$PY" benchmarks/decode_attention.py --quick \
-      "${v[@]}" --out "$DEST/decode_quick_h200.json"
+      ${DECODE_ARGS:-} "${v[@]}" --out "$DEST/decode_quick_h200.json"
     ;;
   *)
     echo "unknown part $PART: ragged-tests, decode-tests, prefill or decode" >&2

@@ -94,6 +94,7 @@ class _Config:
     num_wgs: int  # compute warpgroups per CTA (64 rows each), sharing the K/V ring
     producer: bool  # an extra warpgroup issues every K/V copy (FA3-style warp specialization)
     fa3: bool  # _kernel_body_fa3: producer + register P + ping-pong (implies producer)
+    paired: bool  # fa3 only: each compute warpgroup runs its own query tile and K/V stream
     direct_io: bool  # Q / O read and written in place in [T, N, H] (no XLA gather / scatter)
     tile_order: str  # one of TILE_ORDERS
     interpret: bool
@@ -104,7 +105,8 @@ class _Config:
 
     @property
     def block_q(self) -> int:
-        return self.num_wgs * self.tokens_per_wg
+        """Query tokens per schedule tile (one warpgroup's with ``paired``)."""
+        return self.tokens_per_wg if self.paired else self.num_wgs * self.tokens_per_wg
 
     @property
     def tokens_per_wg(self) -> int:
@@ -210,19 +212,27 @@ class _Tile:
     t0: Any  # direct_io: first query row of this warpgroup in [T, N, H]
     n_store: Any  # direct_io: rows of this warpgroup to store (0 .. tokens_per_wg)
     head0: Any  # first query head of the KV head
+    tok_off: Any  # first token of this warpgroup within the tile (0 with ``paired``)
 
 
 def _tile(
     cfg: _Config, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref,
-    qs_ref, store_ref,
+    qs_ref, store_ref, pick=None,
 ):  # fmt: skip
+    """This warpgroup's tile; with ``paired`` tile ``pick`` (0 or 1, default this compute
+    warpgroup's) of the CTA's two."""
     T, C, W, Tw = cfg.block_kv, cfg.page_size, cfg.num_wgs, cfg.tokens_per_wg
     NT = order_ref.shape[0]
     h = lax.axis_index("h")
     threads = W + int(cfg.producer)
     wg = lax.axis_index("wg") if threads > 1 else jnp.int32(0)
     cwg = jnp.minimum(wg, W - 1)
-    i = order_ref[lax.axis_index("i")]
+    if cfg.paired:
+        i = order_ref[W * lax.axis_index("i") + (cwg if pick is None else pick)]
+        tok_off = jnp.int32(0)
+    else:
+        i = order_ref[lax.axis_index("i")]
+        tok_off = cwg * Tw
     ntok, pos0, kv_len = ntok_ref[i], pos0_ref[i], kvlen_ref[i]
     pos_last = pos0 + ntok - 1
     # Keys any row of the tile may see: [lo, hi).
@@ -255,9 +265,10 @@ def _tile(
         last_page=jnp.clip((kv_len + C - 1) // C - 1, 0, bt_ref.shape[1] - 1),
         head_base=base_ref[0] + h * (cfg.num_pages * C),
         q_row=pl.multiple_of(((h * NT + i) * W + cwg) * _ROWS, _ROWS),
-        t0=qs_ref[i] + cwg * Tw,
-        n_store=jnp.clip(store_ref[i] - cwg * Tw, 0, Tw),
+        t0=qs_ref[i] + tok_off,
+        n_store=jnp.clip(store_ref[i] - tok_off, 0, Tw),
         head0=h * cfg.group,
+        tok_off=tok_off,
     )
 
 
@@ -291,7 +302,7 @@ def _visible(cfg: _Config, t: _Tile, tile_tok, shape):
     # Row r is (token r // G, head r % G), or with direct_io (head r // Tw, token r % Tw).
     # Padding rows (token >= ntok) repeat the last real token: never all-masked.
     in_wg = lax.rem(row, jnp.int32(Tw)) if cfg.direct_io else lax.div(row, jnp.int32(G))
-    tok = jnp.minimum(t.cwg * Tw + in_wg, t.ntok - 1)
+    tok = jnp.minimum(t.tok_off + in_wg, t.ntok - 1)
     pos = t.pos0 + tok
     visible = col < t.kv_len
     if cfg.causal:
@@ -553,13 +564,20 @@ def _kernel_body_fa3(
     compute warpgroups a schedule barrier alternates their tensor-core phases (ping-pong), so one
     warpgroup's softmax overlaps the other's matmuls. Needs the GPU: the Mosaic GPU interpreter
     cannot run register wgmma operands (``research/mosaic_gpu.md`` section 5).
+
+    With ``paired`` the two compute warpgroups run two different query tiles (decode-heavy
+    batches: a tile there is one token, and a second warpgroup on the same K/V would compute
+    padding): each has its own K/V ring, and the producer feeds both rings, so one CTA per SM
+    keeps two independent K/V streams in flight without a second CTA's registers.
     """
     H, W, T = cfg.head_dim, cfg.num_wgs, cfg.block_kv
     stages, dtype = cfg.num_stages, cfg.dtype
-    t = _tile(
-        cfg, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
+    pingpong = W == 2 and not cfg.paired
+    tile_refs = (
+        q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
         store_ref,
     )  # fmt: skip
+    t = _tile(cfg, *tile_refs)
     wg, cwg, n = t.wg, t.cwg, t.n
     # Scores stay unscaled; the scale is folded into exp2's argument (one FMA per score).
     fold = not cfg.logits_soft_cap and cfg.sm_scale > 0
@@ -573,36 +591,46 @@ def _kernel_body_fa3(
         @pl.when(wg == W)
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            # The tiles whose rings this warpgroup fills: the CTA's one, or (paired) each
+            # compute warpgroup's, ring r in slots [r * stages, (r + 1) * stages).
+            tiles = [_tile(cfg, *tile_refs, pick=r) for r in range(W)] if cfg.paired else [t]
+            n_max = functools.reduce(jnp.maximum, [tr.n for tr in tiles])
 
-            @pl.loop(0, n)
+            @pl.loop(0, n_max)
             def _(st):
                 slot = lax.rem(st, jnp.int32(stages))
-                rows = _tile_rows(cfg, t, bt_ref, st)
-                pl.when(st >= stages)(lambda: plgpu.barrier_wait(kc_bar.at[slot]))
-                _issue(cfg, k_ref, k_smem, k_bar, rows, slot)
-                pl.when(st >= stages)(lambda: plgpu.barrier_wait(vc_bar.at[slot]))
-                _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
+                rows = [_tile_rows(cfg, tr, bt_ref, st) for tr in tiles]
+                for src, smem, bar, consumed in ((k_ref, k_smem, k_bar, kc_bar),
+                                                 (v_ref, v_smem, v_bar, vc_bar)):  # fmt: skip
+                    for r, tr in enumerate(tiles):
+
+                        @pl.when(st < tr.n)
+                        def _(r=r, src=src, smem=smem, bar=bar, consumed=consumed):
+                            s = slot + r * stages
+                            pl.when(st >= stages)(lambda: plgpu.barrier_wait(consumed.at[s]))
+                            _issue(cfg, src, smem, bar, rows[r], s)
 
         @pl.when(wg < W)
         def _compute():
             plgpu.set_max_registers(_compute_registers(W), action="increase")
             q_smem = q_smem2.at[cwg]
             o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+            ring = cwg * stages if cfg.paired else 0  # first slot of this warpgroup's ring
             _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
             _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
             acc, m, l = _init_state(H)
-            pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
-            if W == 2:
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bar.at[ring]))
+            if pingpong:
                 pl.when(wg == 1)(sched)
 
             def step(masked: bool, st, carry):
                 acc, m, l = carry
-                slot = lax.rem(st, jnp.int32(stages))
+                slot = ring + lax.rem(st, jnp.int32(stages))
                 tile_tok = (t.t_lo + st) * T
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    if W == 2:
+                    if pingpong:
                         sched()
                     return acc_ref[...]
 
@@ -629,12 +657,12 @@ def _kernel_body_fa3(
                 # The order of these barriers against the softmax's tail matters for speed
                 # (JAX's FA3 example found the same); keep the math above them.
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                if W == 2:
+                if pingpong:
                     plgpu.barrier_arrive(sched_bar)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
                     _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
-                if W == 2:
+                if pingpong:
                     plgpu.barrier_wait(sched_bar)  # the tensor cores are free
 
                 def pv(acc_ref):
@@ -643,7 +671,7 @@ def _kernel_body_fa3(
 
                     @pl.when(nxt < n)
                     def _():  # overlaps the wgmma in flight
-                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+                        plgpu.barrier_wait(k_bar.at[ring + lax.rem(nxt, jnp.int32(stages))])
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(vc_bar.at[slot])
@@ -651,24 +679,25 @@ def _kernel_body_fa3(
 
             carry = lax.fori_loop(0, t.n_full, functools.partial(step, False), (acc, m, l))
             acc, m, l = lax.fori_loop(t.n_full, n, functools.partial(step, True), carry)
-            if W == 2:
+            if pingpong:
                 pl.when(wg == 0)(sched)
             _finish(cfg, t, acc, l, q_smem, o_smem, o_ref)
 
     tr = _smem_transforms()
     n_cp = cfg.copies_per_tile
+    rings, users = (W, 1) if cfg.paired else (1, W)  # K/V rings; warpgroups reading each slot
     pl.run_scoped(
         scoped,
         plgpu.SMEM((W, _ROWS, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((W, _ROWS, H), dtype) if cfg.direct_io else None,
         plgpu.Barrier(num_arrivals=cfg.group if cfg.direct_io else 1, num_barriers=W),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=W, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=W, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=W) if W == 2 else None,
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=users, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=users, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=W) if pingpong else None,
         collective_axes="wg",
     )
 
@@ -704,7 +733,7 @@ def _ragged_attention(
     K, P, C, G, W = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.num_wgs
     threads = W + int(cfg.producer)
     Tw = cfg.tokens_per_wg  # tokens per warpgroup (64 rows)
-    Tq = W * Tw  # tokens per query tile (CTA)
+    Tq = cfg.block_q  # tokens per query tile (a CTA's, or with ``paired`` a warpgroup's)
     if cfg.direct_io:
         # Q and O in place: the empty tiles past the real ones zero the padding rows.
         ts = schedule.tile_schedule(
@@ -736,26 +765,34 @@ def _ragged_attention(
     v_RH = v_pages.reshape(-1, H)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
     order = _tile_order(cfg, ts, B=block_tables_BW.shape[0])
+    tile_arrays = [ts.seq, ts.q_rows, ts.pos0, ts.kv_len, q_start, store]
+    grid_i = NT
+    if cfg.paired:  # W tiles per CTA; an odd count gets an inert tile (no keys, no rows)
+        grid_i = -(-NT // W)
+        extra = grid_i * W - NT
+        tile_arrays = [jnp.pad(a, (0, extra)) for a in tile_arrays]
+        order = jnp.concatenate([order, jnp.arange(NT, NT + extra, dtype=jnp.int32)])
     name = (
         f"ragged_paged_mgpu_wg{W}{'fa3' if cfg.fa3 else 'p' if cfg.producer else ''}"
-        f"{'_io' if cfg.direct_io else ''}_Tq{Tq}_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}"
-        f"{'_causal' if cfg.causal else ''}"
+        f"{'_pair' if cfg.paired else ''}{'_io' if cfg.direct_io else ''}_Tq{Tq}"
+        f"_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}{'_causal' if cfg.causal else ''}"
     )
     body = functools.partial(_kernel_body_fa3 if cfg.fa3 else _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(NT, K),
+        grid=(grid_i, K),
         grid_names=("i", "h"),
         num_threads=threads if threads > 1 else None,
         thread_name="wg" if threads > 1 else None,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )
+    seq, q_rows, pos0, kv_len, q_start, store = tile_arrays
     o = kernel(
-        q_in, k_RH, v_RH, block_tables_BW.astype(jnp.int32), ts.seq, ts.q_rows, ts.pos0,
-        ts.kv_len, base, order, q_start, store,
+        q_in, k_RH, v_RH, block_tables_BW.astype(jnp.int32), seq, q_rows, pos0, kv_len, base,
+        order, q_start, store,
     )  # fmt: skip
     if cfg.direct_io:
         return o
@@ -788,6 +825,7 @@ def ragged_paged_attention_pallas_gpu(
     fa3: bool | None = None,
     direct_io: bool | None = None,
     tile_order: str | None = None,
+    paired: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
 
@@ -823,6 +861,11 @@ def ragged_paged_attention_pallas_gpu(
         Default: on with ``fa3`` where supported.
       tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
         ``_tile_order``); default ``tuning_gpu.default_tile_order``.
+      paired: with ``fa3``, two compute warpgroups per CTA each run their own query tile
+        (own K/V ring, one producer feeding both) instead of sharing one tile's K/V. Needs
+        ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-like batches
+        (``T <= Tw * B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
+        ``PAIRED_STAGES`` stages per ring.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -838,9 +881,28 @@ def ragged_paged_attention_pallas_gpu(
             "operands); pass fa3=False with interpret=True"
         )
     C = k_pages.shape[-2]
-    block_kv = (
-        tuning_gpu.default_block_kv(H, fa3, page_size=C) if block_kv is None else int(block_kv)
-    )
+    B = block_tables.shape[0]
+    G = N // max(1, k_pages.shape[-4])
+    if paired is None:
+        paired = (
+            fa3
+            and num_wgs in (None, 2)
+            and direct_io in (None, True)
+            and tuning_gpu.default_paired(T, B, G, H)
+        )
+        if paired:  # and the two rings fit with any tile / depth the caller chose
+            bkv = tuning_gpu.paired_block_kv(H, page_size=C) if block_kv is None else block_kv
+            st = tuning_gpu.PAIRED_STAGES if num_stages is None else num_stages
+            paired = tuning_gpu.direct_io_supported(G, H, int(bkv), int(st), 2, True, True)
+    paired = bool(paired)
+    if paired and not fa3:
+        raise ValueError("paired=True needs the FA3-style body: pass fa3=True (or None)")
+    if block_kv is not None:
+        block_kv = int(block_kv)
+    elif paired:
+        block_kv = tuning_gpu.paired_block_kv(H, page_size=C)
+    else:
+        block_kv = tuning_gpu.default_block_kv(H, fa3, page_size=C)
     reason = unsupported_reason(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         block_kv=block_kv, check_backend=False,
@@ -856,8 +918,9 @@ def ragged_paged_attention_pallas_gpu(
     else:
         K, P, C, _ = k_pages.shape
         layer = 0
-    B = block_tables.shape[0]
-    if num_wgs is None:
+    if num_wgs is None and paired:
+        wgs = 2
+    elif num_wgs is None:
         # The interpreter runs each warpgroup as a Python thread whose barrier waits block
         # inside host callbacks; with two of them it was seen to hang (thread starvation) on
         # a 2-core machine, so interpret mode defaults to one warpgroup.
@@ -866,18 +929,29 @@ def ragged_paged_attention_pallas_gpu(
         wgs = int(num_wgs)
     if wgs not in (1, 2):
         raise ValueError(f"num_wgs={wgs} must be 1 or 2")
+    if paired and wgs != 2:
+        raise ValueError(f"paired=True runs two compute warpgroups: num_wgs={wgs} must be 2")
     if num_stages is None:
-        stages = tuning_gpu.default_num_stages(H, block_kv, wgs, fa3)
+        stages = (
+            tuning_gpu.PAIRED_STAGES
+            if paired
+            else tuning_gpu.default_num_stages(H, block_kv, wgs, fa3)
+        )
     else:
         stages = int(num_stages)
     order = tuning_gpu.default_tile_order(T, B) if tile_order is None else str(tile_order)
     if order not in TILE_ORDERS:
         raise ValueError(f"tile_order={order!r} must be one of {TILE_ORDERS}")
-    G = N // K
-    io_fits = tuning_gpu.direct_io_supported(G, H, block_kv, stages, wgs, fa3)
+    io_fits = tuning_gpu.direct_io_supported(G, H, block_kv, stages, wgs, fa3, paired)
     if direct_io is None:
         direct_io = fa3 and io_fits
-    elif direct_io and not io_fits:
+    if paired and not direct_io:
+        raise ValueError(
+            "paired=True needs direct_io (Q / O in place), which these arguments do not allow "
+            f"(direct_io={direct_io}, G={G}, head_dim={H}, num_stages={stages}, "
+            f"block_kv={block_kv}); pass paired=False or None"
+        )
+    if direct_io and not io_fits:
         raise ValueError(
             f"direct_io=True needs a group size G <= 8 (got G={G}), head_dim <= 128 (got {H}) "
             f"and SMEM for an untiled O tile per warpgroup (num_wgs={wgs}, "
@@ -887,7 +961,8 @@ def ragged_paged_attention_pallas_gpu(
     if (
         stages < 1
         or (fa3 and stages < 2)
-        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io) > tuning_gpu.SMEM_BYTES
+        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired)
+        > tuning_gpu.SMEM_BYTES
     ):
         raise ValueError(
             f"num_stages={stages} must be >= {2 if fa3 else 1} and fit in 227 KB of SMEM"
@@ -909,6 +984,7 @@ def ragged_paged_attention_pallas_gpu(
         num_wgs=wgs,
         producer=bool(producer) or fa3,
         fa3=fa3,
+        paired=paired,
         direct_io=direct_io,
         tile_order=order,
         interpret=bool(interpret),

@@ -31,19 +31,27 @@ def smem_bytes(
     num_wgs: int = 1,
     fa3: bool = False,
     direct_io: bool = False,
+    paired: bool = False,
 ) -> int:
-    """SMEM of one CTA (2-byte dtypes): Q tiles, the K/V ring, the P tiles (none with
-    ``fa3``: P stays in registers), the untiled O staging tiles of ``direct_io``, and 3 KB for
-    Mosaic GPU's own reduction scratch (2 KB), barriers and alignment (measured: 2.1 KB)."""
+    """SMEM of one CTA (2-byte dtypes): Q tiles, the K/V ring (one per warpgroup with
+    ``paired``), the P tiles (none with ``fa3``: P stays in registers), the untiled O staging
+    tiles of ``direct_io``, and 3 KB for Mosaic GPU's own reduction scratch (2 KB), barriers
+    and alignment (measured: 2.1 KB)."""
     q = num_wgs * ROWS * head_dim * 2
-    kv = 2 * num_stages * block_kv * head_dim * 2
+    kv = 2 * num_stages * block_kv * head_dim * 2 * (num_wgs if paired else 1)
     p = 0 if fa3 else num_wgs * ROWS * block_kv * 2
     o = num_wgs * ROWS * head_dim * 2 if direct_io else 0
     return q + kv + p + o + 3 * 1024
 
 
 def direct_io_supported(
-    group: int, head_dim: int, block_kv: int, num_stages: int, num_wgs: int, fa3: bool
+    group: int,
+    head_dim: int,
+    block_kv: int,
+    num_stages: int,
+    num_wgs: int,
+    fa3: bool,
+    paired: bool = False,
 ) -> bool:
     """Whether the kernel can read Q / write O in place: ``tokens_per_tile(.., True) > 0``,
     head dim at most 128, and the untiled O staging tiles fit the SMEM budget.
@@ -54,8 +62,33 @@ def direct_io_supported(
     return (
         tokens_per_tile(group, True) > 0
         and head_dim <= 128
-        and smem_bytes(head_dim, block_kv, num_stages, num_wgs, fa3, True) <= SMEM_BYTES
+        and smem_bytes(head_dim, block_kv, num_stages, num_wgs, fa3, True, paired) <= SMEM_BYTES
     )
+
+
+PAIRED_STAGES = 2  # ring depth of each warpgroup's ring with ``paired``
+
+
+def paired_block_kv(head_dim: int, page_size: int | None = None) -> int:
+    """Keys per K/V tile with ``paired`` (two rings of ``PAIRED_STAGES`` in one CTA): 128 where
+    both rings fit in SMEM (head dim 64) and the page size allows it, else 64."""
+    if (page_size is None or page_size % 128 == 0 or 128 % page_size == 0) and smem_bytes(
+        head_dim, 128, PAIRED_STAGES, 2, True, True, paired=True
+    ) <= SMEM_BYTES:
+        return 128
+    return 64
+
+
+def default_paired(num_tokens: int, num_seqs_max: int, group: int, head_dim: int) -> bool:
+    """Whether the FA3-style body runs one query tile per compute warpgroup (``paired``): when
+    the batch is decode-like (at most one warpgroup tile of tokens per sequence on average,
+    ``T <= Tw * B``), where two warpgroups sharing one sequence's K/V would mostly compute
+    padding, and the two rings, Q and O staging tiles fit in SMEM."""
+    Tw = tokens_per_tile(group, True)
+    if Tw == 0 or head_dim > 128 or num_tokens > Tw * num_seqs_max:
+        return False
+    bkv = paired_block_kv(head_dim)
+    return smem_bytes(head_dim, bkv, PAIRED_STAGES, 2, True, True, True) <= SMEM_BYTES
 
 
 def default_fa3(interpret: bool) -> bool:
