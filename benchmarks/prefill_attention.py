@@ -220,6 +220,38 @@ def decode_and_mixed_rows(args_ns, rng, results):
         row["jpaged"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     results.append(row)
     print_row(row)
+    # Mixed at long context: 8 decodes at ~32k beside a 512-token prefill chunk (a chunked
+    # prefill step): the decodes dominate unless their K/V ranges are split (kv_splits).
+    # Anchor: the decode kernel on the 8 decodes alone (a lower bound of the decode share).
+    Bl, ctx, Tc = 8, args_ns.long_context, 512
+    kv_lens = [int(x) for x in rng.integers(ctx // 2, ctx * 3 // 2, size=Bl)] + [Tc]
+    inp = _paged(rng, kv_lens, [1] * Bl + [Tc])
+    flops = 4 * N * H * (Tc * Tc / 2 + sum(kv_lens[:Bl]))
+    row = {"kind": "mixed32k", "B": Bl + 1, "T": Bl + Tc, "flops": flops}
+    tunings = [("jpaged", {})]
+    if args_ns.impl == "pallas_gpu":
+        tunings.append(("jpaged_kv_splits=1", {"kv_splits": 1}))
+    for name, tuning in tunings:
+        try:
+            row[name] = _entry(_time(_ragged_fn(args_ns.impl, tuning), inp, args_ns.calls, 5))
+        except Exception as e:
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    if jax.default_backend() == "gpu":
+        from pallas_kernels.paged_attention import kernel_gpu as decode_kernel
+
+        q, kp, vp, bt, kl, _, _ = inp
+        dec = jax.jit(
+            lambda q, kp, vp, bt, kl: decode_kernel.paged_attention_pallas_gpu(
+                q, kp, vp, bt, kl, sm_scale=1.0 / math.sqrt(H)
+            )
+        )
+        dargs = (q[:Bl], kp, vp, bt[:Bl], kl[:Bl])
+        try:
+            row["decode_kernel_decodes_only"] = _entry(_time(dec, dargs, args_ns.calls, 5))
+        except Exception as e:
+            row["decode_kernel_decodes_only"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    results.append(row)
+    print_row(row)
 
 
 def _fmt_time(entry, flops=None, nbytes=None):
@@ -273,6 +305,7 @@ def main(argv=None):
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-jax-fa3", action="store_true", help="skip JAX's FA3 example anchor")
     p.add_argument("--decode-batch", type=int, default=128)
+    p.add_argument("--long-context", type=int, default=32768, help="decodes of the mixed32k row")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     a.variant_dicts = [(v, _parse_variant(v)) for v in a.variants]

@@ -23,6 +23,7 @@ from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
 def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_tuning):
     knobs = (
         "block_kv", "num_stages", "num_wgs", "producer", "fa3", "direct_io", "tile_order", "paired",
+        "kv_splits",
     )  # fmt: skip
     tuning = {k: opts_and_tuning.pop(k) for k in knobs if k in opts_and_tuning}
     opts = opts_and_tuning
@@ -67,6 +68,30 @@ def test_interpret_matches_oracle(N, C, extra, direct_io):
     assert np.all(out[sum(case.q_lens) :] == 0.0)  # padding rows
 
 
+@pytest.mark.parametrize(
+    ("N", "C", "extra"),
+    [
+        (8, 16, {"kv_splits": 3}),  # causal prefill rows that see nothing in a whole split
+        (6, 8, {"kv_splits": 4, "sliding_window": 9, "logits_soft_cap": 3.0}),
+        (2, 128, {"kv_splits": 2, "causal": False, "num_layers": 2, "layer": jnp.int32(1)}),
+        (8, 16, {"kv_splits": 7, "sm_scale": -0.2}),  # more splits than some tiles have
+    ],
+    ids=["G4-C16-S3", "G3-C8-window-cap-S4", "G1-C128-noncausal-layer-S2", "G4-S7-negscale"],
+)
+def test_interpret_kv_splits(N, C, extra):
+    # Split-KV: each (tile, split) unit stores a normalised partial and its LSE in place
+    # (direct_io), merged in XLA; every plane's row must be written, padding included.
+    rng = np.random.default_rng(C + N + 1)
+    extra = dict(extra)
+    L = extra.pop("num_layers", None)
+    case = make_ragged_case(
+        rng, (0, 1, C - 1, C + 1, 150), (0, 1, 3, C + 1, 60), num_q_heads=N, num_kv_heads=2,
+        head_dim=64, page_size=C, dtype=jnp.bfloat16, num_layers=L,
+    )  # fmt: skip
+    out = _run(case, jnp.bfloat16, interpret=True, direct_io=True, num_wgs=1, **extra)
+    assert np.all(out[sum(case.q_lens) :] == 0.0)  # padding rows
+
+
 # --------------------------------------------------------------------------- CPU: cross-lowering
 
 _VARIANTS = [
@@ -100,6 +125,11 @@ _VARIANTS = [
     {"paired": True, "causal": False, "sliding_window": 50, "logits_soft_cap": 30.0},
     {"paired": True, "H": 64, "C": 8, "K": 4, "dtype": jnp.float16, "L": 3},  # 128-key tiles
     {"paired": True, "N": 48, "K": 8, "C": 128, "tile_order": "index"},  # G = 6
+    # split-KV: partials and LSE in place, merged in XLA
+    {"kv_splits": 4},
+    {"kv_splits": 3, "paired": True, "sliding_window": 50},  # odd unit count: an inert unit
+    {"kv_splits": 2, "num_wgs": 1, "causal": False, "H": 64, "L": 3},
+    {"kv_splits": 5, "fa3": False, "direct_io": True, "logits_soft_cap": 30.0},
 ]
 
 
@@ -176,6 +206,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         ({"paired": True, "num_wgs": 1}, "num_wgs=1 must be 2"),
         ({"paired": True, "direct_io": False}, "paired=True needs direct_io"),
         ({"paired": True, "block_kv": 128}, "paired=True needs direct_io"),  # no SMEM room
+        ({"kv_splits": 0}, r"kv_splits=0 must be in \[1, 256\]"),
+        ({"kv_splits": 2, "direct_io": False}, "kv_splits=2 needs direct_io"),
         ({"dtype": jnp.float32}, "cannot run this call"),
     ],
 )
@@ -226,6 +258,15 @@ def test_paired_defaults():
     assert tuning_gpu.paired_block_kv(64, page_size=192) == 64
     assert not tuning_gpu.default_paired(128, 128, 4, 256)  # two rings do not fit
     assert not tuning_gpu.default_paired(128, 128, 16, 128)  # G > 8: no in-place Q / O
+
+
+def test_kv_splits_defaults():
+    S = tuning_gpu.default_kv_splits
+    assert S(8 + 2, 8, 32768, 64) > 1  # B=8 decode at 32k: 80 units
+    assert S(1 + 2, 8, 32768, 64) >= 16  # B=1
+    assert S(128 + 2, 8, 4096, 64) == 1  # B=128: 1040 units fill the GPU
+    assert S(8 + 2, 8, 256, 64) == 1  # short contexts: at least 4 tiles per split
+    assert S(4096 // 32 + 2, 8, 8192, 128) == 1  # a 4k prefill
 
 
 # --------------------------------------------------------------------------- GPU
@@ -358,6 +399,8 @@ def test_gpu_batches_smaller_than_a_tile(q_lens, G):
         {"head_dim": 64, "dtype": jnp.float16},  # 128-key tiles
         {"q_len": 3},  # multi-token decode (speculative): 3 tokens per sequence
         {"mixed": True},  # decodes beside a 700-token prefill, forced paired
+        {"kv_splits": 5, "num_seqs": 63},  # split-KV, odd unit count
+        {"kv_splits": 8, "sliding_window": 1000, "mixed": True},
     ],
     ids=str,
 )
@@ -377,6 +420,36 @@ def test_gpu_paired(extra):
         page_size=extra.pop("page_size", 16), num_layers=extra.pop("num_layers", None),
     )  # fmt: skip
     _run(case, dtype, paired=True, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # the default split count (a small batch at long context)
+        {"kv_splits": 3, "num_wgs": 1},
+        {"kv_splits": 16, "num_wgs": 2, "paired": False},  # a prefill chunk split 16 ways
+        {"kv_splits": 4, "sliding_window": 700, "logits_soft_cap": 30.0, "causal": True},
+        {"kv_splits": 6, "causal": False, "num_layers": 2, "layer": jnp.int32(1)},
+        {"kv_splits": 2, "fa3": False, "direct_io": True, "num_wgs": 2},
+    ],
+    ids=str,
+)
+def test_gpu_kv_splits(extra):
+    extra = dict(extra)
+    rng = np.random.default_rng(12)
+    kv_lens = (0, 1, 16, 17, 9000, 20000, 1000, 4100)
+    q_lens = (0, 1, 16, 1, 1, 1, 1, 300)  # long decodes beside a late prefill chunk
+    case = make_ragged_case(
+        rng, kv_lens, q_lens, num_q_heads=16, num_kv_heads=4, head_dim=128,
+        dtype=jnp.bfloat16, num_layers=extra.pop("num_layers", None),
+    )  # fmt: skip
+    if not extra:
+        B, W = case.args[3].shape
+        C = case.args[1].shape[-2]
+        assert tuning_gpu.default_kv_splits(B + 2, 4, W * C, 128) > 1  # the default splits
+    _run(case, jnp.bfloat16, **extra)
 
 
 @pytest.mark.gpu

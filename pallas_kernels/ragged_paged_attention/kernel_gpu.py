@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.ragged_paged_attention import schedule, tuning_gpu
 
 _ROWS = tuning_gpu.ROWS
+_LSE_COLS = 32  # split partial LSE rows are 32 f32 = 128 B: TMA's SMEM row-slice alignment
 _LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -95,6 +96,7 @@ class _Config:
     producer: bool  # an extra warpgroup issues every K/V copy (FA3-style warp specialization)
     fa3: bool  # _kernel_body_fa3: producer + register P + ping-pong (implies producer)
     paired: bool  # fa3 only: each compute warpgroup runs its own query tile and K/V stream
+    kv_splits: int  # S: each query tile's K/V range split over S work units (LSE-merged)
     direct_io: bool  # Q / O read and written in place in [T, N, H] (no XLA gather / scatter)
     tile_order: str  # one of TILE_ORDERS
     interpret: bool
@@ -213,6 +215,7 @@ class _Tile:
     n_store: Any  # direct_io: rows of this warpgroup to store (0 .. tokens_per_wg)
     head0: Any  # first query head of the KV head
     tok_off: Any  # first token of this warpgroup within the tile (0 with ``paired``)
+    split: Any  # this work unit's part of the tile's K/V range (0 .. kv_splits - 1)
 
 
 def _tile(
@@ -227,12 +230,16 @@ def _tile(
     threads = W + int(cfg.producer)
     wg = lax.axis_index("wg") if threads > 1 else jnp.int32(0)
     cwg = jnp.minimum(wg, W - 1)
+    # Work unit u = (tile order[u // S], split u % S); with ``paired`` a CTA runs units
+    # W i .. W i + W - 1, one per compute warpgroup.
+    S = cfg.kv_splits
     if cfg.paired:
-        i = order_ref[W * lax.axis_index("i") + (cwg if pick is None else pick)]
+        u = W * lax.axis_index("i") + (cwg if pick is None else pick)
         tok_off = jnp.int32(0)
     else:
-        i = order_ref[lax.axis_index("i")]
+        u = lax.axis_index("i")
         tok_off = cwg * Tw
+    i, split = (order_ref[u], jnp.int32(0)) if S == 1 else (order_ref[u // S], lax.rem(u, S))
     ntok, pos0, kv_len = ntok_ref[i], pos0_ref[i], kvlen_ref[i]
     pos_last = pos0 + ntok - 1
     # Keys any row of the tile may see: [lo, hi).
@@ -252,6 +259,11 @@ def _tile(
         n_full = jnp.clip(jnp.minimum(pos0 + 1, kv_len) // T, 0, n)
     else:
         n_full = jnp.clip(kv_len // T, 0, n)
+    if S > 1:  # this split's share of the n tiles: [first, first + n) of the range
+        per = (n + S - 1) // S
+        first = split * per
+        n_split = jnp.clip(n - first, 0, per)
+        t_lo, n_full, n = t_lo + first, jnp.clip(n_full - first, 0, n_split), n_split
     return _Tile(
         wg=wg,
         cwg=cwg,
@@ -269,6 +281,7 @@ def _tile(
         n_store=jnp.clip(store_ref[i] - tok_off, 0, Tw),
         head0=h * cfg.group,
         tok_off=tok_off,
+        split=split,
     )
 
 
@@ -354,17 +367,28 @@ def _wait_q(cfg: _Config, q_smem, o_smem, bar):
         plgpu.commit_smem()
 
 
-def _finish(cfg: _Config, t: _Tile, acc, l, q_smem, o_smem, o_ref):
+def _finish(cfg: _Config, t: _Tile, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref):
     """Normalises the accumulator (rows that saw no key give zeros) and stores the O tile.
 
     With ``direct_io`` the tile goes through an untiled SMEM staging tile straight into
     o[T, N, H]: a whole warpgroup tile as one [Tw, H] box per head, a partial one (a
     sequence's last tile) row by row, so no row of another sequence is overwritten. Tiles past
     the real ones write the zero rows of the padding (``n_store``).
+
+    With ``kv_splits`` S > 1 (always ``direct_io``) the output is this split's partial: the
+    normalised tile into plane ``split`` of o[S, T, N, H] (``q.dtype``, as FlashInfer's and
+    vLLM's merged states) and its base-2 log-sum-exp (-inf where no key was seen) into
+    lse[S, T, N, 32] f32, merged by ``_merge_splits``.
     """
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(cfg.dtype)
+    split = cfg.kv_splits > 1
+    if split:
+        o_ref = o_ref.at[t.split]
+        lse_ref = lse_ref.at[t.split]
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
     if not cfg.direct_io:
         q_smem[...] = out  # Q is no longer needed: reuse its tile for O
         plgpu.commit_smem()
@@ -375,21 +399,25 @@ def _finish(cfg: _Config, t: _Tile, acc, l, q_smem, o_smem, o_ref):
     o_smem[...] = out
     plgpu.commit_smem()
 
-    @pl.when(t.n_store == Tw)
-    def _whole():
+    def store(src, dst, row, rows):  # rows [g Tw + row, + rows) of each head g
         for g in range(G):
             plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(g * Tw, Tw)], o_ref.at[pl.ds(t.t0, Tw), t.head0 + g]
+                src.at[pl.ds(g * Tw + row, rows)], dst.at[pl.ds(t.t0 + row, rows), t.head0 + g]
             )
+
+    @pl.when(t.n_store == Tw)
+    def _whole():
+        store(o_smem, o_ref, 0, Tw)
+        if split:
+            store(lse_smem, lse_ref, 0, Tw)
 
     @pl.when((t.n_store > 0) & (t.n_store < Tw))
     def _partial():
         @pl.loop(0, t.n_store)
         def _(j):
-            for g in range(G):
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(g * Tw + j, 1)], o_ref.at[pl.ds(t.t0 + j, 1), t.head0 + g]
-                )
+            store(o_smem, o_ref, j, 1)
+            if split:
+                store(lse_smem, lse_ref, j, 1)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -403,7 +431,7 @@ def _init_state(H):
 
 def _kernel_body(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
-    order_ref, qs_ref, store_ref, o_ref,
+    order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
 ):  # fmt: skip
     """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
 
@@ -420,9 +448,10 @@ def _kernel_body(
     wg, cwg, n, n_full, t_lo = t.wg, t.cwg, t.n, t.n_full, t.t_lo
     T = cfg.block_kv
 
-    def scoped(q_smem2, k_smem, v_smem, p_smem2, o_smem2, q_bar, k_bar, v_bar, c_bar):
+    def scoped(q_smem2, k_smem, v_smem, p_smem2, o_smem2, lse_smem2, q_bar, k_bar, v_bar, c_bar):
         q_smem, p_smem = q_smem2.at[cwg], p_smem2.at[cwg]
         o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+        lse_smem = None if lse_smem2 is None else lse_smem2.at[cwg]
 
         def tile_rows(step):
             # Loaded a whole step ahead of the copies so the block-table reads' latency hides
@@ -472,7 +501,8 @@ def _kernel_body(
                 if masked:
                     sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc.max(axis=1))
-                if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
+                if cfg.sliding_window is not None or cfg.kv_splits > 1:
+                    # a row may see nothing in its first tiles (window) or a whole split
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 else:
                     m_use = m_new
@@ -508,7 +538,7 @@ def _kernel_body(
             acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
             if W > 1 and not cfg.producer:
                 pl.when(wg == 0)(drain_consumed)
-            _finish(cfg, t, acc, l, q_smem, o_smem, o_ref)
+            _finish(cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref)
 
         if not cfg.producer:
             compute()
@@ -546,6 +576,7 @@ def _kernel_body(
         plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((W, _ROWS, T), dtype, transforms=tr),
         plgpu.SMEM((W, _ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.SMEM((W, _ROWS, _LSE_COLS), jnp.float32) if cfg.kv_splits > 1 else None,
         plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=W),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
@@ -556,7 +587,7 @@ def _kernel_body(
 
 def _kernel_body_fa3(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
-    order_ref, qs_ref, store_ref, o_ref,
+    order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
 ):  # fmt: skip
     """FA3-style CTA: a producer warpgroup issues every K/V page copy; ``num_wgs`` compute
     warpgroups take P as a register wgmma operand and accumulate ``P @ V`` onto the running
@@ -583,7 +614,10 @@ def _kernel_body_fa3(
     fold = not cfg.logits_soft_cap and cfg.sm_scale > 0
     c = cfg.sm_scale * _LOG2E
 
-    def scoped(q_smem2, k_smem, v_smem, o_smem2, q_bar, k_bar, v_bar, kc_bar, vc_bar, sched_bar):
+    def scoped(
+        q_smem2, k_smem, v_smem, o_smem2, lse_smem2, q_bar, k_bar, v_bar, kc_bar, vc_bar,
+        sched_bar,
+    ):  # fmt: skip
         def sched():  # the other compute warpgroup's matching phase has begun
             plgpu.barrier_arrive(sched_bar)
             plgpu.barrier_wait(sched_bar)
@@ -615,6 +649,7 @@ def _kernel_body_fa3(
             plgpu.set_max_registers(_compute_registers(W), action="increase")
             q_smem = q_smem2.at[cwg]
             o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+            lse_smem = None if lse_smem2 is None else lse_smem2.at[cwg]
             ring = cwg * stages if cfg.paired else 0  # first slot of this warpgroup's ring
             _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
             _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
@@ -644,7 +679,8 @@ def _kernel_body_fa3(
                 if masked:
                     sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc.max(axis=1) * c if fold else sc.max(axis=1))
-                if cfg.sliding_window is not None:  # a row may see nothing in its first tiles
+                if cfg.sliding_window is not None or cfg.kv_splits > 1:
+                    # a row may see nothing in its first tiles (window) or a whole split
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 else:
                     m_use = m_new
@@ -681,7 +717,7 @@ def _kernel_body_fa3(
             acc, m, l = lax.fori_loop(t.n_full, n, functools.partial(step, True), carry)
             if pingpong:
                 pl.when(wg == 0)(sched)
-            _finish(cfg, t, acc, l, q_smem, o_smem, o_ref)
+            _finish(cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref)
 
     tr = _smem_transforms()
     n_cp = cfg.copies_per_tile
@@ -692,6 +728,7 @@ def _kernel_body_fa3(
         plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
         plgpu.SMEM((W, _ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.SMEM((W, _ROWS, _LSE_COLS), jnp.float32) if cfg.kv_splits > 1 else None,
         plgpu.Barrier(num_arrivals=cfg.group if cfg.direct_io else 1, num_barriers=W),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
@@ -703,6 +740,21 @@ def _kernel_body_fa3(
 
 
 TILE_ORDERS = ("longest_first", "by_sequence", "index")
+
+
+def _merge_splits(o_STNH, lse_STNL, num_rows, dtype):
+    """Log-sum-exp merge of the splits' partials (base 2; a split that saw no key has weight
+    0; a row no split saw gives zeros). Rows from ``num_rows`` on (padding: no unit wrote
+    them) are zeros."""
+    lse = lse_STNL[..., 0]
+    mx = jnp.max(lse, axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp2(lse - mx)  # [S, T, N]
+    den = jnp.sum(w, axis=0)
+    num = jnp.sum(w[..., None] * o_STNH.astype(jnp.float32), axis=0)
+    out = num / jnp.where(den > 0, den, 1.0)[..., None]
+    valid = jnp.arange(out.shape[0], dtype=jnp.int32) < num_rows
+    return jnp.where(valid[:, None, None], out, 0.0).astype(dtype)
 
 
 def _tile_order(cfg: _Config, ts: schedule.TileSchedule, B: int) -> jax.Array:
@@ -734,17 +786,28 @@ def _ragged_attention(
     threads = W + int(cfg.producer)
     Tw = cfg.tokens_per_wg  # tokens per warpgroup (64 rows)
     Tq = cfg.block_q  # tokens per query tile (a CTA's, or with ``paired`` a warpgroup's)
+    S = cfg.kv_splits
     if cfg.direct_io:
-        # Q and O in place: the empty tiles past the real ones zero the padding rows.
+        # Q and O in place: the empty tiles past the real ones zero the padding rows (split-KV:
+        # the merge does, and no unit is spent on them).
         ts = schedule.tile_schedule(
-            kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq, extra_tiles=2,
-            token_rows=False,
+            kv_lens_B, cu_q_lens, num_seqs, num_tokens=T, block_q=Tq,
+            extra_tiles=2 if S == 1 else 0, token_rows=False,
         )  # fmt: skip
         NT = ts.seq.shape[0]
         q_start = jnp.where(ts.q_rows > 0, ts.q_start, ts.pad_start)
         store = jnp.where(ts.q_rows > 0, ts.q_rows, jnp.where(ts.pad_start < T, Tq, 0))
+        if S > 1:
+            q_start = jnp.where(ts.q_rows > 0, ts.q_start, 0)
+            store = ts.q_rows
         q_in = q_TNH
-        out_type = jax.ShapeDtypeStruct((T, N, H), cfg.dtype)
+        if S > 1:  # each split's normalised partial and its base-2 LSE
+            out_type = (
+                jax.ShapeDtypeStruct((S, T, N, H), cfg.dtype),
+                jax.ShapeDtypeStruct((S, T, N, _LSE_COLS), jnp.float32),
+            )
+        else:
+            out_type = jax.ShapeDtypeStruct((T, N, H), cfg.dtype)
     else:
         tm = schedule.token_map(kv_lens_B, cu_q_lens, num_seqs, T)
         ts = schedule.tile_schedule(
@@ -766,15 +829,18 @@ def _ragged_attention(
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
     order = _tile_order(cfg, ts, B=block_tables_BW.shape[0])
     tile_arrays = [ts.seq, ts.q_rows, ts.pos0, ts.kv_len, q_start, store]
-    grid_i = NT
-    if cfg.paired:  # W tiles per CTA; an odd count gets an inert tile (no keys, no rows)
-        grid_i = -(-NT // W)
-        extra = grid_i * W - NT
-        tile_arrays = [jnp.pad(a, (0, extra)) for a in tile_arrays]
-        order = jnp.concatenate([order, jnp.arange(NT, NT + extra, dtype=jnp.int32)])
+    units = NT * cfg.kv_splits  # (tile, split) work units
+    grid_i = units
+    if cfg.paired and units % W:  # W units per CTA; the odd one out gets an inert tile
+        grid_i = -(-units // W)
+        tile_arrays = [jnp.pad(a, (0, 1)) for a in tile_arrays]
+        order = jnp.concatenate([order, jnp.full((1,), NT, jnp.int32)])
+    elif cfg.paired:
+        grid_i = units // W
     name = (
         f"ragged_paged_mgpu_wg{W}{'fa3' if cfg.fa3 else 'p' if cfg.producer else ''}"
         f"{'_pair' if cfg.paired else ''}{'_io' if cfg.direct_io else ''}_Tq{Tq}"
+        f"{f'_S{cfg.kv_splits}' if cfg.kv_splits > 1 else ''}"
         f"_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}{'_causal' if cfg.causal else ''}"
     )
     body = functools.partial(_kernel_body_fa3 if cfg.fa3 else _kernel_body, cfg)
@@ -794,6 +860,9 @@ def _ragged_attention(
         q_in, k_RH, v_RH, block_tables_BW.astype(jnp.int32), seq, q_rows, pos0, kv_len, base,
         order, q_start, store,
     )  # fmt: skip
+    if cfg.direct_io and S > 1:
+        ns = jnp.clip(jnp.reshape(num_seqs, ()).astype(jnp.int32), 0, cu_q_lens.shape[0] - 1)
+        return _merge_splits(*o, cu_q_lens[ns], cfg.dtype)
     if cfg.direct_io:
         return o
     # [K, NT, W, 64, H] -> rows of [NT * Tq, N, H] -> back to the order of q.
@@ -826,6 +895,7 @@ def ragged_paged_attention_pallas_gpu(
     direct_io: bool | None = None,
     tile_order: str | None = None,
     paired: bool | None = None,
+    kv_splits: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
 
@@ -866,6 +936,11 @@ def ragged_paged_attention_pallas_gpu(
         ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-like batches
         (``T <= Tw * B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
         ``PAIRED_STAGES`` stages per ring.
+      kv_splits: split each query tile's K/V range over this many work units (split-KV;
+        each writes a normalised partial and its log-sum-exp, merged by a small XLA epilogue).
+        Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
+        more than 1 only when the batch has too few (query tile, KV head) units to fill the
+        GPU, as in small decode batches at long context.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -958,10 +1033,32 @@ def ragged_paged_attention_pallas_gpu(
             f"num_stages={stages}, block_kv={block_kv}); pass direct_io=False or None"
         )
     direct_io = bool(direct_io)
+    if kv_splits is None:
+        block_q = tuning_gpu.tokens_per_tile(G, direct_io) * (1 if paired else wgs)
+        num_tiles = schedule.num_tiles_bound(T, B, block_q)
+        max_kv = block_tables.shape[1] * C
+        splits = (
+            tuning_gpu.default_kv_splits(num_tiles, K, max_kv, block_kv)
+            if direct_io and not interpret
+            else 1
+        )
+        if tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, True, paired, splits) > (
+            tuning_gpu.SMEM_BYTES
+        ):
+            splits = 1  # no room for the LSE staging tiles
+    else:
+        splits = int(kv_splits)
+    if not 1 <= splits <= 256:
+        raise ValueError(f"kv_splits={splits} must be in [1, 256]")
+    if splits > 1 and not direct_io:
+        raise ValueError(
+            f"kv_splits={splits} needs direct_io (the partials are stored in place); "
+            "pass kv_splits=1 or None"
+        )
     if (
         stages < 1
         or (fa3 and stages < 2)
-        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired)
+        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits)
         > tuning_gpu.SMEM_BYTES
     ):
         raise ValueError(
@@ -985,6 +1082,7 @@ def ragged_paged_attention_pallas_gpu(
         producer=bool(producer) or fa3,
         fa3=fa3,
         paired=paired,
+        kv_splits=splits,
         direct_io=direct_io,
         tile_order=order,
         interpret=bool(interpret),
