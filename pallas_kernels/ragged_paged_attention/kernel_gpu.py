@@ -35,11 +35,19 @@ warpgroups per CTA:
 - CTAs take the tiles sequence by sequence, longest first within each (``by_sequence``: the
   CTAs running at once share one sequence's K/V in L2), or longest first over the whole batch
   for decode-heavy batches (``tuning_gpu.default_tile_order``).
+- Decode-like batches (``paired``, the default where ``T <= Tw * B``): the FA3 body's two
+  compute warpgroups each run their own query tile with their own K/V ring, one producer
+  feeding both, instead of sharing one tile whose second warpgroup would hold padding.
+- Split-KV (``kv_splits``, the default when the batch has too few (tile, KV head) units to
+  fill the GPU: small batches at long context, late chunks of a long prefill): each tile's
+  K/V range is split over S work units; each stores its normalised partial and base-2
+  log-sum-exp in place and ``_merge_splits`` (XLA) combines them.
 
-Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention", fourth session): 0.89-0.95x
+Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention", fifth session): 0.95-0.96x
 cuDNN dense causal wall-clock at T = 4k-16k with the defaults (0.57-0.67x before the FA3 body,
-in-place Q/O and the tile order); correct on the GPU over page sizes 8-128, G 1/4/6/8, head
-dims 64-256 (in-place Q/O: 64 and 128), bf16/f16 mixed batches, with both bodies.
+in-place Q/O and the tile order); decode batches at 0.89-1.05x jpaged's decode kernel; correct
+on the GPU over page sizes 8-128, G 1/4/6/8, head dims 64-256 (in-place Q/O: 64 and 128),
+bf16/f16 mixed batches, with both bodies.
 
 Not covered (``unsupported_reason`` says so; auto dispatch falls back to ``xla``): f32 or mixed
 dtypes, page sizes that are not multiples of 8 or neither divide nor are divided by the tile,
