@@ -39,6 +39,16 @@ def _run(case, dtype, *, interpret=False, layer=None, sm_scale=None, **opts_and_
     return np.asarray(out.astype(jnp.float32))
 
 
+def _units(case, **tuning):
+    """Work units the kernel runs for ``case`` (query tiles x splits, before pairing)."""
+    from pallas_kernels.ragged_paged_attention import schedule
+
+    cfg, _ = kernel_gpu.make_config(*case.args, sm_scale=0.1, **tuning)
+    T, B = case.args[0].shape[0], case.args[3].shape[0]
+    tiles = schedule.num_tiles_bound(T, B, cfg.block_q) + (2 if cfg.kv_splits == 1 else 0)
+    return tiles * cfg.kv_splits
+
+
 # --------------------------------------------------------------------------- CPU: interpreter
 
 
@@ -80,7 +90,7 @@ def test_interpret_matches_oracle(N, C, extra, direct_io):
 )
 def test_interpret_kv_splits(N, C, extra):
     # Split-KV: each (tile, split) unit stores a normalised partial and its LSE in place
-    # (direct_io), merged in XLA; every plane's row must be written, padding included.
+    # (direct_io), merged in XLA; padding rows are written by no unit: the merge zeroes them.
     rng = np.random.default_rng(C + N + 1)
     extra = dict(extra)
     L = extra.pop("num_layers", None)
@@ -127,7 +137,8 @@ _VARIANTS = [
     {"paired": True, "N": 48, "K": 8, "C": 128, "tile_order": "index"},  # G = 6
     # split-KV: partials and LSE in place, merged in XLA
     {"kv_splits": 4},
-    {"kv_splits": 3, "paired": True, "sliding_window": 50},  # odd unit count: an inert unit
+    {"paired": True, "T": 84},  # 9 + 2 tiles: an odd unit count, so one inert padded unit
+    {"kv_splits": 3, "paired": True, "sliding_window": 50, "T": 84},  # 27 units: inert one
     {"kv_splits": 2, "num_wgs": 1, "causal": False, "H": 64, "L": 3},
     {"kv_splits": 5, "fa3": False, "direct_io": True, "logits_soft_cap": 30.0},
 ]
@@ -136,7 +147,7 @@ _VARIANTS = [
 @pytest.mark.parametrize("variant", _VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v))
 def test_cross_lowers_for_cuda(variant):
     v = dict(variant)
-    B, T, W = 4, 100, 8
+    B, T, W = 4, v.pop("T", 100), 8
     N, K, H, C = v.pop("N", 32), v.pop("K", 8), v.pop("H", 128), v.pop("C", 16)
     dtype, L = v.pop("dtype", jnp.bfloat16), v.pop("L", None)
     pool = (K, 40, C, H) if L is None else (L, K, 40, C, H)
@@ -203,6 +214,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         ({"direct_io": True, "N": 64, "K": 4}, "direct_io=True needs a group size G <= 8"),
         ({"direct_io": True, "H": 256}, r"head_dim <= 128 \(got 256\)"),
         ({"paired": True, "fa3": False}, "paired=True needs the FA3-style body"),
+        ({"num_stages": 4, "block_kv": 128, "num_wgs": 2}, "needs .* bytes of SMEM"),
         ({"paired": True, "num_wgs": 1}, "num_wgs=1 must be 2"),
         ({"paired": True, "direct_io": False}, "paired=True needs direct_io"),
         ({"paired": True, "block_kv": 128}, "paired=True needs direct_io"),  # no SMEM room
@@ -253,11 +265,43 @@ def test_paired_defaults():
         assert tuning_gpu.smem_bytes(H, bkv, stages, 2, True, True, True) <= tuning_gpu.SMEM_BYTES
         assert tuning_gpu.direct_io_supported(4, H, bkv, stages, 2, True, paired=True)
         assert tuning_gpu.default_paired(128, 128, 4, H)  # decode-only batch
-        assert tuning_gpu.default_paired(16 * 128, 128, 4, H)  # 16 tokens per sequence
+        assert tuning_gpu.default_paired(2 * 128, 128, 4, H)  # 2-token decodes
+        assert not tuning_gpu.default_paired(2 * 128 + 1, 128, 4, H)  # a chunk beside decodes
         assert not tuning_gpu.default_paired(4096 + 64, 65, 4, H)  # a long prefill
     assert tuning_gpu.paired_block_kv(64, page_size=192) == 64
     assert not tuning_gpu.default_paired(128, 128, 4, 256)  # two rings do not fit
     assert not tuning_gpu.default_paired(128, 128, 16, 128)  # G > 8: no in-place Q / O
+
+
+def _sds_case(T, B, W, *, N=32, K=8, H=128, C=16):
+    sds = jax.ShapeDtypeStruct
+    pool = sds((K, B * W, C, H), jnp.bfloat16)
+    return (
+        sds((T, N, H), jnp.bfloat16), pool, pool, sds((B, W), jnp.int32), sds((B,), jnp.int32),
+        sds((B + 1,), jnp.int32), sds((), jnp.int32),
+    )  # fmt: skip
+
+
+def test_make_config_picks_paired_and_splits():
+    def cfg(T, B, W, **kw):
+        shape = {k: kw.pop(k) for k in ("N", "K", "H", "C") if k in kw}
+        return kernel_gpu.make_config(*_sds_case(T, B, W, **shape), sm_scale=0.1, **kw)[0]
+
+    c = cfg(8, 8, 2048)  # 8 decodes, 32k-key tables: paired and split
+    assert c.fa3 and c.paired and c.num_wgs == 2 and c.block_kv == 64 and c.kv_splits > 1
+    c = cfg(128, 128, 256)  # 128 decodes: paired, enough units without splits
+    assert c.paired and c.kv_splits == 1
+    c = cfg(4096, 8, 512)  # prefill: two warpgroups share each tile, no splits
+    assert not c.paired and c.num_wgs == 2 and c.block_kv == 128 and c.kv_splits == 1
+    c = cfg(520, 9, 4096)  # a 512-token chunk beside 8 long decodes: split, not paired
+    assert not c.paired and c.kv_splits > 1
+    w = cfg(8, 8, 2048, sliding_window=256)  # a window bounds the keys a tile reads
+    assert 1 <= w.kv_splits < cfg(8, 8, 2048).kv_splits
+    # An explicit kv_splits counts in the SMEM check that picks paired (review finding): at
+    # H = 64 with 3 stages the LSE tiles would overflow paired SMEM, so it runs unpaired.
+    c = cfg(8, 8, 64, N=32, K=8, H=64, num_stages=3, kv_splits=2)
+    assert not c.paired and c.kv_splits == 2
+    assert cfg(8, 8, 2048, interpret=True).kv_splits == 1  # the interpreter: no default splits
 
 
 def test_kv_splits_defaults():
@@ -310,7 +354,8 @@ def test_gpu_decode_only_and_prefill_only(kind, wgs, fa3):
     case = make_ragged_case(
         rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16
     )
-    _run(case, jnp.bfloat16, num_wgs=wgs, fa3=fa3)
+    # paired=False: two warpgroups sharing one tile (paired mode has its own tests)
+    _run(case, jnp.bfloat16, num_wgs=wgs, fa3=fa3, paired=False)
 
 
 @pytest.mark.gpu
@@ -391,15 +436,14 @@ def test_gpu_batches_smaller_than_a_tile(q_lens, G):
 @pytest.mark.parametrize(
     "extra",
     [
-        {},
-        {"num_seqs": 63},  # an odd tile count: the last CTA's second warpgroup is inert
+        {"expect_odd": True},  # 64 decodes: 67 units, the last CTA's second unit is inert
         {"page_size": 8, "sliding_window": 200, "logits_soft_cap": 30.0},
         {"page_size": 128, "causal": False, "num_layers": 2, "layer": jnp.int32(1)},
         {"num_q_heads": 48, "tile_order": "index"},  # G = 6: 8 tokens per warpgroup
         {"head_dim": 64, "dtype": jnp.float16},  # 128-key tiles
         {"q_len": 3},  # multi-token decode (speculative): 3 tokens per sequence
         {"mixed": True},  # decodes beside a 700-token prefill, forced paired
-        {"kv_splits": 5, "num_seqs": 63},  # split-KV, odd unit count
+        {"kv_splits": 5, "expect_odd": True},  # split-KV: 325 units
         {"kv_splits": 8, "sliding_window": 1000, "mixed": True},
     ],
     ids=str,
@@ -414,15 +458,18 @@ def test_gpu_paired(extra):
     if extra.pop("mixed", False):
         kv_lens[-1] = q_lens[-1] = 700
     dtype = extra.pop("dtype", jnp.bfloat16)
+    expect_odd = extra.pop("expect_odd", False)
     case = make_ragged_case(
         rng, tuple(kv_lens), tuple(q_lens), num_q_heads=extra.pop("num_q_heads", 32),
         num_kv_heads=8, head_dim=extra.pop("head_dim", 128), dtype=dtype,
         page_size=extra.pop("page_size", 16), num_layers=extra.pop("num_layers", None),
     )  # fmt: skip
+    if expect_odd:
+        tuning = {k: extra[k] for k in ("kv_splits",) if k in extra}
+        assert _units(case, paired=True, **tuning) % 2 == 1
     _run(case, dtype, paired=True, **extra)
 
 
-@pytest.mark.gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "extra",
@@ -445,10 +492,9 @@ def test_gpu_kv_splits(extra):
         rng, kv_lens, q_lens, num_q_heads=16, num_kv_heads=4, head_dim=128,
         dtype=jnp.bfloat16, num_layers=extra.pop("num_layers", None),
     )  # fmt: skip
-    if not extra:
-        B, W = case.args[3].shape
-        C = case.args[1].shape[-2]
-        assert tuning_gpu.default_kv_splits(B + 2, 4, W * C, 128) > 1  # the default splits
+    if not extra:  # the wrapper's own choice splits this batch
+        cfg, _ = kernel_gpu.make_config(*case.args, sm_scale=0.1)
+        assert cfg.kv_splits > 1
     _run(case, jnp.bfloat16, **extra)
 
 

@@ -35,7 +35,7 @@ warpgroups per CTA:
 - CTAs take the tiles sequence by sequence, longest first within each (``by_sequence``: the
   CTAs running at once share one sequence's K/V in L2), or longest first over the whole batch
   for decode-heavy batches (``tuning_gpu.default_tile_order``).
-- Decode-like batches (``paired``, the default where ``T <= Tw * B``): the FA3 body's two
+- Decode-heavy batches (``paired``, the default where ``T <= 2 B``): the FA3 body's two
   compute warpgroups each run their own query tile with their own K/V ring, one producer
   feeding both, instead of sharing one tile whose second warpgroup would hold padding.
 - Split-KV (``kv_splits``, the default when the batch has too few (tile, KV head) units to
@@ -100,7 +100,7 @@ class _Config:
     sliding_window: int | None
     block_kv: int
     num_stages: int
-    num_wgs: int  # compute warpgroups per CTA (64 rows each), sharing the K/V ring
+    num_wgs: int  # compute warpgroups per CTA (64 rows each): one tile's K/V ring, or paired
     producer: bool  # an extra warpgroup issues every K/V copy (FA3-style warp specialization)
     fa3: bool  # _kernel_body_fa3: producer + register P + ping-pong (implies producer)
     paired: bool  # fa3 only: each compute warpgroup runs its own query tile and K/V stream
@@ -204,8 +204,8 @@ def _smem_transforms():
 
 @dataclasses.dataclass(frozen=True)
 class _Tile:
-    """What one CTA (query tile ``i`` x KV head ``h``) knows about its work, shared by both
-    kernel bodies."""
+    """What one warpgroup knows about its work unit (a query tile x KV head ``h``, or with
+    ``kv_splits`` one split of the tile's K/V range), shared by both kernel bodies."""
 
     wg: Any  # this warpgroup's index (0 without warp specialization)
     cwg: Any  # compute warpgroup index (the producer's is clamped; unused)
@@ -380,7 +380,8 @@ def _finish(cfg: _Config, t: _Tile, acc, m, l, q_smem, o_smem, o_ref, lse_smem, 
 
     With ``direct_io`` the tile goes through an untiled SMEM staging tile straight into
     o[T, N, H]: a whole warpgroup tile as one [Tw, H] box per head, a partial one (a
-    sequence's last tile) row by row, so no row of another sequence is overwritten. Tiles past
+    sequence's last tile) row by row, so no row of another sequence is overwritten. Without
+    split-KV the tiles past
     the real ones write the zero rows of the padding (``n_store``).
 
     With ``kv_splits`` S > 1 (always ``direct_io``) the output is this split's partial: the
@@ -441,7 +442,8 @@ def _kernel_body(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
     order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
 ):  # fmt: skip
-    """One CTA: query tile ``i`` (through ``order``) x KV head ``h``, ``num_wgs`` warpgroups.
+    """One CTA: work unit ``i`` (query tile ``order[i // S]``, split ``i % S``) x KV head ``h``,
+    ``num_wgs`` warpgroups.
 
     Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tw, (w+1) Tw)``);
     all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
@@ -880,7 +882,7 @@ def _ragged_attention(
     return jnp.where(tm.valid_T[:, None, None], o_TNH, jnp.zeros((), cfg.dtype))
 
 
-def ragged_paged_attention_pallas_gpu(
+def make_config(
     q,
     k_pages,
     v_pages,
@@ -904,57 +906,14 @@ def ragged_paged_attention_pallas_gpu(
     tile_order: str | None = None,
     paired: bool | None = None,
     kv_splits: int | None = None,
-) -> jax.Array:
-    """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
-
-    Args:
-      q: [T, N, H] bf16 or f16; the rows of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
-      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
-      v_pages: like ``k_pages``.
-      block_tables: i32[B, W].
-      kv_lens: i32[B] keys per sequence, the new query tokens included.
-      cu_q_lens: i32[B + 1].
-      num_seqs: i32[] or i32[1]; rows from ``cu_q_lens[num_seqs]`` on are zeros.
-      sm_scale: logit scale (already resolved).
-      causal, logits_soft_cap, sliding_window: as in ``reference``.
-      layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
-      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
-      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
-        depends on ``fa3``).
-      num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
-      num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, one shared K/V ring);
-        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
-        mode).
-      producer: add a warpgroup that only issues the K/V copies (warp specialization);
-        compute warpgroups then never wait on the block table or each other.
-      fa3: the FA3-style body (``_kernel_body_fa3``: producer warpgroup, P as a register wgmma
-        operand accumulated in place, K and V released separately, ping-pong of two compute
-        warpgroups). Default ``tuning_gpu.default_fa3(interpret)``; the interpreter cannot run
-        it, so ``fa3=True`` with ``interpret=True`` is an error.
-      direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
-        head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
-        the empty tiles) instead of an XLA gather into tile order before the kernel and a
-        gather back after it, which cost 13% of a long prefill. Needs G <= 8, head dim <= 128
-        and SMEM room for an untiled O tile per warpgroup (``tuning_gpu.direct_io_supported``).
-        Default: on with ``fa3`` where supported.
-      tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
-        ``_tile_order``); default ``tuning_gpu.default_tile_order``.
-      paired: with ``fa3``, two compute warpgroups per CTA each run their own query tile
-        (own K/V ring, one producer feeding both) instead of sharing one tile's K/V. Needs
-        ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-like batches
-        (``T <= Tw * B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
-        ``PAIRED_STAGES`` stages per ring.
-      kv_splits: split each query tile's K/V range over this many work units (split-KV;
-        each writes a normalised partial and its log-sum-exp, merged by a small XLA epilogue).
-        Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
-        more than 1 only when the batch has too few (query tile, KV head) units to fill the
-        GPU, as in small decode batches at long context.
-
-    Returns:
-      [T, N, H] in ``q.dtype``.
+) -> tuple[_Config, Any]:
+    """The static configuration ``ragged_paged_attention_pallas_gpu`` runs these arguments
+    with (every default resolved, every knob checked) and the layer offset; arguments as
+    there. Only shapes and dtypes are read: call it on ``jax.ShapeDtypeStruct`` s to see what
+    a batch shape will run (paired warpgroups, split count, tile sizes).
 
     Raises:
-      ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
+      ValueError: as ``ragged_paged_attention_pallas_gpu``.
     """
     T, N, H = q.shape
     fa3 = tuning_gpu.default_fa3(interpret) if fa3 is None else bool(fa3)
@@ -976,10 +935,15 @@ def ragged_paged_attention_pallas_gpu(
         if paired:  # and the two rings fit with any tile / depth the caller chose
             bkv = tuning_gpu.paired_block_kv(H, page_size=C) if block_kv is None else block_kv
             st = tuning_gpu.PAIRED_STAGES if num_stages is None else num_stages
-            paired = tuning_gpu.direct_io_supported(G, H, int(bkv), int(st), 2, True, True)
+            paired = tuning_gpu.direct_io_supported(
+                G, H, int(bkv), int(st), 2, True, True, 1 if kv_splits is None else int(kv_splits)
+            )
     paired = bool(paired)
     if paired and not fa3:
-        raise ValueError("paired=True needs the FA3-style body: pass fa3=True (or None)")
+        raise ValueError(
+            "paired=True needs the FA3-style body (fa3=True, not in interpret mode): pass "
+            "paired=False or None"
+        )
     if block_kv is not None:
         block_kv = int(block_kv)
     elif paired:
@@ -1025,7 +989,9 @@ def ragged_paged_attention_pallas_gpu(
     order = tuning_gpu.default_tile_order(T, B) if tile_order is None else str(tile_order)
     if order not in TILE_ORDERS:
         raise ValueError(f"tile_order={order!r} must be one of {TILE_ORDERS}")
-    io_fits = tuning_gpu.direct_io_supported(G, H, block_kv, stages, wgs, fa3, paired)
+    io_fits = tuning_gpu.direct_io_supported(
+        G, H, block_kv, stages, wgs, fa3, paired, 1 if kv_splits is None else int(kv_splits)
+    )
     if direct_io is None:
         direct_io = fa3 and io_fits
     if paired and not direct_io:
@@ -1046,7 +1012,7 @@ def ragged_paged_attention_pallas_gpu(
         num_tiles = schedule.num_tiles_bound(T, B, block_q)
         max_kv = block_tables.shape[1] * C
         splits = (
-            tuning_gpu.default_kv_splits(num_tiles, K, max_kv, block_kv)
+            tuning_gpu.default_kv_splits(num_tiles, K, max_kv, block_kv, sliding_window, block_q)
             if direct_io and not interpret
             else 1
         )
@@ -1063,14 +1029,15 @@ def ragged_paged_attention_pallas_gpu(
             f"kv_splits={splits} needs direct_io (the partials are stored in place); "
             "pass kv_splits=1 or None"
         )
-    if (
-        stages < 1
-        or (fa3 and stages < 2)
-        or tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits)
-        > tuning_gpu.SMEM_BYTES
-    ):
+    if stages < 1 or (fa3 and stages < 2):
+        raise ValueError(f"num_stages={stages} must be >= {2 if fa3 else 1}")
+    smem = tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits)
+    if smem > tuning_gpu.SMEM_BYTES:
         raise ValueError(
-            f"num_stages={stages} must be >= {2 if fa3 else 1} and fit in 227 KB of SMEM"
+            f"this configuration needs {smem} bytes of SMEM, over the "
+            f"{tuning_gpu.SMEM_BYTES} a CTA has (num_stages={stages}, block_kv={block_kv}, "
+            f"num_wgs={wgs}, paired={paired}, kv_splits={splits}, direct_io={direct_io}): "
+            "lower num_stages or block_kv"
         )
     cfg = _Config(
         num_tokens=T,
@@ -1094,6 +1061,110 @@ def ragged_paged_attention_pallas_gpu(
         direct_io=direct_io,
         tile_order=order,
         interpret=bool(interpret),
+    )
+    return cfg, layer
+
+
+def ragged_paged_attention_pallas_gpu(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer=None,
+    interpret: bool = False,
+    block_kv: int | None = None,
+    num_stages: int | None = None,
+    num_wgs: int | None = None,
+    producer: bool = False,
+    fa3: bool | None = None,
+    direct_io: bool | None = None,
+    tile_order: str | None = None,
+    paired: bool | None = None,
+    kv_splits: int | None = None,
+) -> jax.Array:
+    """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
+
+    Args:
+      q: [T, N, H] bf16 or f16; the rows of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      v_pages: like ``k_pages``.
+      block_tables: i32[B, W].
+      kv_lens: i32[B] keys per sequence, the new query tokens included.
+      cu_q_lens: i32[B + 1].
+      num_seqs: i32[] or i32[1]; rows from ``cu_q_lens[num_seqs]`` on are zeros.
+      sm_scale: logit scale (already resolved).
+      causal, logits_soft_cap, sliding_window: as in ``reference``.
+      layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
+      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
+        depends on ``fa3``).
+      num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
+      num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, sharing one tile's K/V
+        ring; with ``paired`` two, one tile each);
+        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
+        mode).
+      producer: add a warpgroup that only issues the K/V copies (warp specialization);
+        compute warpgroups then never wait on the block table or each other.
+      fa3: the FA3-style body (``_kernel_body_fa3``: producer warpgroup, P as a register wgmma
+        operand accumulated in place, K and V released separately, ping-pong of two compute
+        warpgroups). Default ``tuning_gpu.default_fa3(interpret)``; the interpreter cannot run
+        it, so ``fa3=True`` with ``interpret=True`` is an error.
+      direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
+        head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
+        the empty tiles) instead of an XLA gather into tile order before the kernel and a
+        gather back after it, which cost 13% of a long prefill. Needs G <= 8, head dim <= 128
+        and SMEM room for an untiled O tile per warpgroup (``tuning_gpu.direct_io_supported``).
+        Default: on with ``fa3`` where supported.
+      tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
+        ``_tile_order``); default ``tuning_gpu.default_tile_order``.
+      paired: with ``fa3``, two compute warpgroups per CTA each run their own query tile
+        (own K/V ring, one producer feeding both) instead of sharing one tile's K/V. Needs
+        ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-heavy batches
+        (``T <= 2 B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
+        ``PAIRED_STAGES`` stages per ring.
+      kv_splits: split each query tile's K/V range over this many work units (split-KV;
+        each writes a normalised partial and its log-sum-exp, merged by a small XLA epilogue).
+        Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
+        more than 1 only when the batch has too few (query tile, KV head) units to fill the
+        GPU, as in small decode batches at long context.
+
+    Returns:
+      [T, N, H] in ``q.dtype``.
+
+    Raises:
+      ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
+    """
+    cfg, layer = make_config(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        causal=causal,
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+        layer=layer,
+        interpret=interpret,
+        block_kv=block_kv,
+        num_stages=num_stages,
+        num_wgs=num_wgs,
+        producer=producer,
+        fa3=fa3,
+        direct_io=direct_io,
+        tile_order=tile_order,
+        paired=paired,
+        kv_splits=kv_splits,
     )
     return _ragged_attention(
         cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer

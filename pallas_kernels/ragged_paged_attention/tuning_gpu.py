@@ -55,6 +55,7 @@ def direct_io_supported(
     num_wgs: int,
     fa3: bool,
     paired: bool = False,
+    kv_splits: int = 1,
 ) -> bool:
     """Whether the kernel can read Q / write O in place: ``tokens_per_tile(.., True) > 0``,
     head dim at most 128, and the untiled O staging tiles fit the SMEM budget.
@@ -65,7 +66,8 @@ def direct_io_supported(
     return (
         tokens_per_tile(group, True) > 0
         and head_dim <= 128
-        and smem_bytes(head_dim, block_kv, num_stages, num_wgs, fa3, True, paired) <= SMEM_BYTES
+        and smem_bytes(head_dim, block_kv, num_stages, num_wgs, fa3, True, paired, kv_splits)
+        <= SMEM_BYTES
     )
 
 
@@ -84,11 +86,15 @@ def paired_block_kv(head_dim: int, page_size: int | None = None) -> int:
 
 def default_paired(num_tokens: int, num_seqs_max: int, group: int, head_dim: int) -> bool:
     """Whether the FA3-style body runs one query tile per compute warpgroup (``paired``): when
-    the batch is decode-like (at most one warpgroup tile of tokens per sequence on average,
-    ``T <= Tw * B``), where two warpgroups sharing one sequence's K/V would mostly compute
-    padding, and the two rings, Q and O staging tiles fit in SMEM."""
+    the batch is decode-heavy (``T <= 2 B``, the batches that otherwise run one compute
+    warpgroup per CTA, ``default_num_wgs``), where two warpgroups sharing one sequence's K/V
+    would mostly compute padding, and the two rings, Q and O staging tiles fit in SMEM.
+
+    Not for ``2 B < T``: B is the static bound of sequences (an engine's bucket), and a prefill
+    chunk beside a few decodes would then run 64-key tiles without the ping-pong (unmeasured).
+    """
     Tw = tokens_per_tile(group, True)
-    if Tw == 0 or head_dim > 128 or num_tokens > Tw * num_seqs_max:
+    if Tw == 0 or head_dim > 128 or num_tokens > 2 * num_seqs_max:
         return False
     bkv = paired_block_kv(head_dim)
     return smem_bytes(head_dim, bkv, PAIRED_STAGES, 2, True, True, True) <= SMEM_BYTES
@@ -98,7 +104,14 @@ NUM_SMS = 132  # H100 / H200 SXM
 MAX_KV_SPLITS = 64
 
 
-def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:
+def default_kv_splits(
+    num_tiles: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    block_kv: int,
+    sliding_window: int | None = None,
+    block_q: int = 0,
+) -> int:
     """Split-KV factor from static shapes: 1 when there are at least ``3 * NUM_SMS``
     (query tile, KV head) work units; else enough splits for about ``8 * NUM_SMS`` units,
     each at least 4 K/V tiles of the longest possible sequence, at most ``MAX_KV_SPLITS``.
@@ -110,11 +123,14 @@ def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, block_
     streaming a whole sequence) and late chunks of a long chunked prefill need it; prefill
     batches of a few thousand tokens already have units enough. ``num_tiles`` is the static
     bound of query tiles (``schedule.num_tiles_bound``), ``max_kv_len`` the block table's
-    capacity in keys.
+    capacity in keys; with a ``sliding_window`` a tile of ``block_q`` tokens reads at most
+    ``sliding_window + block_q`` keys.
     """
     units = num_tiles * num_kv_heads
     if units >= 3 * NUM_SMS:
         return 1
+    if sliding_window is not None:
+        max_kv_len = min(max_kv_len, sliding_window + block_q)
     max_tiles = -(-max_kv_len // block_kv)
     return max(1, min(-(-8 * NUM_SMS // units), max_tiles // 4, MAX_KV_SPLITS))
 
