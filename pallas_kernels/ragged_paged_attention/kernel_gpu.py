@@ -871,7 +871,7 @@ def _ragged_attention(
         order, q_start, store,
     )  # fmt: skip
     if cfg.direct_io and S > 1:
-        ns = jnp.clip(jnp.reshape(num_seqs, ()).astype(jnp.int32), 0, cu_q_lens.shape[0] - 1)
+        ns = schedule.num_seqs_scalar(num_seqs, cu_q_lens.shape[0] - 1)
         return _merge_splits(*o, cu_q_lens[ns], cfg.dtype)
     if cfg.direct_io:
         return o
@@ -912,8 +912,47 @@ def make_config(
     there. Only shapes and dtypes are read: call it on ``jax.ShapeDtypeStruct`` s to see what
     a batch shape will run (paired warpgroups, split count, tile sizes).
 
+    Args:
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs: as in
+        ``ragged_paged_attention_pallas_gpu`` (only shapes and dtypes are read).
+      sm_scale: logit scale (already resolved).
+      causal, logits_soft_cap, sliding_window: as in ``reference``.
+      layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
+      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
+        depends on ``fa3``).
+      num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
+      num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, sharing one tile's K/V
+        ring; with ``paired`` two, one tile each);
+        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
+        mode).
+      producer: add a warpgroup that only issues the K/V copies (warp specialization);
+        compute warpgroups then never wait on the block table or each other.
+      fa3: the FA3-style body (``_kernel_body_fa3``: producer warpgroup, P as a register wgmma
+        operand accumulated in place, K and V released separately, ping-pong of two compute
+        warpgroups). Default ``tuning_gpu.default_fa3(interpret)``; the interpreter cannot run
+        it, so ``fa3=True`` with ``interpret=True`` is an error.
+      direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
+        head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
+        the empty tiles) instead of an XLA gather into tile order before the kernel and a
+        gather back after it, which cost 13% of a long prefill. Needs G <= 8, head dim <= 128
+        and SMEM room for an untiled O tile per warpgroup (``tuning_gpu.direct_io_supported``).
+        Default: on with ``fa3`` where supported.
+      tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
+        ``_tile_order``); default ``tuning_gpu.default_tile_order``.
+      paired: with ``fa3``, two compute warpgroups per CTA each run their own query tile
+        (own K/V ring, one producer feeding both) instead of sharing one tile's K/V. Needs
+        ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-heavy batches
+        (``T <= 2 B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
+        ``PAIRED_STAGES`` stages per ring.
+      kv_splits: split each query tile's K/V range over this many work units (split-KV;
+        each writes a normalised partial and its log-sum-exp, merged by a small XLA epilogue).
+        Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
+        more than 1 only when the batch has too few (query tile, KV head) units to fill the
+        GPU, as in small decode batches at long context.
+
     Raises:
-      ValueError: as ``ragged_paged_attention_pallas_gpu``.
+      ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
     """
     T, N, H = q.shape
     fa3 = tuning_gpu.default_fa3(interpret) if fa3 is None else bool(fa3)
@@ -1066,29 +1105,7 @@ def make_config(
 
 
 def ragged_paged_attention_pallas_gpu(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    kv_lens,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale: float,
-    causal: bool = True,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    layer=None,
-    interpret: bool = False,
-    block_kv: int | None = None,
-    num_stages: int | None = None,
-    num_wgs: int | None = None,
-    producer: bool = False,
-    fa3: bool | None = None,
-    direct_io: bool | None = None,
-    tile_order: str | None = None,
-    paired: bool | None = None,
-    kv_splits: int | None = None,
+    q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **options
 ) -> jax.Array:
     """Ragged paged attention with the Mosaic GPU kernel; semantics of ``reference``.
 
@@ -1100,41 +1117,8 @@ def ragged_paged_attention_pallas_gpu(
       kv_lens: i32[B] keys per sequence, the new query tokens included.
       cu_q_lens: i32[B + 1].
       num_seqs: i32[] or i32[1]; rows from ``cu_q_lens[num_seqs]`` on are zeros.
-      sm_scale: logit scale (already resolved).
-      causal, logits_soft_cap, sliding_window: as in ``reference``.
-      layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
-      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
-      block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
-        depends on ``fa3``).
-      num_stages: depth of the TMA ring (default ``tuning_gpu.default_num_stages``).
-      num_wgs: compute warpgroups per CTA, 1 or 2 (64 query rows each, sharing one tile's K/V
-        ring; with ``paired`` two, one tile each);
-        default ``tuning_gpu.default_num_wgs`` (2 for prefill-heavy batches; 1 in interpret
-        mode).
-      producer: add a warpgroup that only issues the K/V copies (warp specialization);
-        compute warpgroups then never wait on the block table or each other.
-      fa3: the FA3-style body (``_kernel_body_fa3``: producer warpgroup, P as a register wgmma
-        operand accumulated in place, K and V released separately, ping-pong of two compute
-        warpgroups). Default ``tuning_gpu.default_fa3(interpret)``; the interpreter cannot run
-        it, so ``fa3=True`` with ``interpret=True`` is an error.
-      direct_io: read Q and write O by TMA straight from/to ``[T, N, H]`` (one box per query
-        head; a sequence's last, partial tile stored row by row; the padding rows zeroed by
-        the empty tiles) instead of an XLA gather into tile order before the kernel and a
-        gather back after it, which cost 13% of a long prefill. Needs G <= 8, head dim <= 128
-        and SMEM room for an untiled O tile per warpgroup (``tuning_gpu.direct_io_supported``).
-        Default: on with ``fa3`` where supported.
-      tile_order: the order CTAs take the query tiles in, one of ``TILE_ORDERS`` (see
-        ``_tile_order``); default ``tuning_gpu.default_tile_order``.
-      paired: with ``fa3``, two compute warpgroups per CTA each run their own query tile
-        (own K/V ring, one producer feeding both) instead of sharing one tile's K/V. Needs
-        ``direct_io``. Default ``tuning_gpu.default_paired``: on for decode-heavy batches
-        (``T <= 2 B``); its defaults are ``num_wgs=2``, ``tuning_gpu.paired_block_kv`` and
-        ``PAIRED_STAGES`` stages per ring.
-      kv_splits: split each query tile's K/V range over this many work units (split-KV;
-        each writes a normalised partial and its log-sum-exp, merged by a small XLA epilogue).
-        Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
-        more than 1 only when the batch has too few (query tile, KV head) units to fill the
-        GPU, as in small decode batches at long context.
+      **options: ``sm_scale`` (required) and the knobs of ``make_config``, which documents
+        them and resolves their defaults.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -1143,28 +1127,7 @@ def ragged_paged_attention_pallas_gpu(
       ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
     """
     cfg, layer = make_config(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        causal=causal,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        layer=layer,
-        interpret=interpret,
-        block_kv=block_kv,
-        num_stages=num_stages,
-        num_wgs=num_wgs,
-        producer=producer,
-        fa3=fa3,
-        direct_io=direct_io,
-        tile_order=tile_order,
-        paired=paired,
-        kv_splits=kv_splits,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **options
     )
     return _ragged_attention(
         cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer

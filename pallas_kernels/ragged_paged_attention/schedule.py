@@ -16,7 +16,7 @@ import jax.numpy as jnp
 _BIG = jnp.iinfo(jnp.int32).max
 
 
-def _num_seqs_scalar(num_seqs: jax.Array, B: int) -> jax.Array:
+def num_seqs_scalar(num_seqs: jax.Array, B: int) -> jax.Array:
     return jnp.clip(jnp.reshape(num_seqs, ()).astype(jnp.int32), 0, B)
 
 
@@ -48,7 +48,7 @@ def token_map(
       num_tokens: T, the static number of rows of q.
     """
     B = kv_lens_B.shape[0]
-    ns = _num_seqs_scalar(num_seqs, B)
+    ns = num_seqs_scalar(num_seqs, B)
     b1 = jnp.arange(1, B + 1, dtype=jnp.int32)
     # Ends of the live sequences; dead entries pushed past every row so they are never found.
     ends_B = jnp.where(b1 <= ns, cu_q_lens[1:], _BIG)
@@ -123,7 +123,7 @@ def tile_schedule(
     """
     B = kv_lens_B.shape[0]
     NT = num_tiles_bound(num_tokens, B, block_q) + extra_tiles
-    ns = _num_seqs_scalar(num_seqs, B)
+    ns = num_seqs_scalar(num_seqs, B)
     live_B = jnp.arange(B, dtype=jnp.int32) < ns
     q_len_B = jnp.where(live_B, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     q_len_B = jnp.maximum(q_len_B, 0)
