@@ -84,10 +84,18 @@ def _run_case(
     "C,splits,extra",
     [
         (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
+        (16, 2, {"longest_first": True}),  # the (sequence, split, head) grid, permuted
+        (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
     ],
-    ids=["C16-T128-bad-ids", "C8-T64-split3-cap-window", "C128-T128-split2-layer"],
+    ids=[
+        "C16-T128-bad-ids",
+        "C16-split2-longest-first",
+        "C16-split2-longest-first-heads-outer",
+        "C8-T64-split3-cap-window",
+        "C128-T128-split2-layer",
+    ],
 )
 def test_interpret_matches_reference(C, splits, extra):
     rng = np.random.default_rng(C)
@@ -146,6 +154,8 @@ _VARIANTS = [
     dict(N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(N=64, K=8, C=64, num_stages=2, longest_first=False),  # G = 8
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
+    dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
+    dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
     # The producer warpgroup (two warpgroups, setmaxnreg, K/V-consumed barriers):
     dict(producer=True),  # 4 stages by default
     dict(producer=True, num_stages=6),  # the deepest that fits at H=128
@@ -252,6 +262,11 @@ def test_default_tuning_from_static_shapes():
     assert kernel_gpu.default_num_splits(1, 8, 49152, 64) == 64
     assert kernel_gpu.default_num_splits(8, 8, 1024, 64) == 4
     assert kernel_gpu.default_num_splits(1, 1, 64, 64) == 1
+    # Longest first once the grid is more than one wave (2 x 132 CTAs), never for B = 1.
+    assert kernel_gpu.default_longest_first(128, 8, 1)
+    assert kernel_gpu.default_longest_first(8, 8, 16)
+    assert not kernel_gpu.default_longest_first(1, 8, 64)
+    assert not kernel_gpu.default_longest_first(32, 8, 1)  # 256 CTAs: one wave
     # Two CTAs per SM: the ring fits in ~113 KB.
     for H in (64, 128, 256):
         stages = kernel_gpu.default_num_stages(H)
@@ -302,6 +317,7 @@ def test_gpu_long_32k(splits):
         dict(num_layers=3, layer=jnp.int32(2)),
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
+        dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
     ],
     ids=str,

@@ -80,6 +80,7 @@ class _Config:
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
+    heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     interpret: bool
 
     @property
@@ -129,6 +130,20 @@ def default_num_stages(head_dim: int, block_kv: int = 64, producer: bool = False
         if _smem_bytes(head_dim, block_kv, stages) <= 113 * 1024:
             return stages
     return 2
+
+
+# CTAs resident at once on an H100/H200 (132 SMs x 2 CTAs of the default ring): below one such
+# wave the dispatch order cannot matter and ``longest_first`` is off by default.
+_WAVE_CTAS = 2 * 132
+
+
+def default_longest_first(num_seqs: int, num_kv_heads: int, num_splits: int) -> bool:
+    """Order sequences longest first (an on-device argsort) when there is more than one wave.
+
+    The hardware hands out CTAs in grid order as slots free up (greedy list scheduling): with
+    the longest work first (LPT) the last wave holds the shortest CTAs and the tail is short.
+    """
+    return num_seqs > 1 and num_seqs * num_kv_heads * num_splits > _WAVE_CTAS
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
@@ -481,8 +496,14 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(K, S, B),
-        grid_names=("h", "s", "b"),
+        # Mosaic GPU maps the last grid axis to blockIdx.x, which the hardware hands out
+        # first: with heads_inner the dispatch order is (sequence, split, head), so a
+        # longest-first order is longest first over every CTA (LPT). The previous order
+        # (heads outer) ran each head's sequences longest first, then the next head's: the
+        # last wave held the longest sequences of the last head (a 12% tail at B=128 in a
+        # list-scheduling model; measured in BENCHMARKS.md, sixth session).
+        grid=(B, S, K) if cfg.heads_inner else (K, S, B),
+        grid_names=("b", "s", "h") if cfg.heads_inner else ("h", "s", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
@@ -511,6 +532,7 @@ def paged_attention_pallas_gpu(
     num_splits: int | None = None,
     longest_first: bool | None = None,
     producer: bool = False,
+    heads_inner: bool = True,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -530,10 +552,14 @@ def paged_attention_pallas_gpu(
       num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM; with
         ``producer``, 4 where it fits in 227 KB).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
-      longest_first: schedule sequences longest first (an on-device argsort); default B >= 16.
+      longest_first: schedule sequences longest first (an on-device argsort); default
+        ``default_longest_first``: on when the grid is more than one wave of CTAs.
       producer: warp specialization: a second warpgroup issues the K/V page copies and the
         computing one never waits on the block table or the TMA issue (opt-in: slower than
         the default on the H200, see the module docstring).
+      heads_inner: dispatch the CTAs sequence by sequence with the KV heads innermost (the
+        default), so ``longest_first`` orders every CTA longest first; False is the previous
+        head-major order, kept for the benchmark's comparison.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -585,7 +611,10 @@ def paged_attention_pallas_gpu(
         num_stages=stages,
         num_splits=splits,
         producer=producer,
-        longest_first=(B >= 16) if longest_first is None else bool(longest_first),
+        longest_first=(
+            default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
+        ),
+        heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         interpret=bool(interpret),
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
