@@ -25,6 +25,15 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return major, minor
 
 
+@functools.cache
+def gpu_num_sms(default: int = 132) -> int:
+    """Streaming multiprocessors of the first GPU (``default``, an H100/H200's 132, without
+    one: cross-lowering on a CPU host sizes persistent grids for the H200)."""
+    if default_platform() != "gpu":
+        return default
+    return int(getattr(jax.devices()[0], "core_count", None) or default)
+
+
 def has_mosaic_gpu() -> bool:
     """True on NVIDIA GPUs that Mosaic GPU targets (Hopper sm90 and newer)."""
     cc = gpu_compute_capability()

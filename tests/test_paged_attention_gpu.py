@@ -124,6 +124,30 @@ def test_interpret_producer_matches_reference(C, lengths, extra):
     _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, producer=True, **extra)
 
 
+@pytest.mark.parametrize(
+    "C,lengths,extra",
+    [
+        (16, [0, 1, 15, 16, 17, 150], dict(num_ctas=3)),
+        (16, [0, 1, 15, 16, 17, 150, 300], dict(num_splits=2, num_stages=2, num_ctas=5)),
+        (
+            8,
+            [0, 1, 9, 150, 300],
+            dict(block_kv=64, num_stages=1, num_splits=2, soft_cap=20.0, window=100, num_ctas=4),
+        ),
+        (16, [3, 200, 0, 64, 65, 130], dict(num_splits=3, num_stages=3, block_kv=64, num_ctas=7)),
+        # One CTA runs every unit: 4-deep ring over units of 0-7 tiles, empty units between.
+        (16, [300, 1, 2, 0, 0, 0, 400, 5], dict(num_stages=4, block_kv=64, num_ctas=1)),
+        (32, [40, 500, 7, 0, 260], dict(longest_first=True, num_splits=2, num_ctas=3)),
+    ],
+    ids=["ctas3", "split2-ctas5", "st1-split2-cap-window", "split3-st3", "one-cta", "longest"],
+)
+def test_interpret_persistent_matches_reference(C, lengths, extra):
+    # Fewer CTAs than units, so each CTA's ring runs on across units (the prefetch of the
+    # next unit's tiles and Q, the output copies left in flight).
+    rng = np.random.default_rng(C + len(lengths))
+    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, persistent=True, **extra)
+
+
 def test_interpret_through_public_dispatch():
     import jpaged
 
@@ -156,6 +180,12 @@ _VARIANTS = [
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
     dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
+    # Persistent CTAs (the ring runs on across work units):
+    dict(persistent=True),
+    dict(persistent=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
+    dict(persistent=True, H=64, C=8, K=4, dtype=jnp.float16, L=3, num_ctas=5),  # T=128
+    dict(persistent=True, H=256, C=256, num_splits=2),  # one CTA per SM (SMEM)
+    dict(persistent=True, B=40, N=64, K=8, num_stages=3, num_ctas=7),  # G=8, longest first
     # The producer warpgroup (two warpgroups, setmaxnreg, K/V-consumed barriers):
     dict(producer=True),  # 4 stages by default
     dict(producer=True, num_stages=6),  # the deepest that fits at H=128
@@ -239,6 +269,9 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(num_stages=9), "num_stages=9"),
         (dict(num_stages=7, producer=True), "num_stages=7"),  # 249 KB at H=128
         (dict(dtype=jnp.float32), "cannot run this call"),
+        (dict(num_ctas=8), "needs persistent=True"),
+        (dict(num_ctas=0, persistent=True), "num_ctas=0"),
+        (dict(producer=True, persistent=True), "cannot be combined"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -272,6 +305,9 @@ def test_default_tuning_from_static_shapes():
         stages = kernel_gpu.default_num_stages(H)
         assert stages >= 2
         assert kernel_gpu._smem_bytes(H, 64, stages) <= 113 * 1024 or stages == 2
+    # The persistent kernel's output tiles share P's SMEM: two CTAs per SM at H=128, split too.
+    assert kernel_gpu.default_num_stages(128, 64, persistent=True) == 2
+    assert kernel_gpu._smem_bytes(128, 64, 2, persistent=True, split=True) <= 113 * 1024
     # The producer variant runs one CTA per SM (registers): 4 stages where one CTA's SMEM fits.
     for H, stages in ((64, 4), (128, 4), (256, 2)):
         T = kernel_gpu.default_block_kv(H)
@@ -333,6 +369,33 @@ def test_gpu_many_sequences_default_tuning():
     rng = np.random.default_rng(11)
     lengths = rng.integers(0, 3000, size=96)
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths,C,H,extra",
+    [
+        ("many", 16, 128, dict()),  # 96 x 8 units on 264 CTAs, longest first
+        ("many", 64, 128, dict(num_splits=3, num_ctas=50)),
+        ("many", 8, 64, dict(num_ctas=17)),  # T=128
+        ("many", 256, 256, dict(num_splits=2)),  # one CTA per SM
+        ("edge", 16, 128, dict(num_ctas=5, soft_cap=30.0, window=100)),
+        ("edge", 32, 128, dict(num_ctas=3, num_stages=1, num_splits=4)),
+        ("edge", 16, 128, dict(num_ctas=1, out_of_range_tail=True)),
+        ("long", 16, 128, dict(num_splits=16)),
+        ("long", 16, 128, dict(num_splits=1, num_ctas=2)),
+    ],
+    ids=str,
+)
+def test_gpu_persistent(lengths, C, H, extra):
+    rng = np.random.default_rng(C + H + len(extra))
+    if lengths == "many":
+        lengths, K = rng.integers(0, 3000, size=96), 8
+    elif lengths == "edge":
+        lengths, K = [0, 1, C - 1, C, C + 1, 99, 1000, 2500, 0, 7], 4
+    else:
+        lengths, K = [32768, 1, 20001, 0], 2
+    _run_case(rng, lengths, K=K, G=4, H=H, C=C, persistent=True, **extra)
 
 
 # Last in the file: the warp-specialized variant (a hang here would not hide earlier results).

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
 _LSE_COLS = 32  # lse rows are 32 f32 = 128 B: TMA needs 128-byte-aligned SMEM row slices
 _SMEM_BYTES = 227 * 1024
+_TWO_CTA_SMEM_BYTES = 113 * 1024  # two CTAs per SM (228 KB, 1 KB reserved per CTA)
 # setmaxnreg split of the producer variant's 2 x 128 threads. ptxas launches the kernel at the
 # larger count (232 a thread, ncu on the H200): 232 * 256 = 59392 of the SM's 64K registers, so
 # one such CTA per SM whatever its SMEM.
@@ -81,6 +82,8 @@ class _Config:
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
+    persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
+    num_ctas: int  # persistent grid size (0 otherwise)
     interpret: bool
 
     @property
@@ -97,13 +100,22 @@ class _Config:
 
 
 def _smem_bytes(
-    head_dim: int, block_kv: int, num_stages: int, itemsize: int = 2, producer: bool = False
+    head_dim: int,
+    block_kv: int,
+    num_stages: int,
+    itemsize: int = 2,
+    producer: bool = False,
+    persistent: bool = False,
+    split: bool = True,
 ) -> int:
     q = _ROWS * head_dim * itemsize
     kv = 2 * num_stages * block_kv * head_dim * itemsize
     if producer:  # the output tiles share the ring's SMEM (RefUnion), the largest at S > 1
         kv = max(kv, _ROWS * (head_dim + _LSE_COLS) * 4 + 1024)
     p = _ROWS * block_kv * itemsize
+    if persistent:  # the output tiles share P's SMEM; split partials in q.dtype
+        out = _ROWS * head_dim * itemsize + (_ROWS * _LSE_COLS * 4 if split else 0)
+        p = max(p, out)
     return q + kv + p + 1024  # barriers and alignment
 
 
@@ -113,7 +125,9 @@ def default_block_kv(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
 
 
-def default_num_stages(head_dim: int, block_kv: int = 64, producer: bool = False) -> int:
+def default_num_stages(
+    head_dim: int, block_kv: int = 64, producer: bool = False, persistent: bool = False
+) -> int:
     """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2.
 
     With the producer warpgroup the registers already hold the SM to one CTA
@@ -127,7 +141,7 @@ def default_num_stages(head_dim: int, block_kv: int = 64, producer: bool = False
             stages -= 1
         return stages
     for stages in (4, 3):
-        if _smem_bytes(head_dim, block_kv, stages) <= 113 * 1024:
+        if _smem_bytes(head_dim, block_kv, stages, persistent=persistent) <= _TWO_CTA_SMEM_BYTES:
             return stages
     return 2
 
@@ -217,21 +231,35 @@ def _smem_transforms():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
-    """Body of one CTA: (KV head h, split s, sequence slot b)."""
-    if cfg.longest_first:
-        order_ref, *outs = rest
-    else:
-        order_ref, outs = None, list(rest)
-    T, H, C, G = cfg.block_kv, cfg.head_dim, cfg.page_size, cfg.group
-    S, stages, dtype = cfg.num_splits, cfg.num_stages, cfg.dtype
-    n_cp, r = cfg.copies_per_tile, cfg.rows_per_copy
+class _Unit(NamedTuple):
+    """One (sequence, split, KV head) work unit: traced scalars."""
 
-    h = lax.axis_index("h")
-    s = lax.axis_index("s")
-    b = lax.axis_index("b")
-    if order_ref is not None:
-        b = order_ref[b]
+    b: Any  # the sequence (after the longest-first permutation)
+    length: Any
+    lo: Any  # first visible key (sliding window)
+    start: Any  # first K/V tile of this split
+    n: Any  # tiles of this split (0: nothing to read; the output is zeros)
+    last_page: Any  # the last block-table entry a lookup may read
+    head_base: Any  # row of the KV head's page 0 in the flattened pool
+    qrow: Any  # first query row of the unit's G heads
+    s: Any  # the split
+    valid: Any  # False for the padding units of a persistent CTA's last round
+
+    @property
+    def qrow8(self):
+        return pl.multiple_of((self.qrow // 8) * 8, 8)
+
+    @property
+    def qoff(self):
+        return self.qrow - self.qrow8
+
+    def where(self, pred, other: _Unit) -> _Unit:
+        return _Unit(*(jnp.where(pred, a, b) for a, b in zip(self, other, strict=True)))
+
+
+def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) -> _Unit:
+    T, C, S = cfg.block_kv, cfg.page_size, cfg.num_splits
+    b = b_slot if order_ref is None else order_ref[b_slot]
     length = len_ref[b]
     lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
     t_lo = lo // T
@@ -239,28 +267,188 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     per_split = (t_hi - t_lo + S - 1) // S
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
-    last_page = jnp.maximum((length + C - 1) // C - 1, 0)
-    head_base = base_ref[0] + h * (cfg.num_pages * C)
+    n = jnp.where(valid, n, 0)
+    return _Unit(
+        b=b,
+        length=length,
+        lo=lo,
+        start=start,
+        n=n,
+        last_page=jnp.maximum((length + C - 1) // C - 1, 0),
+        head_base=base_ref[0] + h * (cfg.num_pages * C),
+        qrow=b * cfg.num_q_heads + h * cfg.group,
+        s=jnp.asarray(s, jnp.int32),
+        valid=jnp.asarray(valid, jnp.bool_),
+    )
 
-    qrow = b * cfg.num_q_heads + h * G
-    qrow8 = pl.multiple_of((qrow // 8) * 8, 8)
-    qoff = qrow - qrow8
 
-    def lookup(i):  # block-table entries of tile i (clamped: never past the last page)
-        tile_tok = (start + i) * T
-        return [bt_ref[b, jnp.minimum((tile_tok + j * r) // C, last_page)] for j in range(n_cp)]
+def _lookup(cfg: _Config, bt_ref, unit: _Unit, i):
+    """Block-table entries of tile i of ``unit`` (clamped: never past the last page)."""
+    tile_tok = (unit.start + i) * cfg.block_kv
+    C, r = cfg.page_size, cfg.rows_per_copy
+    return [
+        bt_ref[unit.b, jnp.minimum((tile_tok + j * r) // C, unit.last_page)]
+        for j in range(cfg.copies_per_tile)
+    ]
 
-    def issue(i, slot, pages, streams):
-        """Page copies of tile i into ring slot ``slot``: for each page, one copy per
-        ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
-        tile_tok = (start + i) * T
-        for j, page in enumerate(pages):
-            tok = tile_tok + j * r
-            row = pl.multiple_of(head_base + page * C + tok % C, 8)
-            for src, ring, bar in streams:
-                plgpu.copy_gmem_to_smem(
-                    src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
-                )
+
+def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
+    """Page copies of tile i of ``unit`` into ring slot ``slot``: for each page, one copy per
+    ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
+    tile_tok = (unit.start + i) * cfg.block_kv
+    C, r = cfg.page_size, cfg.rows_per_copy
+    for j, page in enumerate(pages):
+        tok = tile_tok + j * r
+        row = pl.multiple_of(unit.head_base + page * C + tok % C, 8)
+        for src, ring, bar in streams:
+            plgpu.copy_gmem_to_smem(
+                src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
+            )
+
+
+def _init_carry(H):
+    acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return acc, m, l
+
+
+def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, after_qk=None, before_p=None):
+    """Tile i of ``unit`` (in ring slot ``slot``): Q K^T, online softmax, P @ V.
+
+    ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
+    scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
+    Returns the new (acc, m, l) and P @ V's completion point is the return (V is free).
+    """
+    T, H = cfg.block_kv, cfg.head_dim
+    q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
+    acc, m, l = carry
+    tile_tok = (unit.start + i) * T
+    plgpu.barrier_wait(k_bar.at[slot])
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+    sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+    if after_qk is not None:
+        after_qk()
+    if cfg.logits_soft_cap:
+        cap = cfg.logits_soft_cap
+        sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+    else:
+        sc = sc * (cfg.sm_scale * _LOG2E)
+    col = tile_tok + plgpu.broadcasted_iota(jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA)
+    visible = (col < unit.length) & (col >= unit.lo)
+    sc = jnp.where(visible, sc, -jnp.inf)
+    m_new = jnp.maximum(m, sc.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    if before_p is not None:
+        before_p()
+    p_smem[...] = p.astype(cfg.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(v_bar.at[slot])
+
+    @pl.when(tile_tok + T > unit.length)
+    def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+        tile = v_smem.at[slot]
+        rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA)
+        vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+        tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
+        plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+        return acc_ref[...]
+
+    o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+    return acc, m_new, l
+
+
+def _finish(cfg: _Config, acc, m, l):
+    """The normalised output (rows that saw no key give zeros) and, split, its base-2
+    log-sum-exp."""
+    empty = l == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    if cfg.num_splits == 1:
+        return out, None
+    return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True):
+    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
+    (``_partial_dtype``) and its log-sum-exp. ``wait=False`` leaves the copies in flight (the
+    persistent loop waits for their SMEM reads before it writes the tiles again)."""
+    G = cfg.group
+    rows = pl.ds(unit.qoff, G)
+    if not wait:  # the previous unit's copies may still read these tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if cfg.num_splits == 1:
+        (o_ref,), (o_smem,) = outs, out_smem
+        o_smem[...] = out.astype(cfg.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
+    else:
+        (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
+        o_smem[...] = out.astype(o_smem.dtype)
+        lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[unit.s, pl.ds(unit.qrow, G)])
+    if wait:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _partial_dtype(cfg: _Config):
+    """Split partials: f32, or ``q.dtype`` in the persistent kernel, whose output tiles have
+    their own SMEM (f32 would not leave room for two CTAs per SM), as FlashInfer's and vLLM's
+    merged states are stored."""
+    return cfg.dtype if cfg.persistent else jnp.float32
+
+
+def _scratch(cfg: _Config):
+    """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
+    T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
+    tr = _smem_transforms()
+    # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
+    if cfg.num_splits == 1:
+        out = (plgpu.SMEM((_ROWS, H), dtype),)
+    else:
+        out = (
+            plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
+            plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
+        )
+    return (
+        plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
+        (
+            plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+            plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        ),
+        plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
+        out,
+    )
+
+
+def _split_rest(cfg: _Config, rest):
+    if cfg.longest_first:
+        order_ref, *outs = rest
+        return order_ref, outs
+    return None, list(rest)
+
+
+def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
+    """Body of one CTA: (KV head h, split s, sequence slot b)."""
+    order_ref, outs = _split_rest(cfg, rest)
+    stages, n_cp = cfg.num_stages, cfg.copies_per_tile
+    unit = _unit(
+        cfg, len_ref, base_ref, order_ref, lax.axis_index("b"), lax.axis_index("h"),
+        lax.axis_index("s"),
+    )  # fmt: skip
+    n = unit.n
 
     def attend(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, consumed=None):
         """The attention loop over this split's n tiles: (acc, m, l) in the WGMMA layout.
@@ -271,117 +459,31 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         them as soon as the slot's K (after Q K^T) or V (after P @ V) is no longer read.
         """
         kv = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qrow8, _ROWS)], q_smem, q_bar)
+        smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, _ROWS)], q_smem, q_bar)
         if consumed is None:
             for i in range(stages):
-                pl.when(i < n)(lambda i=i: issue(i, i, lookup(i), kv))
+                pl.when(i < n)(
+                    lambda i=i: _issue(cfg, unit, i, i, _lookup(cfg, bt_ref, unit, i), kv)
+                )
         plgpu.barrier_wait(q_bar)
 
-        acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(
-            jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-
         def step(i, carry):
-            acc, m, l = carry
             slot = lax.rem(i, jnp.int32(stages))
-            tile_tok = (start + i) * T
             if consumed is None:
-                next_pages = lookup(i + stages)  # loads in flight while this tile computes
-            plgpu.barrier_wait(k_bar.at[slot])
+                next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
+                carry = _tile(cfg, unit, i, slot, carry, smem)
+                pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_pages, kv))
+                return carry
+            # reading the scores waited for the wgmma: K is free
+            after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
+            carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=after_qk)
+            plgpu.barrier_arrive(consumed[1].at[slot])
+            return carry
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
+        return lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
 
-            sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
-            if consumed is not None:  # reading the result waited for the wgmma: K is free
-                plgpu.barrier_arrive(consumed[0].at[slot])
-            if cfg.logits_soft_cap:
-                cap = cfg.logits_soft_cap
-                sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
-            else:
-                sc = sc * (cfg.sm_scale * _LOG2E)
-            col = tile_tok + plgpu.broadcasted_iota(
-                jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA
-            )
-            visible = (col < length) & (col >= lo)
-            sc = jnp.where(visible, sc, -jnp.inf)
-            m_new = jnp.maximum(m, sc.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
-
-            @pl.when(tile_tok + T > length)
-            def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
-                tile = v_smem.at[slot]
-                rows = tile_tok + plgpu.broadcasted_iota(
-                    jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA
-                )
-                vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-                tile[...] = jnp.where(rows < length, vals, jnp.zeros_like(vals))
-                plgpu.commit_smem()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
-
-            o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
-            if consumed is not None:
-                plgpu.barrier_arrive(consumed[1].at[slot])
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-            if consumed is None:
-                pl.when(i + stages < n)(lambda: issue(i + stages, slot, next_pages, kv))
-            return acc, m_new, l
-
-        return lax.fori_loop(0, n, step, (acc, m, l))
-
-    def finish(acc, m, l):
-        """The normalised output (rows that saw no key give zeros) and, split, its base-2
-        log-sum-exp."""
-        empty = l == 0.0
-        inv_l = 1.0 / jnp.where(empty, 1.0, l)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        if S == 1:
-            return out, None
-        return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-
-    def store(out, lse, out_smem):
-        """Writes the G real rows: the output tile in ``q.dtype`` (S == 1), or the f32 partial
-        and its log-sum-exp."""
-        if S == 1:
-            (o_ref,), (o_smem,) = outs, out_smem
-            o_smem[...] = out.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[pl.ds(qrow, G)])
-        else:
-            (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
-            o_smem[...] = out
-            lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], o_ref.at[s, pl.ds(qrow, G)])
-            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(qoff, G)], lse_ref.at[s, pl.ds(qrow, G)])
-        plgpu.wait_smem_to_gmem(0)
-
-    # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
-    if S == 1:
-        out_scratch = (plgpu.SMEM((_ROWS, H), dtype),)
-    else:
-        out_scratch = (
-            plgpu.SMEM((_ROWS, H), jnp.float32),
-            plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
-        )
-    tr = _smem_transforms()
-    q_scratch = plgpu.SMEM((_ROWS, H), dtype, transforms=tr)
-    ring_scratch = (
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-    )
-    p_scratch = plgpu.SMEM((_ROWS, T), dtype, transforms=tr)
+    q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
     ring_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages)
 
@@ -389,9 +491,9 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         acc, m, l = pl.run_scoped(
             attend, q_scratch, *ring_scratch, p_scratch, q_barrier, ring_barrier, ring_barrier
         )
-        out, lse = finish(acc, m, l)
+        out, lse = _finish(cfg, acc, m, l)
         # A second scope: stack-allocated, it reuses the ring's SMEM.
-        pl.run_scoped(lambda *out_smem: store(out, lse, out_smem), *out_scratch)
+        pl.run_scoped(lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch)
         return
 
     def warp_specialized(q_smem, ring, p_smem, q_bar, k_bar, v_bar, k_consumed, v_consumed):
@@ -418,12 +520,12 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             @pl.loop(0, n)
             def _(i):
                 slot = lax.rem(i, jnp.int32(stages))
-                pages = lookup(i)  # the table reads overlap the wait for the slot
+                pages = _lookup(cfg, bt_ref, unit, i)  # the reads overlap the wait for the slot
                 refill = i >= stages  # the slot last held tile i - stages
                 pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-                issue(i, slot, pages, [(k_ref, k_smem, k_bar)])
+                _issue(cfg, unit, i, slot, pages, [(k_ref, k_smem, k_bar)])
                 pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-                issue(i, slot, pages, [(v_ref, v_smem, v_bar)])
+                _issue(cfg, unit, i, slot, pages, [(v_ref, v_smem, v_bar)])
 
             drain(k_consumed)
             drain(v_consumed)
@@ -436,7 +538,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             )
             # Every copy into the ring has landed (all its barriers were waited on) and no
             # wgmma reads it any more: the output tiles may overwrite it.
-            store(*finish(acc, m, l), out_smem)
+            _store(cfg, unit, outs, out_smem, *_finish(cfg, acc, m, l))
 
     consumed_barrier = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
     pl.run_scoped(
@@ -453,14 +555,103 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     )
 
 
+def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
+    """Body of one persistent CTA: the work units c, then 2P - 1 - c, 2P + c, ... (a snake
+    over the longest-first order of (sequence, split, KV head) units, P = ``num_ctas``).
+
+    The K/V ring runs on across units: tile t of this CTA's stream (every unit's tiles in
+    order) sits in slot t % stages, and the copies freed by the last tiles of a unit already
+    fetch the next unit's first tiles, its Q tile is fetched as soon as the last Q K^T has
+    read Q, and the output copies are not waited for. So a unit's start (Q load, first page
+    latency) and end (output store) overlap the neighbouring units' streaming, where the
+    one-unit-per-CTA grid paid them once per unit.
+    """
+    order_ref, outs = _split_rest(cfg, rest)
+    stages, n_cp = cfg.num_stages, cfg.copies_per_tile
+    K, S, P = cfg.num_kv_heads, cfg.num_splits, cfg.num_ctas
+    num_units = cfg.num_seqs * S * K
+    rounds = -(-num_units // P)
+    c = lax.axis_index("c")
+
+    def unit_at(r):
+        u = r * P + jnp.where(r % 2 == 0, c, P - 1 - c)
+        valid = u < num_units
+        u = jnp.minimum(u, num_units - 1)
+        return _unit(cfg, len_ref, base_ref, order_ref, u // (S * K), u % K, (u // K) % S, valid)
+
+    def body(q_smem, k_smem, v_smem, p_out, q_bar, k_bar, v_bar):
+        p_smem, out_smem = p_out
+        kv = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
+        smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+
+        def load_q(unit):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, _ROWS)], q_smem, q_bar)
+
+        def run_unit(r, carry):
+            t0, n_prev, q_loaded = carry  # stream index of tile 0, the last unit's tiles
+            cur, nxt = unit_at(r), unit_at(r + 1)
+            n = cur.n
+            pl.when((n > 0) & ~q_loaded)(lambda: load_q(cur))
+            # The last unit's tail fetched tiles [stages - n_prev, stages) of this one.
+            for t in range(stages):
+                pl.when((t < n) & (t < stages - n_prev))(
+                    lambda t=t: _issue(
+                        cfg,
+                        cur,
+                        t,
+                        lax.rem(t0 + t, jnp.int32(stages)),
+                        _lookup(cfg, bt_ref, cur, t),
+                        kv,
+                    )
+                )
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(q_bar))
+
+            def step(i, carry):
+                slot = lax.rem(t0 + i, jnp.int32(stages))
+                j = i + stages - n  # the tile this slot takes next: this unit's or the next's
+                in_cur = j < 0
+                target = cur.where(in_cur, nxt)
+                target_i = jnp.where(in_cur, i + stages, j)
+                refill = in_cur | (j < nxt.n)
+                pages = _lookup(cfg, bt_ref, target, target_i)  # in flight during the tile
+                last = i == n - 1
+                carry = _tile(
+                    cfg, cur, i, slot, carry, smem,
+                    after_qk=lambda: pl.when(last & (nxt.n > 0))(lambda: load_q(nxt)),
+                    before_p=lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True),
+                )  # fmt: skip
+                pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, kv))
+                return carry
+
+            acc, m, l = lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
+            out, lse = _finish(cfg, acc, m, l)
+            pl.when(cur.valid)(lambda: _store(cfg, cur, outs, out_smem, out, lse, wait=False))
+            return t0 + n, n, (n > 0) & (nxt.n > 0)
+
+        lax.fori_loop(0, rounds, run_unit, (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))
+        plgpu.wait_smem_to_gmem(0)
+
+    q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
+    pl.run_scoped(
+        body,
+        q_scratch,
+        *ring_scratch,
+        plgpu.RefUnion(p_scratch, out_scratch),  # P is dead once a unit's last P @ V is read
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+    )
+
+
 def _merge_splits(o_SRH, lse_SRL, dtype):
-    """Log-sum-exp merge of split partials: o f32[S, R, H], lse f32[S, R, 16] (base 2)."""
+    """Log-sum-exp merge of split partials: o [S, R, H] (f32 or q.dtype), lse f32[S, R, 32]
+    (base 2)."""
     lse_SR = lse_SRL[..., 0]
     mx_R = jnp.max(lse_SR, axis=0)
     mx_R = jnp.where(jnp.isfinite(mx_R), mx_R, 0.0)
     w_SR = jnp.exp2(lse_SR - mx_R)
     den_R = jnp.sum(w_SR, axis=0)
-    num_RH = jnp.einsum("sr,srh->rh", w_SR, o_SRH)
+    num_RH = jnp.einsum("sr,srh->rh", w_SR, o_SRH.astype(jnp.float32))
     return (num_RH / jnp.where(den_R == 0.0, 1.0, den_R)[:, None]).astype(dtype)
 
 
@@ -486,24 +677,29 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
     else:
         out_type = (
-            jax.ShapeDtypeStruct((S, B * N, H), jnp.float32),
+            jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
             jax.ShapeDtypeStruct((S, B * N, _LSE_COLS), jnp.float32),
         )
-    ws = "_ws" if cfg.producer else ""
-    name = f"paged_decode_mgpu{ws}_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
-    body = functools.partial(_kernel_body, cfg)
+    kind = "_ws" if cfg.producer else "_persistent" if cfg.persistent else ""
+    name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
+    if cfg.persistent:
+        grid, grid_names = (cfg.num_ctas,), ("c",)
+    elif cfg.heads_inner:
+        # Mosaic GPU maps the last grid axis to blockIdx.x, which the hardware hands out
+        # first: the dispatch order is (sequence, split, head), so a longest-first order is
+        # longest first over every CTA (LPT). The previous order (heads outer) ran each head's
+        # sequences longest first, then the next head's: the last wave held the longest
+        # sequences of the last head (BENCHMARKS.md, sixth session: 4-7% slower at B >= 64).
+        grid, grid_names = (B, S, K), ("b", "s", "h")
+    else:
+        grid, grid_names = (K, S, B), ("h", "s", "b")
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        # Mosaic GPU maps the last grid axis to blockIdx.x, which the hardware hands out
-        # first: with heads_inner the dispatch order is (sequence, split, head), so a
-        # longest-first order is longest first over every CTA (LPT). The previous order
-        # (heads outer) ran each head's sequences longest first, then the next head's: the
-        # last wave held the longest sequences of the last head (a 12% tail at B=128 in a
-        # list-scheduling model; measured in BENCHMARKS.md, sixth session).
-        grid=(B, S, K) if cfg.heads_inner else (K, S, B),
-        grid_names=("b", "s", "h") if cfg.heads_inner else ("h", "s", "b"),
+        grid=grid,
+        grid_names=grid_names,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
@@ -533,6 +729,8 @@ def paged_attention_pallas_gpu(
     longest_first: bool | None = None,
     producer: bool = False,
     heads_inner: bool = True,
+    persistent: bool = False,
+    num_ctas: int | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -560,6 +758,11 @@ def paged_attention_pallas_gpu(
       heads_inner: dispatch the CTAs sequence by sequence with the KV heads innermost (the
         default), so ``longest_first`` orders every CTA longest first; False is the previous
         head-major order, kept for the benchmark's comparison.
+      persistent: one CTA per slot (2 per SM) loops over the work units, its K/V ring running
+        on from one unit into the next (``_persistent_body``); split partials are stored in
+        ``q.dtype``. Not with ``producer``.
+      num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
+        SMEM allows, at most one per unit).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -587,15 +790,29 @@ def paged_attention_pallas_gpu(
         layer = 0
     W = block_tables.shape[1]
     producer = bool(producer)
-    if num_stages is None:
-        stages = default_num_stages(H, block_kv, producer)
-    else:
-        stages = int(num_stages)
-    if stages < 1 or _smem_bytes(H, block_kv, stages, producer=producer) > _SMEM_BYTES:
-        raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    persistent = bool(persistent)
+    if producer and persistent:
+        raise ValueError("producer=True and persistent=True cannot be combined")
     splits = default_num_splits(B, K, W * C, block_kv) if num_splits is None else int(num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
+    smem = functools.partial(
+        _smem_bytes, H, block_kv, producer=producer, persistent=persistent, split=splits > 1
+    )
+    if num_stages is None:
+        stages = default_num_stages(H, block_kv, producer, persistent)
+    else:
+        stages = int(num_stages)
+    if stages < 1 or smem(stages) > _SMEM_BYTES:
+        raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    if num_ctas is not None and (not persistent or int(num_ctas) < 1):
+        raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True")
+    if persistent and num_ctas is None:
+        from jpaged import _backend
+
+        ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
+        num_ctas = ctas_per_sm * _backend.gpu_num_sms()
+    num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
@@ -615,6 +832,8 @@ def paged_attention_pallas_gpu(
             default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
         ),
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
+        persistent=persistent,
+        num_ctas=num_ctas,
         interpret=bool(interpret),
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
