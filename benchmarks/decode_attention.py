@@ -110,14 +110,18 @@ class Inputs:
     width: int
 
 
-def make_inputs(case: Case, rng: np.random.Generator, *, width_multiple: int = 1) -> Inputs:
+def make_inputs(
+    case: Case, rng: np.random.Generator, *, width_multiple: int = 1, sequential: bool = False
+) -> Inputs:
+    """Random q/K/V and lengths; page tables randomly permuted, or (``sequential``) each
+    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head."""
     B, K, C, H = case.B, case.K, case.C, case.H
     lengths = rng.integers(case.ctx // 2, case.ctx * 3 // 2 + 1, size=B).astype(np.int32)
     pages = -(-lengths // C)
     W = int(pages.max())
     W = -(-W // width_multiple) * width_multiple
     P = int(pages.sum()) + 16
-    perm = rng.permutation(P).astype(np.int32)
+    perm = np.arange(P, dtype=np.int32) if sequential else rng.permutation(P).astype(np.int32)
     tables = np.empty((B, W), np.int32)
     cur = 0
     for b in range(B):
@@ -245,7 +249,7 @@ def _parse_ints(spec: str) -> dict:
 
 
 def run_case(case: Case, rng, ns, roofline) -> dict:
-    inp = make_inputs(case, rng, width_multiple=64)
+    inp = make_inputs(case, rng, width_multiple=64, sequential=ns.sequential_pages)
     nbytes = live_bytes(case, inp.lengths_np)
     res: dict = {}
     row = {"case": dataclasses.asdict(case), "label": case.label, "live_bytes": nbytes}
@@ -329,6 +333,11 @@ def main(argv=None):
         help='the batch through the ragged kernel too: "default" or tunings, e.g. "paired=0"',
     )
     p.add_argument("--max-live-gb", type=float, default=4.0)
+    p.add_argument(
+        "--sequential-pages",
+        action="store_true",
+        help="consecutive pages per sequence (isolates the cost of random page order)",
+    )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
@@ -355,6 +364,7 @@ def main(argv=None):
         "roofline_cupti_tbs": roof_cupti,
         "calls": ns.calls,
         "rounds": ns.rounds,
+        "sequential_pages": ns.sequential_pages,
         "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
     }
     tag = "quick" if ns.quick else "sweep"

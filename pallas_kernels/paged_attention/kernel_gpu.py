@@ -84,6 +84,7 @@ class _Config:
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
     num_ctas: int  # persistent grid size (0 otherwise)
+    early_k_refill: bool  # refill a slot's K after Q K^T, its V after P @ V
     interpret: bool
 
     @property
@@ -161,12 +162,18 @@ def default_longest_first(num_seqs: int, num_kv_heads: int, num_splits: int) -> 
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
-    """Split-KV factor from static shapes: ~1024 CTAs (about 8 per SM), >= 4 tiles per split."""
+    """Split-KV factor from static shapes: none from about one wave of (sequence, KV head)
+    programs (256); below, enough splits for ~512 CTAs, >= 4 tiles per split, at most 64.
+
+    H200, sixth session (BENCHMARKS.md), once the grid ran longest first over every CTA: no
+    split beat 4 at B=32 / 2k (3.31 vs 3.19 TB/s and 3.22 vs 3.10 in two runs), and 2 at
+    B=64 / 4k and at head dim 64 (3.09 vs 2.81-2.84); at B=8 / 32k 8 splits tie 16.
+    """
     programs = num_seqs * num_kv_heads
+    if programs >= 256:
+        return 1
     max_tiles = -(-max_tokens // block_kv)
-    # H200, run 1 (docs/gpu_test_log.md): the best split gave ~1024-2048 CTAs in every row.
-    splits = min(-(-1024 // programs), max(1, max_tiles // 4), 64)
-    return max(1, splits)
+    return max(1, min(-(-512 // programs), max_tiles // 4, 64))
 
 
 def unsupported_reason(
@@ -472,8 +479,16 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             slot = lax.rem(i, jnp.int32(stages))
             if consumed is None:
                 next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
-                carry = _tile(cfg, unit, i, slot, carry, smem)
-                pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_pages, kv))
+                k_now, v_then = (kv[:1], kv[1:]) if cfg.early_k_refill else ([], kv)
+
+                def refill(streams):
+                    if streams:
+                        pl.when(i + stages < n)(
+                            lambda: _issue(cfg, unit, i + stages, slot, next_pages, streams)
+                        )
+
+                carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=lambda: refill(k_now))
+                refill(v_then)
                 return carry
             # reading the scores waited for the wgmma: K is free
             after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
@@ -615,12 +630,18 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
                 refill = in_cur | (j < nxt.n)
                 pages = _lookup(cfg, bt_ref, target, target_i)  # in flight during the tile
                 last = i == n - 1
+                k_now, v_then = (kv[:1], kv[1:]) if cfg.early_k_refill else ([], kv)
+
+                def after_qk():
+                    pl.when(last & (nxt.n > 0))(lambda: load_q(nxt))
+                    if k_now:
+                        pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, k_now))
+
                 carry = _tile(
-                    cfg, cur, i, slot, carry, smem,
-                    after_qk=lambda: pl.when(last & (nxt.n > 0))(lambda: load_q(nxt)),
+                    cfg, cur, i, slot, carry, smem, after_qk=after_qk,
                     before_p=lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True),
                 )  # fmt: skip
-                pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, kv))
+                pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, v_then))
                 return carry
 
             acc, m, l = lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
@@ -731,6 +752,7 @@ def paged_attention_pallas_gpu(
     heads_inner: bool = True,
     persistent: bool = False,
     num_ctas: int | None = None,
+    early_k_refill: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -763,6 +785,8 @@ def paged_attention_pallas_gpu(
         ``q.dtype``. Not with ``producer``.
       num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
         SMEM allows, at most one per unit).
+      early_k_refill: issue the copies of a freed slot's next K tile as soon as Q K^T has read
+        the slot (the V tile still after P @ V), instead of both after P @ V.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -834,6 +858,7 @@ def paged_attention_pallas_gpu(
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
+        early_k_refill=bool(early_k_refill) and not producer,
         interpret=bool(interpret),
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
