@@ -86,7 +86,6 @@ def _run_case(
         (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
         (16, 2, {"longest_first": True}),  # the (sequence, split, head) grid, permuted
         (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
-        (16, 1, {"early_k_refill": True, "block_kv": 64, "num_stages": 2}),  # the ring wraps
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
     ],
@@ -94,7 +93,6 @@ def _run_case(
         "C16-T128-bad-ids",
         "C16-split2-longest-first",
         "C16-split2-longest-first-heads-outer",
-        "C16-T64-early-k",
         "C8-T64-split3-cap-window",
         "C128-T128-split2-layer",
     ],
@@ -140,7 +138,6 @@ def test_interpret_producer_matches_reference(C, lengths, extra):
         # One CTA runs every unit: 4-deep ring over units of 0-7 tiles, empty units between.
         (16, [300, 1, 2, 0, 0, 0, 400, 5], dict(num_stages=4, block_kv=64, num_ctas=1)),
         (32, [40, 500, 7, 0, 260], dict(longest_first=True, num_splits=2, num_ctas=3)),
-        (16, [0, 1, 300, 17, 150], dict(num_stages=2, num_ctas=2, early_k_refill=True)),
     ],
     ids=[
         "ctas3",
@@ -149,7 +146,6 @@ def test_interpret_producer_matches_reference(C, lengths, extra):
         "split3-st3",
         "one-cta",
         "longest",
-        "early-k",
     ],
 )
 def test_interpret_persistent_matches_reference(C, lengths, extra):
@@ -197,8 +193,7 @@ _VARIANTS = [
     dict(persistent=True, H=64, C=8, K=4, dtype=jnp.float16, L=3, num_ctas=5),  # T=128
     dict(persistent=True, H=256, C=256, num_splits=2),  # one CTA per SM (SMEM)
     dict(persistent=True, B=40, N=64, K=8, num_stages=3, num_ctas=7),  # G=8, longest first
-    dict(early_k_refill=True),
-    dict(early_k_refill=True, persistent=True, num_splits=2, C=8),
+    dict(persistent=True, num_splits=2, C=8),
     # The producer warpgroup (two warpgroups, setmaxnreg, K/V-consumed barriers):
     dict(producer=True),  # 4 stages by default
     dict(producer=True, num_stages=6),  # the deepest that fits at H=128
@@ -369,8 +364,6 @@ def test_gpu_long_32k(splits):
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
         dict(num_splits=2, longest_first=True, heads_inner=False),
-        dict(early_k_refill=True, num_stages=2),
-        dict(early_k_refill=True, num_splits=3, window=700),
         dict(out_of_range_tail=True, num_splits=2),
     ],
     ids=str,
@@ -401,8 +394,8 @@ def test_gpu_many_sequences_default_tuning():
         ("edge", 16, 128, dict(num_ctas=1, out_of_range_tail=True)),
         ("long", 16, 128, dict(num_splits=16)),
         ("long", 16, 128, dict(num_splits=1, num_ctas=2)),
-        ("many", 16, 128, dict(early_k_refill=True, num_ctas=40)),
-        ("edge", 8, 128, dict(early_k_refill=True, num_ctas=3, num_splits=2)),
+        ("many", 16, 128, dict(num_ctas=40)),
+        ("edge", 8, 128, dict(num_ctas=3, num_splits=2)),
     ],
     ids=str,
 )

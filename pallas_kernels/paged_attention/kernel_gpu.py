@@ -13,9 +13,18 @@ are wgmma operands in SMEM (the variant the Mosaic GPU interpreter can run, and 
 registers on the H200 per ``research/mosaic_gpu.md``). Rows of the last tile past the sequence
 end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach the output.
 
-Long sequences are split across ``num_splits`` CTAs (split-KV); each writes its normalised f32
-partial output and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is
-chosen from static shapes only (no host sync; jit- and CUDA-graph safe).
+Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequence, KV head)
+programs are fewer than about one wave; each writes its normalised f32 partial output and base-2
+log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
+only (no host sync; jit- and CUDA-graph safe). The grid is (sequence, split, KV head) with the
+heads innermost and, past one wave of CTAs, sequences longest first (an on-device argsort): the
+hardware hands CTAs out in that order as slots free up, so the last wave holds the shortest
+work (longest-processing-time-first list scheduling).
+
+``persistent=True`` (opt-in) launches only as many CTAs as are resident at once and loops each
+over work units, its K/V ring running on from one unit into the next. It was correct and tied
+the default in every row of the H200 quick table (sixth session): the two resident CTAs per SM
+already overlap one unit's start with the other's streaming.
 
 ``producer=True`` (opt-in) specializes the warpgroups as JAX's FA3 example does: a second,
 40-register warpgroup reads the block table and issues every page copy, refilling a ring slot
@@ -84,7 +93,6 @@ class _Config:
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
     num_ctas: int  # persistent grid size (0 otherwise)
-    early_k_refill: bool  # refill a slot's K after Q K^T, its V after P @ V
     interpret: bool
 
     @property
@@ -479,16 +487,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             slot = lax.rem(i, jnp.int32(stages))
             if consumed is None:
                 next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
-                k_now, v_then = (kv[:1], kv[1:]) if cfg.early_k_refill else ([], kv)
-
-                def refill(streams):
-                    if streams:
-                        pl.when(i + stages < n)(
-                            lambda: _issue(cfg, unit, i + stages, slot, next_pages, streams)
-                        )
-
-                carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=lambda: refill(k_now))
-                refill(v_then)
+                carry = _tile(cfg, unit, i, slot, carry, smem)
+                pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_pages, kv))
                 return carry
             # reading the scores waited for the wgmma: K is free
             after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
@@ -630,18 +630,12 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
                 refill = in_cur | (j < nxt.n)
                 pages = _lookup(cfg, bt_ref, target, target_i)  # in flight during the tile
                 last = i == n - 1
-                k_now, v_then = (kv[:1], kv[1:]) if cfg.early_k_refill else ([], kv)
-
-                def after_qk():
-                    pl.when(last & (nxt.n > 0))(lambda: load_q(nxt))
-                    if k_now:
-                        pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, k_now))
-
                 carry = _tile(
-                    cfg, cur, i, slot, carry, smem, after_qk=after_qk,
+                    cfg, cur, i, slot, carry, smem,
+                    after_qk=lambda: pl.when(last & (nxt.n > 0))(lambda: load_q(nxt)),
                     before_p=lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True),
                 )  # fmt: skip
-                pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, v_then))
+                pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, kv))
                 return carry
 
             acc, m, l = lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
@@ -752,7 +746,6 @@ def paged_attention_pallas_gpu(
     heads_inner: bool = True,
     persistent: bool = False,
     num_ctas: int | None = None,
-    early_k_refill: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -785,8 +778,6 @@ def paged_attention_pallas_gpu(
         ``q.dtype``. Not with ``producer``.
       num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
         SMEM allows, at most one per unit).
-      early_k_refill: issue the copies of a freed slot's next K tile as soon as Q K^T has read
-        the slot (the V tile still after P @ V), instead of both after P @ V.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -858,7 +849,6 @@ def paged_attention_pallas_gpu(
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
-        early_k_refill=bool(early_k_refill) and not producer,
         interpret=bool(interpret),
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
