@@ -281,7 +281,8 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
             row[f"vs_{anchor}"] = a["wall_us"] / ours["wall_us"]
     if "wall_tbs" in ours:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
-    row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, 64)
+    T = kernel_gpu.default_block_kv(case.H)
+    row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, T)
     return row
 
 

@@ -303,8 +303,11 @@ def test_default_tuning_from_static_shapes():
     assert kernel_gpu.default_num_splits(1, 8, 49152, 64) == 64
     assert kernel_gpu.default_num_splits(8, 8, 1024, 64) == 4
     assert kernel_gpu.default_num_splits(1, 1, 64, 64) == 1
-    assert kernel_gpu.default_num_splits(32, 8, 3072, 64) == 1  # one wave: no split
     assert kernel_gpu.default_num_splits(8, 8, 49152, 64) == 8  # ~512 CTAs
+    # About one wave of programs: split only long sequences (>= 32 tiles a split).
+    assert kernel_gpu.default_num_splits(32, 8, 3072, 64) == 1
+    assert kernel_gpu.default_num_splits(32, 8, 12288, 64) == 4
+    assert kernel_gpu.default_num_splits(64, 8, 6144, 64) == 1  # two waves: never
     # Longest first once the grid is more than one wave (2 x 132 CTAs), never for B = 1.
     assert kernel_gpu.default_longest_first(128, 8, 1)
     assert kernel_gpu.default_longest_first(8, 8, 16)

@@ -170,17 +170,25 @@ def default_longest_first(num_seqs: int, num_kv_heads: int, num_splits: int) -> 
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
-    """Split-KV factor from static shapes: none from about one wave of (sequence, KV head)
-    programs (256); below, enough splits for ~512 CTAs, >= 4 tiles per split, at most 64.
+    """Split-KV factor from static shapes (``programs`` = B x K (sequence, KV head) pairs):
 
-    H200, sixth session (BENCHMARKS.md), once the grid ran longest first over every CTA: no
-    split beat 4 at B=32 / 2k (3.31 vs 3.19 TB/s and 3.22 vs 3.10 in two runs), and 2 at
-    B=64 / 4k and at head dim 64 (3.09 vs 2.81-2.84); at B=8 / 32k 8 splits tie 16.
+    - >= 512 programs (two waves of 2 x 132 CTAs): none;
+    - 256-511 (about one wave): enough splits for ~1024 CTAs if each keeps >= 32 tiles
+      (2k tokens at T=64), else none: a wave of whole sequences is balanced badly (lengths
+      vary) only when they are long enough for splits to pay for the merge;
+    - fewer: enough for ~512 CTAs, >= 4 tiles per split; always at most 64.
+
+    H200, sixth session (BENCHMARKS.md), with the grid longest first over every CTA: no split
+    beat 2 at B=64 / 4k and at head dim 64, and 4 at B=32 / 2k (two runs); 4 splits beat none
+    at B=32 / 8k (3.81 vs 3.36 TB/s) and B=8, 32 KV heads / 8k (3.91 vs 3.77); 8 tie 16 at
+    B=8 / 32k; at B=1 16 beat 4 and 32 with 32 KV heads, 64 stay best with 8.
     """
     programs = num_seqs * num_kv_heads
-    if programs >= 256:
-        return 1
     max_tiles = -(-max_tokens // block_kv)
+    if programs >= 512:
+        return 1
+    if programs >= 256:
+        return max(1, min(-(-1024 // programs), max_tiles // 32))
     return max(1, min(-(-512 // programs), max_tiles // 4, 64))
 
 
