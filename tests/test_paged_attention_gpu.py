@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _paged_inputs import dense_attention, make_paged_kv
 from _tolerances import assert_close
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import kernel_gpu
 
@@ -75,6 +76,20 @@ def _run_case(
     assert_close(out, ref, dtype, err_msg=f"{lengths=} {K=} {G=} {H=} {C=} {tuning=}")
     empty = np.asarray(kv.lengths) == 0
     assert np.all(np.asarray(out.astype(jnp.float32))[empty] == 0.0)
+    if isinstance(interpret, plgpu.InterpretGPUParams) and interpret.detect_races:
+        _assert_no_races()
+
+
+# The interpreter's race detector sees SMEM written while a TMA copy still reads it (e.g. the
+# persistent kernel's P / output tiles without their read waits), which values alone miss.
+RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
+
+
+def _assert_no_races():
+    # Private: jax 0.11.2 keeps the last interpreted kernel's race report here.
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    assert not gpu_callbacks.get_races().races_found, "the race detector found an SMEM race"
 
 
 # --------------------------------------------------------------------------- CPU: interpreter
@@ -100,7 +115,7 @@ def _run_case(
 def test_interpret_matches_reference(C, splits, extra):
     rng = np.random.default_rng(C)
     lengths = [0, 1, C - 1, C, C + 1, 150]
-    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, num_splits=splits, **extra)
+    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=RACE_CHECKED, num_splits=splits, **extra)
 
 
 @pytest.mark.parametrize(
@@ -138,6 +153,11 @@ def test_interpret_producer_matches_reference(C, lengths, extra):
         # One CTA runs every unit: 4-deep ring over units of 0-7 tiles, empty units between.
         (16, [300, 1, 2, 0, 0, 0, 400, 5], dict(num_stages=4, block_kv=64, num_ctas=1)),
         (32, [40, 500, 7, 0, 260], dict(longest_first=True, num_splits=2, num_ctas=3)),
+        # Units of 2-5 tiles after one another on a 4-deep ring: partial prefetches.
+        (16, [100, 300, 150, 250, 20, 200, 0, 64], dict(block_kv=64, num_stages=4, num_ctas=1)),
+        # Pages larger than the tile, a window smaller than a tile; bad unused table ids.
+        (128, [0, 1, 300, 129, 64], dict(block_kv=64, num_ctas=1, window=50)),
+        (16, [0, 1, 17, 300, 129], dict(num_splits=2, num_stages=4, num_ctas=1, oor=True)),
     ],
     ids=[
         "ctas3",
@@ -146,13 +166,21 @@ def test_interpret_producer_matches_reference(C, lengths, extra):
         "split3-st3",
         "one-cta",
         "longest",
+        "partial-prefetch",
+        "C128-T64-window",
+        "split2-st4-bad-ids",
     ],
 )
 def test_interpret_persistent_matches_reference(C, lengths, extra):
     # Fewer CTAs than units, so each CTA's ring runs on across units (the prefetch of the
-    # next unit's tiles and Q, the output copies left in flight).
+    # next unit's tiles and Q, the output copies left in flight), with the race detector on.
     rng = np.random.default_rng(C + len(lengths))
-    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=True, persistent=True, **extra)
+    extra = dict(extra)
+    oor = extra.pop("oor", False)
+    _run_case(
+        rng, lengths, K=2, G=2, H=64, C=C, interpret=RACE_CHECKED, persistent=True,
+        out_of_range_tail=oor, **extra,
+    )  # fmt: skip
 
 
 def test_interpret_through_public_dispatch():
@@ -287,6 +315,17 @@ def test_bad_arguments_raise(kw, match):
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes(dtype=dtype))
     with pytest.raises(ValueError, match=match):
         kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
+
+
+def test_empty_batch_returns_empty():
+    q = jnp.zeros((0, 8, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    bt, ln = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32)
+    for persistent in (False, True):
+        out = kernel_gpu.paged_attention_pallas_gpu(
+            q, kv, kv, bt, ln, sm_scale=0.1, persistent=persistent, interpret=True
+        )
+        assert out.shape == (0, 8, 64) and out.dtype == jnp.bfloat16
 
 
 def test_five_d_pool_needs_layer():

@@ -93,7 +93,7 @@ class _Config:
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
     num_ctas: int  # persistent grid size (0 otherwise)
-    interpret: bool
+    interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
 
     @property
     def group(self) -> int:
@@ -641,7 +641,11 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
                 carry = _tile(
                     cfg, cur, i, slot, carry, smem,
                     after_qk=lambda: pl.when(last & (nxt.n > 0))(lambda: load_q(nxt)),
-                    before_p=lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True),
+                    # Only a unit's first P can find the last unit's output copy reading
+                    # the shared SMEM; units with no tile wait in _store.
+                    before_p=lambda: pl.when(i == 0)(
+                        lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    ),
                 )  # fmt: skip
                 pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, kv))
                 return carry
@@ -724,7 +728,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         grid=grid,
         grid_names=grid_names,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+        interpret=cfg.interpret or None,
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
     )
     out = kernel(*args)
@@ -745,7 +749,7 @@ def paged_attention_pallas_gpu(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
     block_kv: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
@@ -768,7 +772,8 @@ def paged_attention_pallas_gpu(
       sliding_window: if set, only the last ``sliding_window`` keys are seen; whole tiles
         before the window are never read.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
-      interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
+      interpret: run in the Mosaic GPU interpreter, any backend: True for the default
+        ``plgpu.InterpretGPUParams()``, or the params to use (e.g. ``detect_races=True``).
       block_kv: tokens per K/V tile T, 64 or 128 (default ``default_block_kv(H)``).
       num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM; with
         ``producer``, 4 where it fits in 227 KB).
@@ -812,6 +817,8 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
+    if B == 0:
+        return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
     persistent = bool(persistent)
     if producer and persistent:
@@ -857,6 +864,12 @@ def paged_attention_pallas_gpu(
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
-        interpret=bool(interpret),
+        interpret=(
+            interpret
+            if isinstance(interpret, plgpu.InterpretGPUParams)
+            else plgpu.InterpretGPUParams()
+            if interpret
+            else False
+        ),
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
