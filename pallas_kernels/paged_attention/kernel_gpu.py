@@ -1,6 +1,6 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm90).
 
-One CTA (one warpgroup; two with ``producer``) per (KV head, split, sequence). It reads each
+One CTA (one warpgroup; two with ``producer``) per (sequence, split, KV head). It reads each
 K/V byte once: the G query heads of a KV head are one 64-row wgmma tile (rows past G hold
 neighbouring heads' queries and are computed and dropped). K/V tiles of ``T = block_kv``
 tokens are gathered page by page with TMA (``copy_gmem_to_smem``) into a multi-stage SMEM ring;
@@ -464,7 +464,7 @@ def _split_rest(cfg: _Config, rest):
 
 
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
-    """Body of one CTA: (KV head h, split s, sequence slot b)."""
+    """Body of one CTA: (sequence slot b, split s, KV head h)."""
     order_ref, outs = _split_rest(cfg, rest)
     stages, n_cp = cfg.num_stages, cfg.copies_per_tile
     unit = _unit(
