@@ -68,13 +68,19 @@ def test_interpret_matches_oracle(N, C, extra, direct_io):
     # threads that block in host callbacks and it hung now and then on a 2-core machine. Those
     # variants are cross-lowered here and run on the GPU.
     rng = np.random.default_rng(C + N)
+    _interpret_case(rng, N, C, extra, last_kv=90, last_q=40, direct_io=direct_io)
+
+
+def _interpret_case(rng, N, C, extra, *, last_kv, last_q, **options):
+    """Five sequences (kv lengths 0, 1, C-1, C+1, last_kv; query lengths 0, 1, 3, C+1, last_q)
+    through the interpreter against the oracle; the padding rows must be zeros."""
     extra = dict(extra)
     L = extra.pop("num_layers", None)
     case = make_ragged_case(
-        rng, (0, 1, C - 1, C + 1, 90), (0, 1, 3, C + 1, 40), num_q_heads=N, num_kv_heads=2,
-        head_dim=64, page_size=C, dtype=jnp.bfloat16, num_layers=L,
+        rng, (0, 1, C - 1, C + 1, last_kv), (0, 1, 3, C + 1, last_q), num_q_heads=N,
+        num_kv_heads=2, head_dim=64, page_size=C, dtype=jnp.bfloat16, num_layers=L,
     )  # fmt: skip
-    out = _run(case, jnp.bfloat16, interpret=True, direct_io=direct_io, **extra)
+    out = _run(case, jnp.bfloat16, interpret=True, **options, **extra)
     assert np.all(out[sum(case.q_lens) :] == 0.0)  # padding rows
 
 
@@ -92,14 +98,7 @@ def test_interpret_kv_splits(N, C, extra):
     # Split-KV: each (tile, split) unit stores a normalised partial and its LSE in place
     # (direct_io), merged in XLA; padding rows are written by no unit: the merge zeroes them.
     rng = np.random.default_rng(C + N + 1)
-    extra = dict(extra)
-    L = extra.pop("num_layers", None)
-    case = make_ragged_case(
-        rng, (0, 1, C - 1, C + 1, 150), (0, 1, 3, C + 1, 60), num_q_heads=N, num_kv_heads=2,
-        head_dim=64, page_size=C, dtype=jnp.bfloat16, num_layers=L,
-    )  # fmt: skip
-    out = _run(case, jnp.bfloat16, interpret=True, direct_io=True, num_wgs=1, **extra)
-    assert np.all(out[sum(case.q_lens) :] == 0.0)  # padding rows
+    _interpret_case(rng, N, C, extra, last_kv=150, last_q=60, direct_io=True, num_wgs=1)
 
 
 # --------------------------------------------------------------------------- CPU: cross-lowering

@@ -341,7 +341,7 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, after_qk=None, bef
 
     ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
     scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
-    Returns the new (acc, m, l) and P @ V's completion point is the return (V is free).
+    Returns the new (acc, m, l); P @ V has completed by then, so the slot's V is free.
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
