@@ -103,6 +103,8 @@ def _assert_no_races():
         (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
+        # L2 prefetches are no-ops in the interpreter; their table lookups still run
+        (16, 2, {"block_kv": 64, "num_stages": 2, "l2_prefetch": 3, "out_of_range_tail": True}),
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -110,6 +112,7 @@ def _assert_no_races():
         "C16-split2-longest-first-heads-outer",
         "C8-T64-split3-cap-window",
         "C128-T128-split2-layer",
+        "C16-T64-st2-l2-prefetch3-bad-ids",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -215,6 +218,8 @@ _VARIANTS = [
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
     dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
+    dict(l2_prefetch=2),  # cp.async.bulk.prefetch of the tiles past the ring
+    dict(l2_prefetch=1, num_splits=3, C=64, H=64, block_kv=64, sliding_window=100),
     # Persistent CTAs (the ring runs on across work units):
     dict(persistent=True),
     dict(persistent=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
@@ -308,6 +313,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(num_ctas=8), "needs persistent=True"),
         (dict(num_ctas=0, persistent=True), "num_ctas=0"),
         (dict(producer=True, persistent=True), "cannot be combined"),
+        (dict(l2_prefetch=-1), "l2_prefetch=-1"),
+        (dict(l2_prefetch=2, persistent=True), "l2_prefetch=2"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -407,6 +414,8 @@ def test_gpu_long_32k(splits):
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
         dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
+        dict(l2_prefetch=2, num_splits=2, out_of_range_tail=True),
+        dict(l2_prefetch=4, window=700, soft_cap=50.0),
     ],
     ids=str,
 )

@@ -6,6 +6,9 @@
 #   bash tools/gpu_kernels.sh decode-tests OUT [PYTEST -k EXPR]   # decode kernel GPU tests
 #   bash tools/gpu_kernels.sh prefill OUT [VARIANT...]            # prefill benchmark (+ variants)
 #   bash tools/gpu_kernels.sh decode OUT [VARIANT...]             # decode benchmark, --quick
+#   bash tools/gpu_kernels.sh ncu OUT [ARGS...]                   # Nsight Compute, decode
+#     (ARGS go to benchmarks/profile_decode_ncu.py, e.g. --only 6 5 --variants l2_prefetch=2;
+#      writes OUT/ncu_decode.ncu-rep and OUT/ncu_decode.txt, the details page as text)
 #     (RAGGED_VARIANTS="default paired=0": the same batches through the ragged kernel too;
 #      DECODE_ARGS: extra flags, e.g. "--skip-xla --only 0 3")
 #
@@ -51,6 +54,16 @@ case "$PART" in
     [ -n "${RAGGED_VARIANTS:-}" ] && v+=(--ragged-variants $RAGGED_VARIANTS)
     run "${BENCH_TIMEOUT:-300}" "$DEST/decode.log" "$PY" benchmarks/decode_attention.py --quick \
       ${DECODE_ARGS:-} "${v[@]}" --out "$DEST/decode_quick_h200.json"
+    ;;
+  ncu)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    run "${BENCH_TIMEOUT:-300}" "$DEST/ncu.log" "$NCU" --profile-from-start off \
+      --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum \
+      -f -o "$DEST/ncu_decode" "$PY" benchmarks/profile_decode_ncu.py "${@:3}"
+    "$NCU" --import "$DEST/ncu_decode.ncu-rep" --page details >"$DEST/ncu_decode.txt" 2>&1
+    echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
   *)
     echo "unknown part $PART: ragged-tests, decode-tests, prefill or decode" >&2

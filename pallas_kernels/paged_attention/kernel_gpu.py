@@ -93,6 +93,7 @@ class _Config:
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
     num_ctas: int  # persistent grid size (0 otherwise)
+    l2_prefetch: int  # tiles past the ring prefetched into L2 (``_prefetch``; 0: none)
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
 
     @property
@@ -329,6 +330,18 @@ def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
             )
 
 
+def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
+    """L2 prefetches (``cp.async.bulk.prefetch``) of tile i's pages of each of ``srcs``: the
+    bytes are requested from HBM now and land in L2, not in SMEM, so more of the stream is in
+    flight than the SMEM ring holds. A no-op in the interpreter."""
+    tile_tok = (unit.start + i) * cfg.block_kv
+    C, r = cfg.page_size, cfg.rows_per_copy
+    for j, page in enumerate(pages):
+        row = pl.multiple_of(unit.head_base + page * C + (tile_tok + j * r) % C, 8)
+        for src in srcs:
+            plgpu.async_prefetch(src.at[pl.ds(row, r)])
+
+
 def _init_carry(H):
     acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -484,10 +497,17 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         kv = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
         smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, _ROWS)], q_smem, q_bar)
+        ahead = stages + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if consumed is None:
             for i in range(stages):
                 pl.when(i < n)(
                     lambda i=i: _issue(cfg, unit, i, i, _lookup(cfg, bt_ref, unit, i), kv)
+                )
+            for i in range(stages, ahead):
+                pl.when(i < n)(
+                    lambda i=i: _prefetch(
+                        cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
+                    )
                 )
         plgpu.barrier_wait(q_bar)
 
@@ -495,8 +515,14 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             slot = lax.rem(i, jnp.int32(stages))
             if consumed is None:
                 next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
+                if cfg.l2_prefetch:
+                    far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
                 carry = _tile(cfg, unit, i, slot, carry, smem)
                 pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_pages, kv))
+                if cfg.l2_prefetch:
+                    pl.when(i + ahead < n)(
+                        lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
+                    )
                 return carry
             # reading the scores waited for the wgmma: K is free
             after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
@@ -709,6 +735,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         )
     kind = "_ws" if cfg.producer else "_persistent" if cfg.persistent else ""
     name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    if cfg.l2_prefetch:
+        name += f"_pf{cfg.l2_prefetch}"
     body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     if cfg.persistent:
@@ -758,6 +786,7 @@ def paged_attention_pallas_gpu(
     heads_inner: bool = True,
     persistent: bool = False,
     num_ctas: int | None = None,
+    l2_prefetch: int = 0,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -791,6 +820,9 @@ def paged_attention_pallas_gpu(
         ``q.dtype``. Not with ``producer``.
       num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
         SMEM allows, at most one per unit).
+      l2_prefetch: also request the next ``l2_prefetch`` tiles past the SMEM ring from HBM
+        into L2 (``cp.async.bulk.prefetch``), so more bytes are in flight than the ring holds
+        at no SMEM cost. Not with ``producer`` or ``persistent``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -835,6 +867,11 @@ def paged_attention_pallas_gpu(
         stages = int(num_stages)
     if stages < 1 or smem(stages) > _SMEM_BYTES:
         raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    l2_prefetch = int(l2_prefetch)
+    if l2_prefetch < 0 or (l2_prefetch and (producer or persistent)):
+        raise ValueError(
+            f"{l2_prefetch=} must be >= 0, and 0 with producer=True or persistent=True"
+        )
     if num_ctas is not None and (not persistent or int(num_ctas) < 1):
         raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True")
     if persistent and num_ctas is None:
@@ -864,6 +901,7 @@ def paged_attention_pallas_gpu(
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
+        l2_prefetch=l2_prefetch,
         interpret=(
             interpret
             if isinstance(interpret, plgpu.InterpretGPUParams)
