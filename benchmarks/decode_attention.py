@@ -258,6 +258,9 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
         out = _measure("xla", lambda: _xla(inp, case), nbytes, ns, res)
         ref = None if out is None else np.asarray(out.astype(jnp.float32))
     _measure("pallas_gpu", lambda: _ours(inp, case), nbytes, ns, res, ref)
+    if ns.kernels and "wall_us" in res.get("pallas_gpu", {}):
+        # What one call launches (order, merge, kernel) and what each costs, CUPTI.
+        res["pallas_gpu"]["kernels_us"] = _timing.cupti_kernels_us(*_ours(inp, case))
     for S in ns.splits:
         _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
     for spec in ns.variants:  # "num_stages=3,num_splits=4"
@@ -310,6 +313,8 @@ def print_table(rows, roofline):
             f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
             f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
         )
+        for name, us in o.get("kernels_us") or []:
+            print(f"      kernel {us:7.1f} us  {name[:60]}")
         for k, v in res.items():
             if k.startswith("pallas_gpu_") and "wall_tbs" in v:
                 print(
@@ -338,6 +343,9 @@ def main(argv=None):
         "--sequential-pages",
         action="store_true",
         help="consecutive pages per sequence (isolates the cost of random page order)",
+    )
+    p.add_argument(
+        "--kernels", action="store_true", help="record each kernel of the default call (CUPTI)"
     )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")

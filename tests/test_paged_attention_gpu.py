@@ -343,6 +343,22 @@ def test_five_d_pool_needs_layer():
         kernel_gpu.paged_attention_pallas_gpu(q, kv, kv, bt, ln, sm_scale=0.1)
 
 
+@pytest.mark.parametrize("B", [1, 7, 300])
+def test_longest_first_order_packed_keys(B):
+    rng = np.random.default_rng(B)
+    lengths = rng.integers(0, 5000, size=B).astype(np.int32)
+    lengths[: B // 3] = 64 * 40  # ties sort by slot
+    if B > 1:
+        lengths[-1] = 2**31 - 1  # past the 0x7FFF-tile cap
+    keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, True))
+    order = keys & 0xFFFF
+    tiles = np.minimum(-(-lengths.astype(np.int64) // 64), 0x7FFF)
+    np.testing.assert_array_equal(order, np.argsort(-tiles, kind="stable"))
+    plain = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, False))
+    np.testing.assert_array_equal(np.sort(plain), np.arange(B))
+    assert np.all(np.diff(lengths[plain].astype(np.int64)) <= 0)
+
+
 def test_default_tuning_from_static_shapes():
     # Many programs: no split. Few programs, long context: split, bounded by tiles per split.
     assert kernel_gpu.default_num_splits(128, 8, 3072, 64) == 1

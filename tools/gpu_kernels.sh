@@ -57,11 +57,15 @@ case "$PART" in
     ;;
   ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-    run "${BENCH_TIMEOUT:-300}" "$DEST/ncu.log" "$NCU" --profile-from-start off \
+    # Without preallocation ncu saves the memory a replayed kernel may write on the device;
+    # with JAX's 75% preallocated it backs it up in host memory, minutes per kernel.
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      run "${BENCH_TIMEOUT:-300}" "$DEST/ncu.log" "$NCU" --profile-from-start off \
       --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum \
       -f -o "$DEST/ncu_decode" "$PY" benchmarks/profile_decode_ncu.py "${@:3}"
+    pkill -f profile_decode_ncu.py && sleep 2  # a target left behind by a timeout holds the GPU
     "$NCU" --import "$DEST/ncu_decode.ncu-rep" --page details >"$DEST/ncu_decode.txt" 2>&1
     echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
