@@ -260,7 +260,8 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
     _measure("pallas_gpu", lambda: _ours(inp, case), nbytes, ns, res, ref)
     if ns.kernels and "wall_us" in res.get("pallas_gpu", {}):
         # What one call launches (order, merge, kernel) and what each costs, CUPTI.
-        res["pallas_gpu"]["kernels_us"] = _timing.cupti_kernels_us(*_ours(inp, case))
+        f, args = _ours(inp, case)
+        res["pallas_gpu"]["kernels_us"] = _timing.cupti_kernels_us(f, *args)
     for S in ns.splits:
         _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
     for spec in ns.variants:  # "num_stages=3,num_splits=4"
