@@ -362,7 +362,9 @@ def test_longest_first_order_packed_keys(B):
 def test_default_tuning_from_static_shapes():
     # Many programs: no split. Few programs, long context: split, bounded by tiles per split.
     assert kernel_gpu.default_num_splits(128, 8, 3072, 64) == 1
-    assert kernel_gpu.default_num_splits(1, 8, 49152, 64) == 64
+    assert kernel_gpu.default_num_splits(1, 8, 49152, 64) == 32  # one sequence: one wave
+    assert kernel_gpu.default_num_splits(1, 32, 49152, 64) == 8
+    assert kernel_gpu.default_num_splits(1, 2, 49152, 64) == 64  # capped
     assert kernel_gpu.default_num_splits(8, 8, 1024, 64) == 4
     assert kernel_gpu.default_num_splits(1, 1, 64, 64) == 1
     assert kernel_gpu.default_num_splits(8, 8, 49152, 64) == 8  # ~512 CTAs

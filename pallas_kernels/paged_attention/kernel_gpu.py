@@ -198,12 +198,16 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
     - 256-511 (about one wave): enough splits for ~1024 CTAs if each keeps >= 32 tiles
       (2k tokens at T=64), else none: a wave of whole sequences is balanced badly (lengths
       vary) only when they are long enough for splits to pay for the merge;
-    - fewer: enough for ~512 CTAs, >= 4 tiles per split; always at most 64.
+    - fewer: enough for ~512 CTAs (two waves: sequences of different lengths split into
+      units of different sizes, which the second wave evens out), but ~256 (one wave) for a
+      single sequence, whose units are all the same size; >= 4 tiles per split; at most 64.
 
     H200, sixth session (BENCHMARKS.md), with the grid longest first over every CTA: no split
     beat 2 at B=64 / 4k and at head dim 64, and 4 at B=32 / 2k (two runs); 4 splits beat none
     at B=32 / 8k (3.81 vs 3.36 TB/s) and B=8, 32 KV heads / 8k (3.91 vs 3.77); 8 tie 16 at
-    B=8 / 32k; at B=1 16 beat 4 and 32 with 32 KV heads, 64 stay best with 8.
+    B=8 / 32k (4 and 32 were slower). Seventh session, B=1: one wave beat two in all three
+    cases (CUPTI 44.9 vs 49.2 us at 8 KV heads / 32k; 94.3 vs 99.6 at 32 / 32k; 48.8 vs 53.8 at
+    32 / 8k).
     """
     programs = num_seqs * num_kv_heads
     max_tiles = -(-max_tokens // block_kv)
@@ -211,7 +215,8 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
         return 1
     if programs >= 256:
         return max(1, min(-(-1024 // programs), max_tiles // 32))
-    return max(1, min(-(-512 // programs), max_tiles // 4, 64))
+    target = 256 if num_seqs == 1 else 512
+    return max(1, min(-(-target // programs), max_tiles // 4, 64))
 
 
 def unsupported_reason(
