@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     for i in ns.only:
         case = da.QUICK[i]
         inp = da.make_inputs(case, rng, width_multiple=64)
+        live = da.live_bytes(case, inp.lengths_np)
+        print(f"{case.label}: live K/V {live / 1e9:.3f} GB (compare ncu's dram__bytes_read)")
         runs.append((f"{case.label} pallas_gpu", *da._ours(inp, case)))
         for spec in ns.variants:
             kw = da._parse_ints(spec)

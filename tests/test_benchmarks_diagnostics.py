@@ -1,7 +1,7 @@
 """Smoke tests of the decode-step diagnostics (``benchmarks/decode_step.py``,
-``benchmarks/layer_weights_probe.py``, ``benchmarks/split_merge.py``) on CPU: tiny shapes, one variant each, in their own
-processes as on the GPU. They check the scripts run end to end and write what the docs say;
-nothing here is a timing."""
+``benchmarks/layer_weights_probe.py``) and the split-merge probe (``benchmarks/split_merge.py``)
+on CPU: tiny shapes, one variant each, in their own processes as on the GPU. They check the
+scripts run end to end and write what the docs say; nothing here is a timing."""
 
 import json
 import os

@@ -186,6 +186,18 @@ def test_interpret_persistent_matches_reference(C, lengths, extra):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_interpret_plain_order_indices(monkeypatch, persistent):
+    # Past 2**16 sequences the order holds plain indices; shrink the bound to exercise that
+    # decode branch on a small batch.
+    monkeypatch.setattr(kernel_gpu, "_ORDER_BITS", 2)
+    assert not kernel_gpu._packed_order(6)
+    rng = np.random.default_rng(60 + persistent)
+    extra = dict(persistent=True, num_ctas=3) if persistent else {}
+    _run_case(rng, [5, 200, 0, 64, 130, 17], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
+              longest_first=True, num_splits=2, **extra)  # fmt: skip
+
+
 def test_interpret_through_public_dispatch():
     import jpaged
 
@@ -261,6 +273,8 @@ def test_cross_lowers_for_cuda(variant):
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text.lower()
+    # The L2 prefetches are in the kernel exactly when asked for.
+    assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -314,7 +328,12 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(num_ctas=0, persistent=True), "num_ctas=0"),
         (dict(producer=True, persistent=True), "cannot be combined"),
         (dict(l2_prefetch=-1), "l2_prefetch=-1"),
+        (dict(l2_prefetch=17), "l2_prefetch=17"),
         (dict(l2_prefetch=2, persistent=True), "l2_prefetch=2"),
+        (dict(l2_prefetch=1, producer=True), "l2_prefetch=1"),
+        (dict(l2_prefetch=True), "not a bool"),
+        (dict(num_splits=2.5), "num_splits=2.5 must be an integer"),
+        (dict(num_stages="2"), "num_stages='2' must be an integer"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -343,20 +362,23 @@ def test_five_d_pool_needs_layer():
         kernel_gpu.paged_attention_pallas_gpu(q, kv, kv, bt, ln, sm_scale=0.1)
 
 
-@pytest.mark.parametrize("B", [1, 7, 300])
+@pytest.mark.parametrize("B", [1, 7, 300, 65536])
 def test_longest_first_order_packed_keys(B):
     rng = np.random.default_rng(B)
     lengths = rng.integers(0, 5000, size=B).astype(np.int32)
     lengths[: B // 3] = 64 * 40  # ties sort by slot
     if B > 1:
         lengths[-1] = 2**31 - 1  # past the 0x7FFF-tile cap
+    if B > 7:
+        lengths[1:4] = [-1, -65, -(2**31)]  # invalid lengths sort last, with the empty ones
+    assert kernel_gpu._packed_order(B)
     keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, True))
     order = keys & 0xFFFF
-    tiles = np.minimum(-(-lengths.astype(np.int64) // 64), 0x7FFF)
+    tiles = np.minimum(-(-np.maximum(lengths, 0).astype(np.int64) // 64), 0x7FFF)
     np.testing.assert_array_equal(order, np.argsort(-tiles, kind="stable"))
     plain = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, False))
     np.testing.assert_array_equal(np.sort(plain), np.arange(B))
-    assert np.all(np.diff(lengths[plain].astype(np.int64)) <= 0)
+    assert np.all(np.diff(np.maximum(lengths[plain], 0).astype(np.int64)) <= 0)
 
 
 def test_default_tuning_from_static_shapes():

@@ -2,20 +2,21 @@
 # Kernel work on the GPU (issues 3 and 4), in parts that fit one 10-minute device call; each
 # command has its own timeout and prints "== rc N", so a hang cannot starve the rest:
 #
-#   bash tools/gpu_kernels.sh ragged-tests OUT [PYTEST -k EXPR]   # ragged kernel GPU tests
-#   bash tools/gpu_kernels.sh decode-tests OUT [PYTEST -k EXPR]   # decode kernel GPU tests
+#   bash tools/gpu_kernels.sh ragged-tests OUT [EXPR]             # ragged kernel GPU tests
+#   bash tools/gpu_kernels.sh decode-tests OUT [EXPR]             # decode kernel GPU tests
+#     (EXPR is pytest's -k expression, given without -k)
 #   bash tools/gpu_kernels.sh prefill OUT [VARIANT...]            # prefill benchmark (+ variants)
 #   bash tools/gpu_kernels.sh decode OUT [VARIANT...]             # decode benchmark, --quick
+#     (RAGGED_VARIANTS="default paired=0": the same batches through the ragged kernel too;
+#      DECODE_ARGS: extra flags, e.g. "--skip-xla --only 0 3")
 #   bash tools/gpu_kernels.sh ncu OUT [ARGS...]                   # Nsight Compute, decode
 #     (ARGS go to benchmarks/profile_decode_ncu.py, e.g. --only 6 5 --variants l2_prefetch=2;
 #      writes OUT/ncu_decode.ncu-rep and OUT/ncu_decode.txt, the details page as text)
-#     (RAGGED_VARIANTS="default paired=0": the same batches through the ragged kernel too;
-#      DECODE_ARGS: extra flags, e.g. "--skip-xla --only 0 3")
 #
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
 # BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
 set -u
-PART=${1:?part: ragged-tests, decode-tests, prefill or decode}
+PART=${1:?part: ragged-tests, decode-tests, prefill, decode or ncu}
 DEST=${2:-benchmarks/results}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
@@ -57,6 +58,7 @@ case "$PART" in
     ;;
   ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    : "${NCU:?ncu (Nsight Compute) not found}"
     # Without preallocation ncu saves the memory a replayed kernel may write on the device;
     # with JAX's 75% preallocated it backs it up in host memory, minutes per kernel.
     XLA_PYTHON_CLIENT_PREALLOCATE=false \
@@ -65,12 +67,13 @@ case "$PART" in
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum \
       -f -o "$DEST/ncu_decode" "$PY" benchmarks/profile_decode_ncu.py "${@:3}"
-    pkill -f profile_decode_ncu.py && sleep 2  # a target left behind by a timeout holds the GPU
+    # A target left behind by a timeout would hold the GPU for the next part.
+    pkill -f "$PY benchmarks/profile_decode_ncu.py" && sleep 2
     "$NCU" --import "$DEST/ncu_decode.ncu-rep" --page details >"$DEST/ncu_decode.txt" 2>&1
     echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
   *)
-    echo "unknown part $PART: ragged-tests, decode-tests, prefill or decode" >&2
+    echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode or ncu" >&2
     exit 2
     ;;
 esac

@@ -21,14 +21,14 @@ heads innermost and, past one wave of CTAs, sequences longest first (an on-devic
 packed keys, ``_longest_first_order``): the hardware hands CTAs out in that order as slots free
 up, so the last wave holds the shortest work (longest-processing-time-first list scheduling).
 
-On the H200 (Nsight Compute, seventh session, BENCHMARKS.md) the kernel reads 1-3% more DRAM
-bytes than the live K/V (partial last pages), about what cuDNN's non-paged kernel reads, and
+On the H200 (Nsight Compute, seventh session, BENCHMARKS.md) the kernel reads about 1% more
+DRAM bytes than the live K/V (partial last pages; cuDNN's non-paged kernel 0.1-0.3%), and
 runs at 88-93% of DRAM peak at 64+ sequences, where cuDNN's kernel, of the same shape (one
 128-thread CTA per sequence and KV head, two per SM), runs at 91-93%.
 
 ``l2_prefetch`` (opt-in) also requests the tiles past the SMEM ring into L2: more bytes in
-flight, at no SMEM cost. It was 10-30% slower in every row of the H200 quick table (L2 hits
-rose to 31%, DRAM throughput fell), so the ring's depth is not what the stream lacks there.
+flight, at no SMEM cost. It was 8-52% slower in every row of the H200 quick table (L2 hits rose
+to 31%, DRAM throughput fell), so the ring's depth is not what the stream lacks there.
 
 ``persistent=True`` (opt-in) launches only as many CTAs as are resident at once and loops each
 over work units, its K/V ring running on from one unit into the next. It was correct and tied
@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -179,23 +180,43 @@ def default_longest_first(num_seqs: int, num_kv_heads: int, num_splits: int) -> 
     return num_seqs > 1 and num_seqs * num_kv_heads * num_splits > _WAVE_CTAS
 
 
+# ``l2_prefetch`` tiles are unrolled in the prologue: keep the program small.
+_MAX_L2_PREFETCH = 16
+
+
+def _int_knob(name: str, value) -> int:
+    """An integer tuning argument (Python or NumPy int, not bool), else a ValueError naming it."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be an integer, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an integer") from None
+
+
 # The longest-first order is one single-operand sort of packed keys (``_longest_first_order``):
 # (0x7FFF - tiles) << 16 | sequence, so the kernel reads the sequence as ``key & 0xFFFF``.
 _ORDER_BITS = 16
 _ORDER_MAX_TILES = 0x7FFF
 
 
+def _packed_order(num_seqs: int) -> bool:
+    """Whether the order array holds packed keys (else plain sequence indices)."""
+    return num_seqs <= 1 << _ORDER_BITS
+
+
 def _longest_first_order(lengths_B, block_kv: int, packed: bool):
     """Sequence slots longest first: packed sort keys (``packed``) or plain argsort indices.
 
-    ``jnp.argsort(-lengths)`` is three kernels on the GPU (negate, index iota, a two-operand
-    sort: about 10 us at B=256 on the H200, 4% of a 1k-token decode); the packed key is one
-    fusion and a one-operand sort. Lengths compare in tiles (the work a unit does), capped at
-    0x7FFF tiles (2M tokens at T=64), so longer sequences tie; ties go in index order.
+    ``jnp.argsort(-lengths)`` is a negate and a two-operand sort on the GPU (7.3 us at B=256 on
+    the H200, ncu); the packed keys are one small fusion and a one-operand sort (2.5-4.7 us).
+    Lengths compare in tiles (the work a unit does), capped at 0x7FFF tiles (2M tokens at
+    T=64), so longer sequences tie; ties go in index order; lengths <= 0 sort last.
     """
+    live = jnp.maximum(lengths_B, 0)
     if not packed:
-        return jnp.argsort(-lengths_B).astype(jnp.int32)
-    tiles = jnp.minimum((lengths_B - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
+        return jnp.argsort(-live).astype(jnp.int32)
+    tiles = jnp.minimum((live - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
     slot = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
     return lax.sort(((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | slot)
 
@@ -320,7 +341,7 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) 
     T, C, S = cfg.block_kv, cfg.page_size, cfg.num_splits
     if order_ref is None:
         b = b_slot
-    elif cfg.num_seqs <= 1 << _ORDER_BITS:  # packed keys (``_longest_first_order``)
+    elif _packed_order(cfg.num_seqs):  # packed keys (``_longest_first_order``)
         b = order_ref[b_slot] & ((1 << _ORDER_BITS) - 1)
     else:
         b = order_ref[b_slot]
@@ -742,10 +763,11 @@ def _merge_splits(o_SRH, lse_SRL, dtype):
 
     The normalised weights [S, R] come first and the output is one weighted sum over S: three
     XLA kernels at S=32 where the previous form (max, sums, divide) took four (3.6 vs 5.1 us on
-    the H200, ``benchmarks/split_merge.py``). -inf is clamped to -1e30, so a row no split saw
-    gets equal weights on zero partials (zeros) with no NaN guard.
+    the H200, ``benchmarks/split_merge.py``). -inf is clamped to the lowest f32, so a row no
+    split saw gets equal weights on zero partials (zeros) with no NaN guard, and a real lse,
+    however low, still outweighs an empty split.
     """
-    lse_SR = jnp.maximum(lse_SRL[..., 0], -1e30)
+    lse_SR = jnp.maximum(lse_SRL[..., 0], -jnp.finfo(jnp.float32).max)
     w_SR = jnp.exp2(lse_SR - jnp.max(lse_SR, axis=0))
     w_SR = w_SR / jnp.sum(w_SR, axis=0)
     return jnp.einsum("sr,srh->rh", w_SR, o_SRH.astype(jnp.float32)).astype(dtype)
@@ -767,7 +789,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     block_tables_BW = block_tables_BW.astype(jnp.int32)
     args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
     if cfg.longest_first:
-        args.append(_longest_first_order(lengths_B, cfg.block_kv, B <= 1 << _ORDER_BITS))
+        args.append(_longest_first_order(lengths_B, cfg.block_kv, _packed_order(B)))
     S = cfg.num_splits
     if S == 1:
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
@@ -863,9 +885,10 @@ def paged_attention_pallas_gpu(
         ``q.dtype``. Not with ``producer``.
       num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
         SMEM allows, at most one per unit).
-      l2_prefetch: also request the next ``l2_prefetch`` tiles past the SMEM ring from HBM
-        into L2 (``cp.async.bulk.prefetch``), so more bytes are in flight than the ring holds
-        at no SMEM cost. Not with ``producer`` or ``persistent``.
+      l2_prefetch: also request the next ``l2_prefetch`` tiles (at most 16) past the SMEM ring
+        from HBM into L2 (``cp.async.bulk.prefetch``), so more bytes are in flight than the
+        ring holds at no SMEM cost. Not with ``producer`` or ``persistent``. Opt-in: 8-52%
+        slower than the default in every row of the H200 quick table (seventh session).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -898,7 +921,10 @@ def paged_attention_pallas_gpu(
     persistent = bool(persistent)
     if producer and persistent:
         raise ValueError("producer=True and persistent=True cannot be combined")
-    splits = default_num_splits(B, K, W * C, block_kv) if num_splits is None else int(num_splits)
+    if num_splits is None:
+        splits = default_num_splits(B, K, W * C, block_kv)
+    else:
+        splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
     smem = functools.partial(
@@ -907,15 +933,18 @@ def paged_attention_pallas_gpu(
     if num_stages is None:
         stages = default_num_stages(H, block_kv, producer, persistent)
     else:
-        stages = int(num_stages)
+        stages = _int_knob("num_stages", num_stages)
     if stages < 1 or smem(stages) > _SMEM_BYTES:
         raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
-    l2_prefetch = int(l2_prefetch)
-    if l2_prefetch < 0 or (l2_prefetch and (producer or persistent)):
+    l2_prefetch = _int_knob("l2_prefetch", l2_prefetch)
+    if not 0 <= l2_prefetch <= _MAX_L2_PREFETCH or (l2_prefetch and (producer or persistent)):
         raise ValueError(
-            f"{l2_prefetch=} must be >= 0, and 0 with producer=True or persistent=True"
+            f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
+            "persistent=True"
         )
-    if num_ctas is not None and (not persistent or int(num_ctas) < 1):
+    if num_ctas is not None:
+        num_ctas = _int_knob("num_ctas", num_ctas)
+    if num_ctas is not None and (not persistent or num_ctas < 1):
         raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True")
     if persistent and num_ctas is None:
         from jpaged import _backend
