@@ -377,14 +377,18 @@ def _lookup(cfg: _Config, bt_ref, unit: _Unit, i):
     ]
 
 
+def _page_row(cfg: _Config, unit: _Unit, i, j, page):
+    """First pool row of copy j of tile i of ``unit`` (``rows_per_copy`` rows of ``page``)."""
+    tok = (unit.start + i) * cfg.block_kv + j * cfg.rows_per_copy
+    return pl.multiple_of(unit.head_base + page * cfg.page_size + tok % cfg.page_size, 8)
+
+
 def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
     """Page copies of tile i of ``unit`` into ring slot ``slot``: for each page, one copy per
     ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
-    tile_tok = (unit.start + i) * cfg.block_kv
-    C, r = cfg.page_size, cfg.rows_per_copy
+    r = cfg.rows_per_copy
     for j, page in enumerate(pages):
-        tok = tile_tok + j * r
-        row = pl.multiple_of(unit.head_base + page * C + tok % C, 8)
+        row = _page_row(cfg, unit, i, j, page)
         for src, ring, bar in streams:
             plgpu.copy_gmem_to_smem(
                 src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
@@ -395,10 +399,9 @@ def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
     """L2 prefetches (``cp.async.bulk.prefetch``) of tile i's pages of each of ``srcs``: the
     bytes are requested from HBM now and land in L2, not in SMEM, so more of the stream is in
     flight than the SMEM ring holds. A no-op in the interpreter."""
-    tile_tok = (unit.start + i) * cfg.block_kv
-    C, r = cfg.page_size, cfg.rows_per_copy
+    r = cfg.rows_per_copy
     for j, page in enumerate(pages):
-        row = pl.multiple_of(unit.head_base + page * C + (tile_tok + j * r) % C, 8)
+        row = _page_row(cfg, unit, i, j, page)
         for src in srcs:
             plgpu.async_prefetch(src.at[pl.ds(row, r)])
 
