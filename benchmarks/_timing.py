@@ -2,6 +2,9 @@
 
 - ``wall_us``: many back-to-back calls, one sync, median over rounds (what a serving loop sees,
   launch gaps and epilogue kernels included).
+- ``loop_us``: chained calls inside one jitted ``fori_loop``, one dispatch per round (the GPU
+  time a call adds to a jitted model step: launch gaps between its kernels included, host
+  dispatch not, which dominates ``wall_us`` for calls of a few tens of us).
 - ``cupti_us``: kernel-only device time through ``jax.experimental.mosaic.gpu.profiler``
   (CUPTI), median over iterations; None where CUPTI is unavailable.
 - ``read_roofline_tbs``: HBM read bandwidth of a large reduction measured in the same process,
@@ -16,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def _block(x):
@@ -38,6 +42,26 @@ def wall_us(fn: Callable, *args, calls: int = 50, rounds: int = 5, warmup: int =
         _block(out)
         per_call.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(per_call)
+
+
+def chained(fn: Callable, iterations: int) -> Callable:
+    """A jitted ``fori_loop`` of ``iterations`` calls of ``fn``, each call's output (reshaped
+    and cast to the first argument's shape and dtype) the next call's first argument, so no
+    call can be hoisted or skipped and the data are never constant."""
+
+    def run(x0, *rest):
+        def body(_, x):
+            return fn(x, *rest).reshape(x.shape).astype(x.dtype)
+
+        return lax.fori_loop(0, iterations, body, x0)
+
+    return jax.jit(run)
+
+
+def loop_us(fn: Callable, *args, iterations: int = 50, rounds: int = 5) -> float:
+    """Per-call time in us of ``chained(fn, iterations)``, median over ``rounds`` (one dispatch
+    and one sync per round): what a call adds to a jitted step, launch gaps included."""
+    return wall_us(chained(fn, iterations), *args, calls=1, rounds=rounds, warmup=1) / iterations
 
 
 def cupti_us(fn: Callable, *args, iterations: int = 20) -> float | None:

@@ -5,8 +5,9 @@ jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
 ``key_value_seq_lengths`` on the same lengths), JAX's deprecated Pallas-Triton paged kernel and
 the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
 a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
-median of ``--rounds`` rounds) and CUPTI kernel-only side by side. Effective TB/s = live K/V
-bytes / time.
+median of ``--rounds`` rounds) and CUPTI kernel-only side by side; ``--loop`` adds the per-call
+time of ``--calls`` chained calls inside one jitted loop (device time with the launch gaps, no
+host dispatch: what a call adds to a jitted decode step). Effective TB/s = live K/V bytes / time.
 
     python benchmarks/decode_attention.py --quick            # the issue's 9-row table
     python benchmarks/decode_attention.py                    # the full sweep
@@ -237,6 +238,9 @@ def _measure(name, builder, nbytes, args_ns, results, ref=None):
             "cupti_tbs": (nbytes / (k * 1e-6) / 1e12) if k else None,
             "max_abs_err_vs_xla": err,
         }
+        if args_ns.loop:
+            lp = _timing.loop_us(f, *args, iterations=args_ns.calls, rounds=args_ns.rounds)
+            results[name].update(loop_us=lp, loop_tbs=nbytes / (lp * 1e-6) / 1e12)
         return out
     except Exception as e:
         results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -283,8 +287,12 @@ def run_case(case: Case, rng, ns, roofline) -> dict:
         a = res.get(anchor, {})
         if "wall_us" in ours and "wall_us" in a:
             row[f"vs_{anchor}"] = a["wall_us"] / ours["wall_us"]
+        if "loop_us" in ours and "loop_us" in a:
+            row[f"vs_{anchor}_loop"] = a["loop_us"] / ours["loop_us"]
     if "wall_tbs" in ours:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
+    if "loop_tbs" in ours:
+        row["pct_roofline_loop"] = 100 * ours["loop_tbs"] / roofline
     T = kernel_gpu.default_block_kv(case.H)
     row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, T)
     return row
@@ -305,8 +313,8 @@ def print_table(rows, roofline):
         res = r["results"]
         o = res.get("pallas_gpu", {})
 
-        def tb(k, res=res):
-            return _fmt(res.get(k, {}).get("wall_tbs"), ".2f")
+        def tb(k, field="wall_tbs", res=res):
+            return _fmt(res.get(k, {}).get(field), ".2f")
 
         print(
             f"{r['label']:<26} {_fmt(o.get('wall_us'), '7.1f')} {_fmt(o.get('cupti_us'), '7.1f')} "
@@ -314,13 +322,21 @@ def print_table(rows, roofline):
             f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
             f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
         )
+        if "loop_us" in o:
+            print(
+                f"      loop {o['loop_us']:7.1f} us {o['loop_tbs']:5.2f} TB/s "
+                f"{_fmt(r.get('pct_roofline_loop'), '3.0f')}% roof; cuDNN "
+                f"{tb('cudnn', 'loop_tbs')} TB/s ({_fmt(r.get('vs_cudnn_loop'), '.2f')}x), "
+                f"Triton {_fmt(r.get('vs_triton_deprecated_loop'), '.2f')}x"
+            )
         for name, us in o.get("kernels_us") or []:
             print(f"      kernel {us:7.1f} us  {name[:60]}")
         for k, v in res.items():
             if k.startswith("pallas_gpu_") and "wall_tbs" in v:
+                loop = f"  loop {v['loop_us']:7.1f}" if "loop_us" in v else ""
                 print(
                     f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
-                    f"{v['wall_tbs']:5.2f}"
+                    f"{v['wall_tbs']:5.2f}{loop}"
                 )
             if "error" in v:
                 print(f"    {k}: {v['error'][:160]}")
@@ -347,6 +363,11 @@ def main(argv=None):
     )
     p.add_argument(
         "--kernels", action="store_true", help="record each kernel of the default call (CUPTI)"
+    )
+    p.add_argument(
+        "--loop",
+        action="store_true",
+        help="also time --calls chained calls inside one jitted loop (no host dispatch)",
     )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
@@ -375,6 +396,7 @@ def main(argv=None):
         "calls": ns.calls,
         "rounds": ns.rounds,
         "sequential_pages": ns.sequential_pages,
+        "loop": ns.loop,
         "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
     }
     tag = "quick" if ns.quick else "sweep"

@@ -54,3 +54,16 @@ def test_split_merge_formulations_agree(tmp_path):
     # bf16 output against the f32 merge (one ulp at |x| < 4); the row no split saw gives zeros
     assert all(0 <= r["max_abs_err"] < 2e-2 for r in rows)
     assert all(r["wall_us"] > 0 for r in rows)
+
+
+def test_loop_timing_chains_every_call():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import _timing
+    import jax.numpy as jnp
+
+    f = lambda x, y: (x + y).reshape(-1)  # noqa: E731  (reshaped back to x's shape)
+    x, y = jnp.zeros((2, 3), jnp.float32), jnp.ones((2, 3), jnp.float32)
+    out = _timing.chained(f, 7)(x, y)
+    assert out.shape == (2, 3) and bool(jnp.all(out == 7.0))
+    us = _timing.loop_us(f, x, y, iterations=4, rounds=2)
+    assert 0.0 < us < 1e6

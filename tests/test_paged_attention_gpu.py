@@ -105,6 +105,11 @@ def _assert_no_races():
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
         # L2 prefetches are no-ops in the interpreter; their table lookups still run
         (16, 2, {"block_kv": 64, "num_stages": 2, "l2_prefetch": 3, "out_of_range_tail": True}),
+        # K refilled after Q K^T (early_k) and a K ring deeper than V's: the two rings wrap at
+        # different tiles (150 tokens = 3 tiles of 64, 300 in the long-case test below)
+        (16, 1, {"block_kv": 64, "num_stages": 1, "early_k": True}),
+        (16, 2, {"block_kv": 64, "num_stages": 1, "k_stages": 2, "early_k": True}),
+        (8, 1, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -113,6 +118,9 @@ def _assert_no_races():
         "C8-T64-split3-cap-window",
         "C128-T128-split2-layer",
         "C16-T64-st2-l2-prefetch3-bad-ids",
+        "C16-T64-st1-early-k",
+        "C16-T64-st1-k2-early-k-split2",
+        "C8-T64-st2-k3-bad-ids",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -186,6 +194,23 @@ def test_interpret_persistent_matches_reference(C, lengths, extra):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(num_stages=2, k_stages=3, early_k=True),
+        dict(num_stages=1, k_stages=3),
+        dict(num_stages=3, k_stages=2, early_k=True),  # K shallower than V
+        dict(num_stages=2, k_stages=3, early_k=True, l2_prefetch=2, window=200),
+    ],
+    ids=["st2-k3-early", "st1-k3", "st3-k2-early", "st2-k3-early-prefetch-window"],
+)
+def test_interpret_k_ring_matches_reference(extra):
+    # Up to 10 tiles of 64 per sequence: both rings wrap several times out of step.
+    rng = np.random.default_rng(70 + len(extra))
+    _run_case(rng, [0, 1, 63, 64, 65, 640, 300], K=2, G=2, H=64, C=16, block_kv=64,
+              interpret=RACE_CHECKED, **extra)  # fmt: skip
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_interpret_plain_order_indices(monkeypatch, persistent):
     # Past 2**16 sequences the order holds plain indices; shrink the bound to exercise that
@@ -232,6 +257,12 @@ _VARIANTS = [
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
     dict(l2_prefetch=2),  # cp.async.bulk.prefetch of the tiles past the ring
     dict(l2_prefetch=1, num_splits=3, C=64, H=64, block_kv=64, sliding_window=100),
+    # K refilled after Q K^T; a K ring deeper than V's (105 KB at H=128: 2 CTAs per SM)
+    dict(early_k=True),
+    dict(k_stages=3, early_k=True),
+    dict(k_stages=3, num_splits=4, C=64, logits_soft_cap=30.0, sliding_window=100),
+    dict(H=64, C=8, K=4, k_stages=3, early_k=True, L=3),  # T=128, 16 copies per K+V tile
+    dict(H=256, C=256, num_splits=2, k_stages=3, early_k=True),
     # Persistent CTAs (the ring runs on across work units):
     dict(persistent=True),
     dict(persistent=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
@@ -334,6 +365,11 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(l2_prefetch=True), "not a bool"),
         (dict(num_splits=2.5), "num_splits=2.5 must be an integer"),
         (dict(num_stages="2"), "num_stages='2' must be an integer"),
+        (dict(k_stages=0), "k_stages=0"),
+        (dict(k_stages=12), "k_stages=12"),  # 249 KB at H=128
+        (dict(k_stages=3, persistent=True), "need producer=False and persistent=False"),
+        (dict(early_k=True, producer=True), "need producer=False and persistent=False"),
+        (dict(k_stages=1.5), "k_stages=1.5 must be an integer"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -456,6 +492,10 @@ def test_gpu_long_32k(splits):
         dict(out_of_range_tail=True, num_splits=2),
         dict(l2_prefetch=2, num_splits=2, out_of_range_tail=True),
         dict(l2_prefetch=4, window=700, soft_cap=50.0),
+        dict(early_k=True),
+        dict(early_k=True, k_stages=3, out_of_range_tail=True),
+        dict(k_stages=3, num_splits=3, window=700, soft_cap=50.0),
+        dict(early_k=True, k_stages=3, num_stages=1, block_kv=128, num_layers=2, layer=1),
     ],
     ids=str,
 )

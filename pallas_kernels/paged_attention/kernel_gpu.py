@@ -96,7 +96,9 @@ class _Config:
     logits_soft_cap: float | None
     sliding_window: int | None
     block_kv: int  # T
-    num_stages: int
+    num_stages: int  # V ring depth (and K's unless ``k_stages`` differs)
+    k_stages: int  # K ring depth
+    early_k: bool  # a K slot is refilled once Q K^T has read it, not after P @ V
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
@@ -127,9 +129,11 @@ def _smem_bytes(
     producer: bool = False,
     persistent: bool = False,
     split: bool = True,
+    k_stages: int | None = None,
 ) -> int:
     q = _ROWS * head_dim * itemsize
-    kv = 2 * num_stages * block_kv * head_dim * itemsize
+    k_stages = num_stages if k_stages is None else k_stages
+    kv = (num_stages + k_stages) * block_kv * head_dim * itemsize
     if producer:  # the output tiles share the ring's SMEM (RefUnion), the largest at S > 1
         kv = max(kv, _ROWS * (head_dim + _LSE_COLS) * 4 + 1024)
     p = _ROWS * block_kv * itemsize
@@ -413,8 +417,11 @@ def _init_carry(H):
     return acc, m, l
 
 
-def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, after_qk=None, before_p=None):
-    """Tile i of ``unit`` (in ring slot ``slot``): Q K^T, online softmax, P @ V.
+def _tile(
+    cfg: _Config, unit: _Unit, i, slot, carry, smem, *, v_slot=None, after_qk=None, before_p=None
+):
+    """Tile i of ``unit`` (K in ring slot ``slot``, V in ``v_slot``, default the same): Q K^T,
+    online softmax, P @ V.
 
     ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
     scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
@@ -424,6 +431,7 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, after_qk=None, bef
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
     acc, m, l = carry
     tile_tok = (unit.start + i) * T
+    v_slot = slot if v_slot is None else v_slot
     plgpu.barrier_wait(k_bar.at[slot])
 
     def qk(acc_ref):
@@ -449,18 +457,18 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, after_qk=None, bef
         before_p()
     p_smem[...] = p.astype(cfg.dtype)
     plgpu.commit_smem()
-    plgpu.barrier_wait(v_bar.at[slot])
+    plgpu.barrier_wait(v_bar.at[v_slot])
 
     @pl.when(tile_tok + T > unit.length)
     def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
-        tile = v_smem.at[slot]
+        tile = v_smem.at[v_slot]
         rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA)
         vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
         tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
         plgpu.commit_smem()
 
     def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+        plgpu.wgmma(acc_ref, p_smem, v_smem.at[v_slot])
         return acc_ref[...]
 
     o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
@@ -513,6 +521,7 @@ def _partial_dtype(cfg: _Config):
 def _scratch(cfg: _Config):
     """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
     T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
+    k_stages = cfg.k_stages
     tr = _smem_transforms()
     # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
@@ -525,7 +534,7 @@ def _scratch(cfg: _Config):
     return (
         plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
         (
-            plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+            plgpu.SMEM((k_stages, T, H), dtype, transforms=tr),
             plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         ),
         plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
@@ -543,7 +552,7 @@ def _split_rest(cfg: _Config, rest):
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
     """Body of one CTA: (sequence slot b, split s, KV head h)."""
     order_ref, outs = _split_rest(cfg, rest)
-    stages, n_cp = cfg.num_stages, cfg.copies_per_tile
+    stages, k_stages, n_cp = cfg.num_stages, cfg.k_stages, cfg.copies_per_tile
     unit = _unit(
         cfg, len_ref, base_ref, order_ref, lax.axis_index("b"), lax.axis_index("h"),
         lax.axis_index("s"),
@@ -553,21 +562,27 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     def attend(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, consumed=None):
         """The attention loop over this split's n tiles: (acc, m, l) in the WGMMA layout.
 
-        Without ``consumed`` this warpgroup also issues every copy: the first ``stages`` tiles
-        up front, tile i + stages once tile i's P @ V has read the slot. With ``consumed`` (the
-        K- and V-consumed barriers of the producer variant) it issues none and arrives on
-        them as soon as the slot's K (after Q K^T) or V (after P @ V) is no longer read.
+        Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
+        and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
+        (``early_k``) or P @ V has read its slot, and V of tile i + stages once P @ V has. With
+        ``consumed`` (the K- and V-consumed barriers of the producer variant) it issues none
+        and arrives on them as soon as the slot's K (after Q K^T) or V (after P @ V) is no
+        longer read.
         """
-        kv = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
+        k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
         smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, _ROWS)], q_smem, q_bar)
-        ahead = stages + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
+        ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
+        ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if consumed is None:
-            for i in range(stages):
+            for i in range(ring):
+                streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
                 pl.when(i < n)(
-                    lambda i=i: _issue(cfg, unit, i, i, _lookup(cfg, bt_ref, unit, i), kv)
+                    lambda i=i, streams=streams: _issue(
+                        cfg, unit, i, i, _lookup(cfg, bt_ref, unit, i), streams
+                    )
                 )
-            for i in range(stages, ahead):
+            for i in range(ring, ahead):
                 pl.when(i < n)(
                     lambda i=i: _prefetch(
                         cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
@@ -578,11 +593,32 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         def step(i, carry):
             slot = lax.rem(i, jnp.int32(stages))
             if consumed is None:
-                next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
+                k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
+                # The block-table reads are in flight during the tile.
+                next_v = _lookup(cfg, bt_ref, unit, i + stages)
+                next_k = next_v if k_stages == stages else _lookup(cfg, bt_ref, unit, i + k_stages)
                 if cfg.l2_prefetch:
                     far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
-                carry = _tile(cfg, unit, i, slot, carry, smem)
-                pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_pages, kv))
+
+                def refill_k():
+                    pl.when(i + k_stages < n)(
+                        lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
+                    )
+
+                carry = _tile(
+                    cfg, unit, i, k_slot, carry, smem, v_slot=slot,
+                    after_qk=refill_k if cfg.early_k else None,
+                )  # fmt: skip
+                if cfg.early_k:
+                    streams = [v_stream]
+                elif k_stages == stages:
+                    streams = [k_stream, v_stream]
+                else:
+                    refill_k()
+                    streams = [v_stream]
+                pl.when(i + stages < n)(
+                    lambda: _issue(cfg, unit, i + stages, slot, next_v, streams)
+                )
                 if cfg.l2_prefetch:
                     pl.when(i + ahead < n)(
                         lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
@@ -601,8 +637,9 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     ring_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages)
 
     if not cfg.producer:
+        k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=k_stages)
         acc, m, l = pl.run_scoped(
-            attend, q_scratch, *ring_scratch, p_scratch, q_barrier, ring_barrier, ring_barrier
+            attend, q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier
         )
         out, lse = _finish(cfg, acc, m, l)
         # A second scope: stack-allocated, it reuses the ring's SMEM.
@@ -802,7 +839,10 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             jax.ShapeDtypeStruct((S, B * N, _LSE_COLS), jnp.float32),
         )
     kind = "_ws" if cfg.producer else "_persistent" if cfg.persistent else ""
-    name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{cfg.num_stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    stages = f"{cfg.num_stages}" + (f"k{cfg.k_stages}" if cfg.k_stages != cfg.num_stages else "")
+    name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{stages}_S{S}_C{C}_G{cfg.group}_H{H}"
+    if cfg.early_k:
+        name += "_ek"
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
     body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
@@ -855,6 +895,8 @@ def paged_attention_pallas_gpu(
     persistent: bool = False,
     num_ctas: int | None = None,
     l2_prefetch: int = 0,
+    k_stages: int | None = None,
+    early_k: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -892,6 +934,12 @@ def paged_attention_pallas_gpu(
         from HBM into L2 (``cp.async.bulk.prefetch``), so more bytes are in flight than the
         ring holds at no SMEM cost. Not with ``producer`` or ``persistent``. Opt-in: 8-52%
         slower than the default in every row of the H200 quick table (seventh session).
+      k_stages: depth of the K ring (default ``num_stages``, the V ring's): a deeper K ring
+        keeps more bytes in flight where a whole K+V stage no longer fits. Not with
+        ``producer`` or ``persistent``.
+      early_k: refill a K slot as soon as Q K^T has read it (before the softmax and P @ V),
+        so the next K copy is in flight half a tile earlier. Not with ``producer`` (whose
+        producer warpgroup already does) or ``persistent``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -930,15 +978,26 @@ def paged_attention_pallas_gpu(
         splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
-    smem = functools.partial(
-        _smem_bytes, H, block_kv, producer=producer, persistent=persistent, split=splits > 1
-    )
     if num_stages is None:
         stages = default_num_stages(H, block_kv, producer, persistent)
     else:
         stages = _int_knob("num_stages", num_stages)
-    if stages < 1 or smem(stages) > _SMEM_BYTES:
-        raise ValueError(f"num_stages={stages} must be >= 1 and fit in 227 KB of SMEM")
+    k_stages = stages if k_stages is None else _int_knob("k_stages", k_stages)
+    early_k = bool(early_k)
+    if (k_stages != stages or early_k) and (producer or persistent):
+        raise ValueError(
+            f"k_stages={k_stages} (num_stages={stages}) and early_k={early_k} need "
+            "producer=False and persistent=False: pass k_stages=None and early_k=False"
+        )
+    smem = functools.partial(
+        _smem_bytes, H, block_kv, producer=producer, persistent=persistent, split=splits > 1,
+        k_stages=k_stages,
+    )  # fmt: skip
+    if stages < 1 or k_stages < 1 or smem(stages) > _SMEM_BYTES:
+        raise ValueError(
+            f"num_stages={stages} and k_stages={k_stages} must be >= 1 and fit in 227 KB of "
+            f"SMEM ({smem(stages)} bytes)"
+        )
     l2_prefetch = _int_knob("l2_prefetch", l2_prefetch)
     if not 0 <= l2_prefetch <= _MAX_L2_PREFETCH or (l2_prefetch and (producer or persistent)):
         raise ValueError(
@@ -968,6 +1027,8 @@ def paged_attention_pallas_gpu(
         sliding_window=None if sliding_window is None else int(sliding_window),
         block_kv=block_kv,
         num_stages=stages,
+        k_stages=k_stages,
+        early_k=early_k,
         num_splits=splits,
         producer=producer,
         longest_first=(
