@@ -114,3 +114,26 @@ def read_roofline_tbs(num_bytes: int = 4 << 30, dtype=jnp.bfloat16) -> tuple[flo
     del x
     wall_tbs = num_bytes / (wall * 1e-6) / 1e12
     return wall_tbs, (num_bytes / (kern * 1e-6) / 1e12 if kern else float("nan"))
+
+
+def read_roofline_loop_tbs(
+    num_bytes: int = 4 << 30, dtype=jnp.bfloat16, iterations: int = 10, rounds: int = 5
+) -> float:
+    """HBM read bandwidth of ``iterations`` chained ``jnp.sum`` reductions inside one jitted
+    loop (the roofline for ``loop_us`` figures). Each reduction reads ``x * (1 + 0 * acc)``:
+    the carried sum makes every iteration's read depend on the last (nothing is hoisted) and
+    the scale fuses into the reduction, so it still reads each byte once."""
+    n = num_bytes // jnp.dtype(dtype).itemsize
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), dtype)
+
+    def run(a):
+        def body(_, acc):
+            scale = (1.0 + 0.0 * acc).astype(dtype)
+            return acc + jnp.sum(a * scale, dtype=jnp.float32)
+
+        return lax.fori_loop(0, iterations, body, jnp.float32(0.0))
+
+    f = jax.jit(run)
+    us = wall_us(f, x, calls=1, rounds=rounds, warmup=1) / iterations
+    del x
+    return num_bytes / (us * 1e-6) / 1e12

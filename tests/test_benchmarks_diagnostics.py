@@ -67,3 +67,11 @@ def test_loop_timing_chains_every_call():
     assert out.shape == (2, 3) and bool(jnp.all(out == 7.0))
     us = _timing.loop_us(f, x, y, iterations=4, rounds=2)
     assert 0.0 < us < 1e6
+
+
+def test_loop_roofline_runs():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import _timing
+
+    tbs = _timing.read_roofline_loop_tbs(num_bytes=1 << 20, iterations=3, rounds=2)
+    assert 0.0 < tbs < 1e4
