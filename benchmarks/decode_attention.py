@@ -6,8 +6,8 @@ jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
 the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
 a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
 median of ``--rounds`` rounds) and CUPTI kernel-only side by side; ``--loop`` adds the per-call
-time of ``--calls`` chained calls inside one jitted loop (device time with the launch gaps, no
-host dispatch: what a call adds to a jitted decode step). Effective TB/s = live K/V bytes / time.
+time of ``--calls`` chained calls in one jitted program (device time with the launch gaps, no
+host dispatch: what a call adds to a jitted decode step; see ``_timing.chained``). Effective TB/s = live K/V bytes / time.
 
     python benchmarks/decode_attention.py --quick            # the 9-row table
     python benchmarks/decode_attention.py                    # the full sweep
@@ -367,7 +367,7 @@ def main(argv=None):
     p.add_argument(
         "--loop",
         action="store_true",
-        help="also time --calls chained calls inside one jitted loop (no host dispatch)",
+        help="also time --calls chained calls in one jitted program (no host dispatch)",
     )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
