@@ -75,3 +75,23 @@ def test_loop_roofline_runs():
 
     tbs = _timing.read_roofline_loop_tbs(num_bytes=1 << 20, iterations=3, rounds=2)
     assert 0.0 < tbs < 1e4
+
+
+def test_launch_gap_analysis(tmp_path):
+    # A synthetic nsys cuda_gpu_trace: two groups 50 ms apart, gaps of 1 and 3 us in the first.
+    trace = tmp_path / "t.csv"
+    ms = 1_000_000
+    rows = [(0, 10_000, "k_a"), (11_000, 5_000, "k_b"), (19_000, 1_000, "[CUDA memcpy HtoD]"),
+            (50 * ms, 2_000, "k_c"), (50 * ms + 2_500, 2_000, "k_d")]  # fmt: skip
+    trace.write_text(
+        "Start (ns),Duration (ns),Name\n" + "".join(f"{s},{d},{n}\n" for s, d, n in rows)
+    )
+    log = tmp_path / "log.txt"
+    log.write_text("group 0: B=1 pallas_gpu back-to-back\ngroup 1: B=1 pallas_gpu chained\n")
+    out = _run(["benchmarks/profile_launch_gaps.py", "--analyze", str(trace), "--labels",
+                str(log)], tmp_path)  # fmt: skip
+    assert "2 groups" in out
+    assert "B=1 pallas_gpu back-to-back: 3 ops (1 copies), busy 16.0 us, span 20.0 us" in out
+    assert "idle 4.0 us, median gap 2.00 us" in out
+    assert "gap    3.00 us before [CUDA memcpy HtoD]" in out
+    assert "B=1 pallas_gpu chained: 2 ops (0 copies), busy 4.0 us, span 4.5 us" in out
