@@ -1,27 +1,22 @@
 """Where the time between kernels goes: decode calls dispatched back to back vs chained in one
-jitted program, for Nsight Systems.
+jitted program, from a JAX profiler trace (CUPTI; the H200 image has no Nsight Systems).
 
 ``wall_us`` (back-to-back dispatches) and ``loop_us`` (one program of chained calls) exceed the
 kernels' CUPTI sum by 5-20 us a call on the H200; this shows the GPU timeline of both:
 
-    nsys profile --capture-range=cudaProfilerApi --trace=cuda -o gaps \\
-        python benchmarks/profile_launch_gaps.py --only 0 2
-    nsys stats --report cuda_gpu_trace --format csv --output gaps gaps.nsys-rep
-    python benchmarks/profile_launch_gaps.py --analyze gaps_cuda_gpu_trace.csv
+    python benchmarks/profile_launch_gaps.py --only 0 2 --out OUT
 
-(``tools/gpu_kernels.sh gaps OUT`` does all three.) Per case (``decode_attention.QUICK``
-indices) and implementation (jpaged's kernel, cuDNN non-paged), it runs ``--calls`` calls
-back to back and then one program of ``--calls`` chained calls, with a 50 ms sleep between
-groups so the analysis can split the trace. ``--analyze`` prints, per group: kernels, kernel
-time, span, the idle time between kernels (median and total) and the kernels that follow the
-longest gaps.
+Per case (``decode_attention.QUICK`` indices) and implementation (jpaged's kernel, cuDNN
+non-paged), it runs ``--calls`` calls back to back and then one program of ``--calls``
+chained calls under ``jax.profiler.trace``, 50 ms apart. It prints, per group: GPU ops, busy
+time, span, the idle time between ops (median and total), the ops that follow the longest
+gaps, and the host events that took the most time in that window.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import ctypes
+import glob
 import itertools
 import os
 import statistics
@@ -32,13 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _GROUP_GAP_NS = 20_000_000  # groups are 50 ms apart; kernels within one much closer
-
-
-def _profiler(start: bool) -> None:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    rc = cuda.cuProfilerStart() if start else cuda.cuProfilerStop()
-    if rc != 0:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}")
 
 
 def run(ns) -> None:
@@ -63,51 +51,72 @@ def run(ns) -> None:
     for _, f, args, _ in groups:  # compile and warm up outside the profiled range
         for _ in range(2):
             jax.block_until_ready(f(*args))
-    _profiler(True)
-    for k, (label, f, args, reps) in enumerate(groups):
-        print(f"group {k}: {label}", flush=True)
-        out = None
-        for _ in range(reps):
-            out = f(*args)
-        jax.block_until_ready(out)
-        time.sleep(0.05)
-    _profiler(False)
+    trace_dir = os.path.join(ns.out, "launch_gaps_trace")
+    with jax.profiler.trace(trace_dir):
+        for k, (label, f, args, reps) in enumerate(groups):
+            print(f"group {k}: {label}", flush=True)
+            out = None
+            for _ in range(reps):
+                out = f(*args)
+            jax.block_until_ready(out)
+            time.sleep(0.05)
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    gpu, host = gpu_events(max(paths, key=os.path.getmtime))
+    analyze(gpu, [g[0] for g in groups], host)
 
 
-def analyze(path: str, labels: list[str]) -> None:
-    with open(path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh) if r.get("Name") and r.get("Duration (ns)")]
-    kernels = []
-    for r in rows:
-        if "memcpy" in r["Name"].lower() or "memset" in r["Name"].lower():
-            kind = "copy"
-        else:
-            kind = "kernel"
-        start, dur = int(r["Start (ns)"]), int(r["Duration (ns)"])
-        kernels.append((start, start + dur, dur, kind, r["Name"]))
-    kernels.sort()
+def gpu_events(xspace_path: str):
+    """(GPU ops, host events) of a profiler trace: (start_ns, end_ns, duration_ns, name)."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xspace_path)
+    gpu, host = [], []
+    for plane in data.planes:
+        dest = gpu if plane.name.startswith("/device:GPU") else host
+        if dest is host and not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                start, dur = int(ev.start_ns), int(ev.duration_ns)
+                dest.append((start, start + dur, dur, ev.name))
+    return sorted(gpu), sorted(host)
+
+
+def analyze(ops, labels: list[str], host=()) -> None:
+    """Prints the per-group summary of GPU ``ops`` (groups are 50 ms apart)."""
+    ops = sorted(ops)
     groups, cur = [], []
-    for k in kernels:
-        if cur and k[0] - cur[-1][1] > _GROUP_GAP_NS:
+    for k in ops:
+        if cur and k[0] - max(c[1] for c in cur) > _GROUP_GAP_NS:
             groups.append(cur)
             cur = []
         cur.append(k)
     if cur:
         groups.append(cur)
-    print(f"{len(groups)} groups of GPU activity ({len(kernels)} kernels and copies)")
+    print(f"{len(groups)} groups of GPU activity ({len(ops)} ops)")
     for g, ks in enumerate(groups):
         label = labels[g] if g < len(labels) else f"group {g}"
-        gaps = [(b[0] - a[1], b[4]) for a, b in itertools.pairwise(ks)]
-        busy = sum(k[2] for k in ks)
-        span = ks[-1][1] - ks[0][0]
-        copies = sum(1 for k in ks if k[3] == "copy")
+        # Ops on several streams may overlap: idle is the span not covered by any op.
+        covered, end = 0, ks[0][0]
+        for s0, e0, _, _ in ks:
+            covered += max(0, e0 - max(s0, end))
+            end = max(end, e0)
+        span = end - ks[0][0]
+        copies = sum(1 for k in ks if "memcpy" in k[3].lower() or "memset" in k[3].lower())
+        gaps = [(b[0] - a[1], b[3]) for a, b in itertools.pairwise(ks)]
         med = statistics.median(gap for gap, _ in gaps) / 1e3 if gaps else 0.0
         print(
-            f"{label}: {len(ks)} ops ({copies} copies), busy {busy / 1e3:.1f} us, span "
-            f"{span / 1e3:.1f} us, idle {(span - busy) / 1e3:.1f} us, median gap {med:.2f} us"
+            f"{label}: {len(ks)} ops ({copies} copies), busy {covered / 1e3:.1f} us, span "
+            f"{span / 1e3:.1f} us, idle {(span - covered) / 1e3:.1f} us, median gap {med:.2f} us"
         )
         for gap, name in sorted(gaps, reverse=True)[:3]:
             print(f"    gap {gap / 1e3:7.2f} us before {name[:90]}")
+        window = [h for h in host if h[0] >= ks[0][0] - 2_000_000 and h[1] <= end]
+        totals: dict[str, list[int]] = {}
+        for h in window:
+            totals.setdefault(h[3], []).append(h[2])
+        for name, durs in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:6]:
+            print(f"    host {sum(durs) / 1e3:9.1f} us in {len(durs):4d} x {name[:80]}")
 
 
 def main(argv=None) -> None:
@@ -115,17 +124,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", type=int, nargs="+", default=[0, 2], help="QUICK case indices")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--skip-cudnn", action="store_true")
-    p.add_argument("--analyze", metavar="CSV", help="nsys cuda_gpu_trace CSV to summarise")
-    p.add_argument("--labels", metavar="LOG", help="this script's own output (group labels)")
-    ns = p.parse_args(argv)
-    if ns.analyze:
-        labels = []
-        if ns.labels:
-            with open(ns.labels) as fh:
-                labels = [ln.split(": ", 1)[1].strip() for ln in fh if ln.startswith("group ")]
-        analyze(ns.analyze, labels)
-    else:
-        run(ns)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="trace directory parent")
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -77,21 +77,37 @@ def test_loop_roofline_runs():
     assert 0.0 < tbs < 1e4
 
 
-def test_launch_gap_analysis(tmp_path):
-    # A synthetic nsys cuda_gpu_trace: two groups 50 ms apart, gaps of 1 and 3 us in the first.
-    trace = tmp_path / "t.csv"
+def test_launch_gap_analysis(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import profile_launch_gaps as plg
+
+    # Two groups 50 ms apart; in the first, gaps of 1 and 3 us and two overlapping ops.
     ms = 1_000_000
-    rows = [(0, 10_000, "k_a"), (11_000, 5_000, "k_b"), (19_000, 1_000, "[CUDA memcpy HtoD]"),
-            (50 * ms, 2_000, "k_c"), (50 * ms + 2_500, 2_000, "k_d")]  # fmt: skip
-    trace.write_text(
-        "Start (ns),Duration (ns),Name\n" + "".join(f"{s},{d},{n}\n" for s, d, n in rows)
-    )
-    log = tmp_path / "log.txt"
-    log.write_text("group 0: B=1 pallas_gpu back-to-back\ngroup 1: B=1 pallas_gpu chained\n")
-    out = _run(["benchmarks/profile_launch_gaps.py", "--analyze", str(trace), "--labels",
-                str(log)], tmp_path)  # fmt: skip
-    assert "2 groups" in out
-    assert "B=1 pallas_gpu back-to-back: 3 ops (1 copies), busy 16.0 us, span 20.0 us" in out
-    assert "idle 4.0 us, median gap 2.00 us" in out
-    assert "gap    3.00 us before [CUDA memcpy HtoD]" in out
-    assert "B=1 pallas_gpu chained: 2 ops (0 copies), busy 4.0 us, span 4.5 us" in out
+    ops = [(0, 10_000, "k_a"), (11_000, 5_000, "k_b"), (12_000, 1_000, "k_side"),
+           (19_000, 1_000, "MemcpyHtoD"), (50 * ms, 2_000, "k_c"), (50 * ms + 2_500, 2_000, "k_d")]  # fmt: skip
+    host = [(5_000, 6_000, 1_000, "launch"), (8_000, 10_000, 2_000, "launch")]
+    plg.analyze([(s, s + d, d, n) for s, d, n in ops], ["b2b", "chained"], host)
+    out = capsys.readouterr().out
+    assert "2 groups of GPU activity (6 ops)" in out
+    assert "b2b: 4 ops (1 copies), busy 16.0 us, span 20.0 us, idle 4.0 us" in out
+    assert "chained: 2 ops (0 copies), busy 4.0 us, span 4.5 us, idle 0.5 us" in out
+    assert "host       3.0 us in    2 x launch" in out
+
+
+def test_launch_gap_trace_parsing(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import glob
+
+    import jax
+    import jax.numpy as jnp
+    import profile_launch_gaps as plg
+
+    f = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        f(x).block_until_ready()
+    (path,) = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)
+    gpu, host = plg.gpu_events(path)
+    assert host and all(e[1] - e[0] == e[2] >= 0 for e in host)
+    assert gpu == [] or jax.default_backend() == "gpu"

@@ -12,7 +12,7 @@
 #   bash tools/gpu_kernels.sh ncu OUT [ARGS...]                   # Nsight Compute, decode
 #     (ARGS go to benchmarks/profile_decode_ncu.py, e.g. --only 6 5 --variants l2_prefetch=2;
 #      writes OUT/ncu_decode.ncu-rep and OUT/ncu_decode.txt, the details page as text)
-#   bash tools/gpu_kernels.sh gaps OUT [ARGS...]                  # Nsight Systems, launch gaps
+#   bash tools/gpu_kernels.sh gaps OUT [ARGS...]                  # launch gaps (JAX profiler)
 #     (ARGS go to benchmarks/profile_launch_gaps.py, e.g. --only 0 2; writes OUT/gaps.txt)
 #
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
@@ -75,17 +75,8 @@ case "$PART" in
     echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
   gaps)
-    NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
-    : "${NSYS:?nsys (Nsight Systems) not found}"
-    run "${BENCH_TIMEOUT:-300}" "$DEST/gaps_run.log" "$NSYS" profile --capture-range=cudaProfilerApi \
-      --trace=cuda -f true -o "$DEST/gaps" "$PY" benchmarks/profile_launch_gaps.py "${@:3}"
-    "$NSYS" stats --report cuda_gpu_trace --report cuda_api_sum --format csv --force-export=true \
-      --output "$DEST/gaps" "$DEST/gaps.nsys-rep" >/dev/null 2>&1
-    ls "$DEST"
-    "$PY" benchmarks/profile_launch_gaps.py --analyze "$DEST/gaps_cuda_gpu_trace.csv" \
-      --labels "$DEST/gaps_run.log" | tee "$DEST/gaps.txt"
-    echo "== api"
-    head -25 "$DEST/gaps_cuda_api_sum.csv" | cut -c1-200 | tee -a "$DEST/gaps.txt"
+    run "${BENCH_TIMEOUT:-300}" "$DEST/gaps.txt" "$PY" benchmarks/profile_launch_gaps.py \
+      --out "$DEST" "${@:3}"
     ;;
   *)
     echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode or ncu" >&2
