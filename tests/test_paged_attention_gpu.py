@@ -110,6 +110,8 @@ def _assert_no_races():
         (16, 1, {"block_kv": 64, "num_stages": 1, "early_k": True}),
         (16, 2, {"block_kv": 64, "num_stages": 1, "k_stages": 2, "early_k": True}),
         (8, 1, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
+        # A negative scale keeps the scale out of exp2 (max(s) * scale != max(s * scale))
+        (16, 2, {"sm_scale": -0.2, "block_kv": 64}),
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -121,6 +123,7 @@ def _assert_no_races():
         "C16-T64-st1-early-k",
         "C16-T64-st1-k2-early-k-split2",
         "C8-T64-st2-k3-bad-ids",
+        "C16-T64-split2-negative-scale",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -488,6 +491,7 @@ def test_gpu_long_32k(splits):
         dict(num_layers=3, layer=jnp.int32(2)),
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
+        dict(sm_scale=-0.05, num_splits=2),  # the scale stays out of exp2
         dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
         dict(l2_prefetch=2, num_splits=2, out_of_range_tail=True),

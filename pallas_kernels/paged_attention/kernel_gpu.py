@@ -441,17 +441,29 @@ def _tile(
     sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
     if after_qk is not None:
         after_qk()
+    scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
+    fold = not cfg.logits_soft_cap and scale > 0  # scale applied inside exp2, not per score
     if cfg.logits_soft_cap:
         cap = cfg.logits_soft_cap
         sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+    elif not fold:
+        sc = sc * scale
+
+    def mask(sc):
+        col = tile_tok + plgpu.broadcasted_iota(jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA)
+        return jnp.where((col < unit.length) & (col >= unit.lo), sc, -jnp.inf)
+
+    # Only a tile holding the sequence end or the window start has keys to hide: the others
+    # skip the per-score iota, compares and select (a uniform branch).
+    partial = (tile_tok + T > unit.length) | (tile_tok < unit.lo)
+    sc = lax.cond(partial, mask, lambda sc: sc, sc)
+    if fold:  # max(s) * scale = max(s * scale) for scale > 0; exp2(s * scale - m) per score
+        m_new = jnp.maximum(m, sc.max(axis=1) * scale)
+        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [0]))
     else:
-        sc = sc * (cfg.sm_scale * _LOG2E)
-    col = tile_tok + plgpu.broadcasted_iota(jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA)
-    visible = (col < unit.length) & (col >= unit.lo)
-    sc = jnp.where(visible, sc, -jnp.inf)
-    m_new = jnp.maximum(m, sc.max(axis=1))
+        m_new = jnp.maximum(m, sc.max(axis=1))
+        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
     l = l * alpha + p.sum(axis=1)
     if before_p is not None:
         before_p()
