@@ -99,6 +99,7 @@ class _Config:
     num_stages: int  # V ring depth (and K's unless ``k_stages`` differs)
     k_stages: int  # K ring depth
     early_k: bool  # a K slot is refilled once Q K^T has read it, not after P @ V
+    slot_lengths: bool  # lengths passed in the longest-first slot order (with longest_first)
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
@@ -349,7 +350,8 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) 
         b = order_ref[b_slot] & ((1 << _ORDER_BITS) - 1)
     else:
         b = order_ref[b_slot]
-    length = len_ref[b]
+    # With ``slot_lengths`` the lengths come in slot order: read at once, not after the order.
+    length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
     lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
     t_lo = lo // T
     t_hi = (length + T - 1) // T
@@ -587,12 +589,13 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if consumed is None:
+            # Every prologue lookup first (clamped, so in bounds even past n): the block-table
+            # reads are in flight together rather than one tile's after the last one's issue.
+            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
             for i in range(ring):
                 streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
                 pl.when(i < n)(
-                    lambda i=i, streams=streams: _issue(
-                        cfg, unit, i, i, _lookup(cfg, bt_ref, unit, i), streams
-                    )
+                    lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
                 )
             for i in range(ring, ahead):
                 pl.when(i < n)(
@@ -841,7 +844,11 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     block_tables_BW = block_tables_BW.astype(jnp.int32)
     args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
     if cfg.longest_first:
-        args.append(_longest_first_order(lengths_B, cfg.block_kv, _packed_order(B)))
+        order = _longest_first_order(lengths_B, cfg.block_kv, _packed_order(B))
+        if cfg.slot_lengths:  # one small gather: each CTA reads its length without the order
+            seq = order & ((1 << _ORDER_BITS) - 1) if _packed_order(B) else order
+            args[4] = lengths_B[seq]
+        args.append(order)
     S = cfg.num_splits
     if S == 1:
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
@@ -909,6 +916,7 @@ def paged_attention_pallas_gpu(
     l2_prefetch: int = 0,
     k_stages: int | None = None,
     early_k: bool = False,
+    slot_lengths: bool = True,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -952,6 +960,9 @@ def paged_attention_pallas_gpu(
       early_k: refill a K slot as soon as Q K^T has read it (before the softmax and P @ V),
         so the next K copy is in flight half a tile earlier. Not with ``producer`` (whose
         producer warpgroup already does) or ``persistent``.
+      slot_lengths: with ``longest_first``, pass the lengths permuted into the schedule's
+        order (one small XLA gather after the sort), so a CTA reads its sequence's length and
+        its order entry at once instead of one after the other.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1026,6 +1037,7 @@ def paged_attention_pallas_gpu(
         ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
     num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
+    lf = default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
@@ -1043,9 +1055,8 @@ def paged_attention_pallas_gpu(
         early_k=early_k,
         num_splits=splits,
         producer=producer,
-        longest_first=(
-            default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
-        ),
+        longest_first=lf,
+        slot_lengths=lf and bool(slot_lengths),
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
