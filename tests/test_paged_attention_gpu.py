@@ -101,7 +101,7 @@ def _assert_no_races():
         (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
         (16, 2, {"longest_first": True}),  # the (sequence, split, head) grid, permuted
         (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
-        (16, 2, {"longest_first": True, "slot_lengths": False}),  # lengths read via the order
+        (16, 2, {"longest_first": True, "slot_lengths": True}),  # lengths in slot order
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
         # L2 prefetches are no-ops in the interpreter; their table lookups still run
@@ -118,7 +118,7 @@ def _assert_no_races():
         "C16-T128-bad-ids",
         "C16-split2-longest-first",
         "C16-split2-longest-first-heads-outer",
-        "C16-split2-longest-first-lengths-via-order",
+        "C16-split2-longest-first-slot-lengths",
         "C8-T64-split3-cap-window",
         "C128-T128-split2-layer",
         "C16-T64-st2-l2-prefetch3-bad-ids",
@@ -225,7 +225,7 @@ def test_interpret_plain_order_indices(monkeypatch, persistent):
     rng = np.random.default_rng(60 + persistent)
     extra = dict(persistent=True, num_ctas=3) if persistent else {}
     _run_case(rng, [5, 200, 0, 64, 130, 17], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
-              longest_first=True, num_splits=2, **extra)  # fmt: skip
+              longest_first=True, num_splits=2, slot_lengths=True, **extra)  # fmt: skip
 
 
 def test_interpret_through_public_dispatch():
@@ -260,7 +260,7 @@ _VARIANTS = [
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
     dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
-    dict(B=40, slot_lengths=False),  # lengths read through the order
+    dict(B=40, slot_lengths=True),  # lengths permuted into slot order
     dict(l2_prefetch=2),  # cp.async.bulk.prefetch of the tiles past the ring
     dict(l2_prefetch=1, num_splits=3, C=64, H=64, block_kv=64, sliding_window=100),
     # K refilled after Q K^T; a K ring deeper than V's (105 KB at H=128: 2 CTAs per SM)
@@ -494,7 +494,7 @@ def test_gpu_long_32k(splits):
         dict(num_layers=3, layer=jnp.int32(2)),
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
-        dict(longest_first=True, slot_lengths=False, num_splits=2),
+        dict(longest_first=True, slot_lengths=True, num_splits=2),
         dict(sm_scale=-0.05, num_splits=2),  # the scale stays out of exp2
         dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
