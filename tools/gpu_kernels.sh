@@ -34,12 +34,20 @@ run() {  # run SECONDS LOG command...
 }
 
 tests() {  # tests FILE [-k EXPR]
+  # TEST_WORKERS pytest-xdist processes share the GPU (each gets 1/(workers+1) of its memory):
+  # a fresh machine's compiles are CPU-bound, and 4 workers ran the 83 decode tests in 101 s
+  # (eighth session) where one process timed out at 170 s. pytest-benchmark is disabled: it
+  # raises an internal error under xdist. TEST_WORKERS=0 runs in one process.
   local file=$1
   shift
-  local k=()
+  local k=() n=()
   [ $# -gt 0 ] && k=(-k "$*")
-  run "${TEST_TIMEOUT:-240}" "$DEST/$(basename "$file" .py).log" \
-    "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider --durations=5 "$file" "${k[@]}"
+  local workers=${TEST_WORKERS:-4}
+  [ "$workers" -gt 0 ] && n=(-n "$workers")
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(1 / ($workers + 1), 2))")} \
+    run "${TEST_TIMEOUT:-240}" "$DEST/$(basename "$file" .py).log" \
+    "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider -p no:benchmark "${n[@]}" --durations=5 \
+    "$file" "${k[@]}"
 }
 
 case "$PART" in

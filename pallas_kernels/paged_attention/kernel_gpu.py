@@ -8,7 +8,9 @@ each barrier slot expects one arrival per page copy. The compute tile is indepen
 size: a tile holds ``T / C`` whole pages when ``C <= T`` and a ``T``-row slice of one page when
 ``C > T``.
 
-Scores and the online softmax run in f32 in base 2 (``log2(e)`` folded into the scale). Q and P
+Scores and the online softmax run in f32 in base 2 (``log2(e)`` folded into the scale, and the
+scale into the ``exp2`` argument when it is positive and there is no soft cap). Only a tile that
+holds the sequence end or the window start masks its scores (a uniform ``lax.cond``). Q and P
 are wgmma operands in SMEM (the variant the Mosaic GPU interpreter can run, and as fast as
 registers on the H200 per ``research/mosaic_gpu.md``). Rows of the last tile past the sequence
 end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach the output.
@@ -29,6 +31,11 @@ runs at 88-93% of DRAM peak at 64+ sequences, where cuDNN's kernel, of the same 
 ``l2_prefetch`` (opt-in) also requests the tiles past the SMEM ring into L2: more bytes in
 flight, at no SMEM cost. It was 8-52% slower in every row of the H200 quick table (L2 hits rose
 to 31%, DRAM throughput fell), so the ring's depth is not what the stream lacks there.
+
+``early_k`` (refill a K slot once Q K^T has read it), ``k_stages`` (a K ring deeper than V's)
+and ``slot_lengths`` (lengths permuted into the schedule's order, read without the order) are
+opt-in: on the H200 (eighth session) none beat the default by more than the run-to-run noise
+in enough rows; early K lost 1-5% at B=1, B=8, B=32, B=64 / 4k and head dim 64.
 
 ``persistent=True`` (opt-in) launches only as many CTAs as are resident at once and loops each
 over work units, its K/V ring running on from one unit into the next. It was correct and tied
