@@ -8,6 +8,7 @@ page sizes, GQA ratios, head dims and dtypes, with permuted tables and NaN-poiso
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -101,6 +102,91 @@ def test_interpret_kv_splits(N, C, extra):
     _interpret_case(rng, N, C, extra, last_kv=150, last_q=60, direct_io=True, num_wgs=1)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed_keys", "plain_indices"])
+def test_interpret_longest_first_order(monkeypatch, packed):
+    # tile_order="longest_first" (the default only for decode-heavy batches, which the cases
+    # above are not): the kernel decodes packed keys, or reads plain indices past
+    # ``_ORDER_MAX_LEN`` entries (shrunk here to exercise that branch on a small batch).
+    rng = np.random.default_rng(70 + packed)
+    if packed:
+        extra = {"num_wgs": 1}
+    else:
+        monkeypatch.setattr(kernel_gpu, "_ORDER_MAX_LEN", 4)
+        jax.clear_caches()  # no trace of the same config from the packed bound
+        extra = {"num_wgs": 1, "kv_splits": 2, "sliding_window": 9}
+    cfg, _ = kernel_gpu.make_config(*_sds_case(60, 6, 8, N=8, K=2, H=64), sm_scale=0.1,
+                                    tile_order="longest_first")  # fmt: skip
+    assert (kernel_gpu._order_index_bits(cfg, 9) is not None) == packed  # the cases: 9-11 tiles
+    _interpret_case(rng, 8, 16, extra, last_kv=120, last_q=40, direct_io=True,
+                    tile_order="longest_first")  # fmt: skip
+    if not packed:
+        jax.clear_caches()  # nor a trace of the plain one left for later tests
+
+
+def _old_longest_first(work, real):
+    """The order before packed keys: a stable argsort of -work, empty tiles last (int64)."""
+    return np.argsort(-np.where(real, np.asarray(work, np.int64), -1), kind="stable")
+
+
+@pytest.mark.parametrize("NT", [1, 5, 300, 65535, 65536])
+def test_longest_first_order_packed_keys(NT):
+    rng = np.random.default_rng(NT)
+    bits = max(1, (NT - 1).bit_length())
+    top = 2 ** (31 - bits) - 2  # work past it ties
+    work = rng.integers(1, 3000, size=NT)
+    work[: NT // 3] = 700  # ties go in index order
+    real = rng.random(NT) < 0.8  # empty tiles (any work) last, in index order
+    if NT > 7:
+        work[1:5] = [0, -1, top, top - 1]  # edges: still told apart from each other
+    keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(work, jnp.int32),
+                                                      jnp.asarray(real), bits))  # fmt: skip
+    assert keys.dtype == np.int32 and np.all(keys >= 0)
+    np.testing.assert_array_equal(keys & (2**bits - 1), _old_longest_first(work, real))
+    # Huge work (past top, up to int32 max) ties at top, in index order.
+    if NT > 7:
+        work[5:8] = [2**31 - 1, top + 1, 2**30]
+        keys = kernel_gpu._longest_first_order(
+            jnp.asarray(work, jnp.int32), jnp.asarray(real), bits
+        )
+        order = np.asarray(keys) & (2**bits - 1)
+        np.testing.assert_array_equal(order, _old_longest_first(np.minimum(work, top), real))
+    plain = kernel_gpu._longest_first_order(jnp.asarray(work, jnp.int32), jnp.asarray(real), None)
+    np.testing.assert_array_equal(np.asarray(plain), _old_longest_first(work, real))
+
+
+@pytest.mark.parametrize("sentinel", [False, True])
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (True, 5)])
+def test_tile_order_decodes_to_the_argsort(sentinel, causal, window):
+    # _tile_order on a real schedule: the packed entries decode (as the kernel does, with the
+    # bits of the order's length) to the old argsort, and the paired sentinel to NT.
+    from pallas_kernels.ragged_paged_attention import schedule
+
+    kv_lens = jnp.asarray([40, 1, 0, 300, 17, 300, 9], jnp.int32)
+    q_lens = np.asarray([5, 1, 0, 33, 17, 2, 9])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    ts = schedule.tile_schedule(kv_lens, cu, jnp.int32(6), num_tokens=80, block_q=8,
+                                extra_tiles=2, token_rows=False)  # fmt: skip
+    NT = ts.seq.shape[0]
+    cfg, _ = kernel_gpu.make_config(*_sds_case(80, 7, 40, N=8, K=2, H=64), sm_scale=0.1,
+                                    tile_order="longest_first")  # fmt: skip
+    cfg = dataclasses.replace(cfg, causal=causal, sliding_window=window)
+    order = np.asarray(kernel_gpu._tile_order(cfg, ts, B=7, sentinel=sentinel))
+    assert order.shape == (NT + sentinel,)
+    bits = kernel_gpu._order_index_bits(cfg, order.shape[0])
+    assert bits is not None
+    tiles = order & (2**bits - 1)
+    work = np.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if causal else np.asarray(ts.kv_len)
+    if window is not None:
+        work = work - np.maximum(np.asarray(ts.pos0) - window + 1, 0)
+    np.testing.assert_array_equal(tiles[:NT], _old_longest_first(work, np.asarray(ts.q_rows) > 0))
+    if sentinel:
+        assert tiles[NT] == NT
+    for other in ("index", "by_sequence"):  # plain indices, untouched by the packing
+        c = dataclasses.replace(cfg, tile_order=other)
+        assert kernel_gpu._order_index_bits(c, NT) is None
+        assert sorted(np.asarray(kernel_gpu._tile_order(c, ts, B=7))) == list(range(NT))
+
+
 # --------------------------------------------------------------------------- CPU: cross-lowering
 
 _VARIANTS = [
@@ -138,6 +224,7 @@ _VARIANTS = [
     {"kv_splits": 4},
     {"paired": True, "T": 84},  # 9 + 2 tiles: an odd unit count, so one inert padded unit
     {"kv_splits": 3, "paired": True, "sliding_window": 50, "T": 84},  # 27 units: inert one
+    {"paired": True, "T": 84, "tile_order": "longest_first"},  # packed keys and the sentinel
     {"kv_splits": 2, "num_wgs": 1, "causal": False, "H": 64, "L": 3},
     {"kv_splits": 5, "fa3": False, "direct_io": True, "logits_soft_cap": 30.0},
 ]

@@ -34,7 +34,8 @@ warpgroups per CTA:
   runs it, and cross-lowers both.
 - CTAs take the tiles sequence by sequence, longest first within each (``by_sequence``: the
   CTAs running at once share one sequence's K/V in L2), or longest first over the whole batch
-  for decode-heavy batches (``tuning_gpu.default_tile_order``).
+  for decode-heavy batches (``tuning_gpu.default_tile_order``; one single-operand sort of
+  packed int32 keys, ``_tile_order``).
 - Decode-heavy batches (``paired``, the default where ``T <= 2 B``): the FA3 body's two
   compute warpgroups each run their own query tile with their own K/V ring, one producer
   feeding both, instead of sharing one tile whose second warpgroup would hold padding.
@@ -248,6 +249,9 @@ def _tile(
         u = lax.axis_index("i")
         tok_off = cwg * Tw
     i, split = (order_ref[u], jnp.int32(0)) if S == 1 else (order_ref[u // S], lax.rem(u, S))
+    bits = _order_index_bits(cfg, NT)
+    if bits is not None:  # packed longest-first keys: the tile is the low bits
+        i = i & ((1 << bits) - 1)
     ntok, pos0, kv_len = ntok_ref[i], pos0_ref[i], kvlen_ref[i]
     pos_last = pos0 + ntok - 1
     # Keys any row of the tile may see: [lo, hi).
@@ -767,24 +771,81 @@ def _merge_splits(o_STNH, lse_STNL, num_rows, dtype):
     return jnp.where(valid[:, None, None], out, 0.0).astype(dtype)
 
 
-def _tile_order(cfg: _Config, ts: schedule.TileSchedule, B: int) -> jax.Array:
+# The longest-first tile order is one single-operand sort of packed int32 keys
+# (``_longest_first_order``), so the kernel reads the tile as ``key & (2**bits - 1)``; an order
+# of more than ``_ORDER_MAX_LEN`` entries (tiles and the paired sentinel) holds plain indices.
+_ORDER_MAX_LEN = 1 << 16
+
+
+def _order_index_bits(cfg: _Config, length: int) -> int | None:
+    """Low bits holding the tile in the order's entries, for an order of ``length`` entries
+    (the tiles, plus the paired sentinel where there is one): packed longest-first keys need
+    the largest entry, ``length - 1``; None where the entries are plain tile indices (other
+    orders, or more than ``_ORDER_MAX_LEN`` entries). Host and kernel both call this on the
+    same static length, so they agree on the encoding."""
+    if cfg.tile_order != "longest_first" or length > _ORDER_MAX_LEN:
+        return None
+    return max(1, (length - 1).bit_length())
+
+
+def _longest_first_order(work_NT, real_NT, bits: int | None) -> jax.Array:
+    """Tiles by decreasing ``work``, ties in index order, tiles not ``real`` last: the stable
+    ``argsort(-where(real, work, -1))``, as packed keys when ``bits`` (else those indices).
+
+    Keys: ``(top - w) << bits | tile`` with ``w = clip(where(real, work, -1), -1, top)`` and
+    ``top = 2**(31 - bits) - 2``, sorted by one single-operand ``lax.sort``; the tile is
+    ``key & (2**bits - 1)``. ``(top - w) << bits`` stays below 2**31 (no int32 overflow).
+    ``work`` is in tokens: with ``bits = 16`` (2**16 entries) ``top`` is 0x7FFE, 32k tokens;
+    with 2**9 entries (decode-heavy batches of ~256 sequences) it is 4M. Work past ``top``
+    ties (index order), acceptable for scheduling. The tile takes only the bits the order
+    needs, not the decode kernel's fixed 16: work here is in tokens (the old order's key,
+    kept exactly), and 15 bits would tie every decode past 32k tokens. Real tiles with work < -1 (only from
+    invalid lengths, kv_len < q_len) tie with the empty tiles instead of sorting after them.
+
+    Why: in the decode kernel's profile (H200, seventh session, ncu; ``_longest_first_order``
+    in ``pallas_kernels/paged_attention/kernel_gpu.py``) ``jnp.argsort(-x)`` at 256 elements
+    was a negate kernel and a two-operand sort, 7.3 us, and a one-operand sort of packed int32
+    keys 2.5-4.7 us. Not measured for this kernel.
+    """
+    if bits is None:
+        return jnp.argsort(-jnp.where(real_NT, work_NT, -1)).astype(jnp.int32)
+    top = (1 << (31 - bits)) - 2  # largest work kept apart; the empty tiles' key is top + 1
+    w = jnp.clip(jnp.where(real_NT, work_NT, -1), -1, top).astype(jnp.int32)
+    tile = jnp.arange(work_NT.shape[0], dtype=jnp.int32)
+    return lax.sort(((top - w) << bits) | tile)
+
+
+def _tile_order(
+    cfg: _Config, ts: schedule.TileSchedule, B: int, sentinel: bool = False
+) -> jax.Array:
     """The order CTAs take the query tiles in (an on-device sort; empty tiles last).
 
-    ``longest_first``: the tiles with the most K/V tiles to visit first, over the whole batch
-    (the best tail when tiles are few, as in decode-heavy batches). ``by_sequence``: sequence
-    by sequence, longest first within each, so the CTAs running at once share one sequence's
-    K/V in L2 (long prefills). ``index``: schedule order.
+    ``longest_first``: the tiles with the most K/V to visit first (``work``, in tokens), over
+    the whole batch (the best tail when tiles are few, as in decode-heavy batches); the
+    entries are packed sort keys (``_longest_first_order``: one single-operand sort instead of
+    a negate and a two-operand argsort) that the kernel decodes with ``_order_index_bits``.
+    ``by_sequence``: sequence by sequence, longest first within each, so the CTAs running at
+    once share one sequence's K/V in L2 (long prefills); a lexsort (three fields: sequence,
+    work and tile do not fit one int32 key without tying long tiles). ``index``: schedule
+    order. ``sentinel``: one more entry, ``NT``, for the paired grid's inert unit (it is
+    below ``2**bits``, so it decodes to itself).
     """
     NT = ts.seq.shape[0]
     if cfg.tile_order == "index":
-        return jnp.arange(NT, dtype=jnp.int32)
-    work = jnp.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if cfg.causal else ts.kv_len
-    if cfg.sliding_window is not None:  # keys before the first row's window are never read
-        work = work - jnp.maximum(ts.pos0 - cfg.sliding_window + 1, 0)
-    real = ts.q_rows > 0
-    if cfg.tile_order == "longest_first":
-        return jnp.argsort(-jnp.where(real, work, -1)).astype(jnp.int32)
-    return jnp.lexsort((-work, jnp.where(real, ts.seq, B))).astype(jnp.int32)
+        order = jnp.arange(NT, dtype=jnp.int32)
+    else:
+        work = jnp.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if cfg.causal else ts.kv_len
+        if cfg.sliding_window is not None:  # keys before the first row's window are never read
+            work = work - jnp.maximum(ts.pos0 - cfg.sliding_window + 1, 0)
+        real = ts.q_rows > 0
+        if cfg.tile_order == "longest_first":
+            bits = _order_index_bits(cfg, NT + int(sentinel))
+            order = _longest_first_order(work, real, bits)
+        else:
+            order = jnp.lexsort((-work, jnp.where(real, ts.seq, B))).astype(jnp.int32)
+    if sentinel:
+        order = jnp.concatenate([order, jnp.full((1,), NT, jnp.int32)])
+    return order
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -837,14 +898,14 @@ def _ragged_attention(
     k_RH = k_pages.reshape(-1, H)
     v_RH = v_pages.reshape(-1, H)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * jnp.int32(K * P * C)
-    order = _tile_order(cfg, ts, B=block_tables_BW.shape[0])
-    tile_arrays = [ts.seq, ts.q_rows, ts.pos0, ts.kv_len, q_start, store]
     units = NT * cfg.kv_splits  # (tile, split) work units
+    inert = cfg.paired and units % W != 0  # W units per CTA; the odd one out gets an inert tile
+    order = _tile_order(cfg, ts, B=block_tables_BW.shape[0], sentinel=inert)
+    tile_arrays = [ts.seq, ts.q_rows, ts.pos0, ts.kv_len, q_start, store]
     grid_i = units
-    if cfg.paired and units % W:  # W units per CTA; the odd one out gets an inert tile
+    if inert:
         grid_i = -(-units // W)
         tile_arrays = [jnp.pad(a, (0, 1)) for a in tile_arrays]
-        order = jnp.concatenate([order, jnp.full((1,), NT, jnp.int32)])
     elif cfg.paired:
         grid_i = units // W
     name = (
