@@ -2,9 +2,11 @@
 
 - ``wall_us``: many back-to-back calls, one sync, median over rounds (what a serving loop sees,
   launch gaps and epilogue kernels included).
-- ``loop_us``: chained calls in one jitted program (unrolled), one dispatch per round (the GPU
-  time a call adds to a jitted model step: launch gaps between its kernels included, host
-  dispatch not, which dominates ``wall_us`` for calls of a few tens of us).
+- ``loop_us``: chained calls in one jitted program (unrolled), one dispatch per round. Per-call
+  host dispatch is gone, but NOT a device-only time: each program's own overhead (launch,
+  XLA command-buffer set-up, the final sync) is spread over its calls, and on the H200 it
+  exceeded ``wall_us`` in 6 of 9 quick rows (eighth session). For comparisons within one
+  implementation; the device timeline is ``profile_launch_gaps.py``.
 - ``cupti_us``: kernel-only device time through ``jax.experimental.mosaic.gpu.profiler``
   (CUPTI), median over iterations; None where CUPTI is unavailable.
 - ``read_roofline_tbs``: HBM read bandwidth of a large reduction measured in the same process,
@@ -48,8 +50,9 @@ def chained(fn: Callable, iterations: int) -> Callable:
     output (reshaped and cast to the first argument's shape and dtype) the next call's first
     argument, so no call can be hoisted or skipped and the data are never constant.
 
-    Unrolled, not a ``fori_loop``: on the H200 (JAX 0.11.2, eighth session) a ``fori_loop``
-    trip cost 10-15 us over the kernels' CUPTI time, more than back-to-back dispatch did.
+    Unrolled, not a ``fori_loop``, so no loop trip adds its own cost (on the H200, JAX 0.11.2,
+    a ``fori_loop`` trip measured 10-22 us over the kernels' CUPTI time); the program's fixed
+    overhead remains (``loop_us``).
     Values computed from the other arguments alone (the decode kernel's longest-first order
     from ``lengths``) are computed once for all calls, as XLA does for the layers of a step.
     """
@@ -64,8 +67,7 @@ def chained(fn: Callable, iterations: int) -> Callable:
 
 def loop_us(fn: Callable, *args, iterations: int = 50, rounds: int = 5) -> float:
     """Per-call time in us of ``chained(fn, iterations)``, median over ``rounds`` (one dispatch
-    and one sync per round): what a call adds to a jitted step, launch gaps included, host
-    dispatch not."""
+    and one sync per round); includes the program's fixed overhead / ``iterations``."""
     return wall_us(chained(fn, iterations), *args, calls=1, rounds=rounds, warmup=1) / iterations
 
 

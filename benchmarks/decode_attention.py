@@ -6,8 +6,9 @@ jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
 the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
 a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
 median of ``--rounds`` rounds) and CUPTI kernel-only side by side; ``--loop`` adds the per-call
-time of ``--calls`` chained calls in one jitted program (device time with the launch gaps, no
-host dispatch: what a call adds to a jitted decode step; see ``_timing.chained``). Effective TB/s = live K/V bytes / time.
+time of ``--calls`` chained calls in one jitted program (no per-call host dispatch, but the
+program's own overhead spread over the calls: not a device-only time, see ``_timing.loop_us``
+and ``profile_launch_gaps.py``). Effective TB/s = live K/V bytes / time.
 
     python benchmarks/decode_attention.py --quick            # the 9-row table
     python benchmarks/decode_attention.py                    # the full sweep

@@ -94,6 +94,8 @@ def analyze(ops, labels: list[str], host=()) -> None:
     if cur:
         groups.append(cur)
     print(f"{len(groups)} groups of GPU activity ({len(ops)} ops)")
+    if labels and len(groups) != len(labels):
+        print(f"WARNING: {len(labels)} labels for {len(groups)} groups: labels may be shifted")
     for g, ks in enumerate(groups):
         label = labels[g] if g < len(labels) else f"group {g}"
         # Ops on several streams may overlap: idle is the span not covered by any op.

@@ -110,4 +110,4 @@ def test_launch_gap_trace_parsing(tmp_path):
     (path,) = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)
     gpu, host = plg.gpu_events(path)
     assert host and all(e[1] - e[0] == e[2] >= 0 for e in host)
-    assert gpu == [] or jax.default_backend() == "gpu"
+    assert bool(gpu) == (jax.default_backend() == "gpu")  # GPU ops only where there is one

@@ -106,8 +106,9 @@ def _assert_no_races():
         (128, 2, {"num_layers": 2, "layer": jnp.int32(1)}),
         # L2 prefetches are no-ops in the interpreter; their table lookups still run
         (16, 2, {"block_kv": 64, "num_stages": 2, "l2_prefetch": 3, "out_of_range_tail": True}),
-        # K refilled after Q K^T (early_k) and a K ring deeper than V's: the two rings wrap at
-        # different tiles (150 tokens = 3 tiles of 64, 300 in the long-case test below)
+        # K refilled after Q K^T (early_k) and a K ring deeper than V's: the rings wrap at
+        # different tiles (the longest case, 150 tokens, is 3 tiles of 64; the K ring wraps
+        # only in the first; test_interpret_k_ring_matches_reference runs 10-tile sequences)
         (16, 1, {"block_kv": 64, "num_stages": 1, "early_k": True}),
         (16, 2, {"block_kv": 64, "num_stages": 1, "k_stages": 2, "early_k": True}),
         (8, 1, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
@@ -216,8 +217,48 @@ def test_interpret_k_ring_matches_reference(extra):
               interpret=RACE_CHECKED, **extra)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "C,G,lengths,extra",
+    [
+        (16, 2, [0, 1, 15, 16, 17, 150], dict()),
+        (16, 2, [0, 1, 15, 16, 17, 150, 300], dict(num_splits=2, block_kv=64)),
+        (8, 4, [0, 1, 9, 150, 300], dict(num_splits=3, soft_cap=20.0, window=100, block_kv=64)),
+        (16, 3, [5, 200, 0, 64], dict(longest_first=True)),  # G=3: 16 query columns
+        (32, 1, [0, 33, 400, 7], dict(num_splits=2, longest_first=True, out_of_range_tail=True)),
+        (16, 8, [130, 0, 64, 1], dict(block_kv=64, num_stages=1, k_stages=2, early_k=True)),
+    ],
+    ids=[
+        "C16-G2",
+        "C16-G2-split2",
+        "C8-G4-split3-cap-window",
+        "C16-G3-longest",
+        "C32-G1-split2",
+        "C16-G8-k-ring",
+    ],
+)
+def test_interpret_swap_ab_matches_reference(C, G, lengths, extra):
+    # Scores as K Q^T: the queries are a wgmma N of 8 or 16 columns, P^T is stored through a
+    # transposed view, split partials are per-(sequence, KV head) tiles the merge gathers.
+    rng = np.random.default_rng(80 + C + G)
+    _run_case(rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True, **extra)
+
+
+@pytest.mark.parametrize(
+    "num_seqs,num_q_heads,num_kv_heads,qcols",
+    [(5, 32, 8, 8), (3, 32, 32, 8), (2, 64, 8, 8), (4, 48, 8, 16), (4, 6, 2, 16), (9, 24, 8, 16)],
+)
+def test_qcols_cover_every_heads_rows(num_seqs, num_q_heads, num_kv_heads, qcols):
+    assert kernel_gpu._qcols(num_seqs, num_q_heads, num_kv_heads) == qcols
+    G = num_q_heads // num_kv_heads
+    for b in range(num_seqs):
+        for h in range(num_kv_heads):
+            qrow = b * num_q_heads + h * G
+            assert qrow - qrow // 8 * 8 + G <= qcols  # the G rows lie in the loaded block
+
+
+@pytest.mark.parametrize("slot_lengths", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_interpret_plain_order_indices(monkeypatch, persistent):
+def test_interpret_plain_order_indices(monkeypatch, persistent, slot_lengths):
     # Past 2**16 sequences the order holds plain indices; shrink the bound to exercise that
     # decode branch on a small batch.
     monkeypatch.setattr(kernel_gpu, "_ORDER_BITS", 2)
@@ -225,7 +266,7 @@ def test_interpret_plain_order_indices(monkeypatch, persistent):
     rng = np.random.default_rng(60 + persistent)
     extra = dict(persistent=True, num_ctas=3) if persistent else {}
     _run_case(rng, [5, 200, 0, 64, 130, 17], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
-              longest_first=True, num_splits=2, slot_lengths=True, **extra)  # fmt: skip
+              longest_first=True, num_splits=2, slot_lengths=slot_lengths, **extra)  # fmt: skip
 
 
 def test_interpret_through_public_dispatch():
@@ -261,6 +302,16 @@ _VARIANTS = [
     dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
     dict(B=40, slot_lengths=True),  # lengths permuted into slot order
+    # Scores as K Q^T (swap_ab): queries as a wgmma N of 8 / 16 columns
+    dict(swap_ab=True),
+    dict(swap_ab=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
+    dict(swap_ab=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128
+    dict(swap_ab=True, H=256, C=256, num_splits=2),
+    dict(swap_ab=True, N=64, K=8, C=64),  # G=8
+    dict(swap_ab=True, N=8, K=8, C=32, block_kv=128),  # G=1, T=128
+    dict(swap_ab=True, B=40, num_splits=2),  # longest first
+    dict(swap_ab=True, N=48, K=8),  # G=6: 16 query columns
+    dict(swap_ab=True, num_stages=2, k_stages=3, early_k=True),
     dict(l2_prefetch=2),  # cp.async.bulk.prefetch of the tiles past the ring
     dict(l2_prefetch=1, num_splits=3, C=64, H=64, block_kv=64, sliding_window=100),
     # K refilled after Q K^T; a K ring deeper than V's (105 KB at H=128: 2 CTAs per SM)
@@ -376,6 +427,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(k_stages=3, persistent=True), "need producer=False and persistent=False"),
         (dict(early_k=True, producer=True), "need producer=False and persistent=False"),
         (dict(k_stages=1.5), "k_stages=1.5 must be an integer"),
+        (dict(swap_ab=True, producer=True), "swap_ab=True needs producer=False"),
+        (dict(swap_ab=True, persistent=True), "swap_ab=True needs producer=False"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -394,6 +447,28 @@ def test_empty_batch_returns_empty():
             q, kv, kv, bt, ln, sm_scale=0.1, persistent=persistent, interpret=True
         )
         assert out.shape == (0, 8, 64) and out.dtype == jnp.bfloat16
+
+
+def test_empty_table_and_negative_lengths_give_zeros():
+    # W = 0 (no page to read): zeros without a launch. Lengths < 0 count as 0: no table read
+    # goes negative (the prologue reads its lookups before it knows a unit has no tile).
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((2, 4, 16, 64), jnp.bfloat16)
+    out = kernel_gpu.paged_attention_pallas_gpu(
+        q, kv, kv, jnp.zeros((2, 0), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=0.1,
+        interpret=True,
+    )  # fmt: skip
+    assert out.shape == q.shape and not np.any(np.asarray(out.astype(jnp.float32)))
+    bt = jnp.asarray([[0, 1, 2], [3, 1, 0]], jnp.int32)
+    v = kv * jnp.arange(1, 5, dtype=jnp.bfloat16)[None, :, None, None]  # page p holds p + 1
+    out = kernel_gpu.paged_attention_pallas_gpu(
+        q, kv, v, bt, jnp.asarray([-200, 20], jnp.int32), sm_scale=0.1, num_splits=2,
+        block_kv=64, interpret=RACE_CHECKED,
+    )  # fmt: skip
+    out = np.asarray(out.astype(jnp.float32))
+    assert not np.any(out[0])
+    # Equal scores: the mean of V over 20 tokens, 16 from page 3 (value 4) and 4 from page 1 (2).
+    np.testing.assert_allclose(out[1], (16 * 4 + 4 * 2) / 20, rtol=1e-2)
 
 
 def test_five_d_pool_needs_layer():
@@ -511,6 +586,39 @@ def test_gpu_options(extra):
     rng = np.random.default_rng(7)
     lengths = [0, 1, 15, 16, 17, 99, 1000, 2500]
     _run_case(rng, lengths, K=4, G=4, H=128, C=16, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,G,H,extra",
+    [
+        (16, 4, 128, dict()),
+        (16, 4, 128, dict(num_splits=4)),
+        (16, 1, 128, dict(num_splits=2, out_of_range_tail=True)),
+        (8, 8, 64, dict()),  # T=128
+        (64, 4, 256, dict(num_splits=3)),
+        (16, 4, 128, dict(window=700, soft_cap=50.0, num_splits=3)),
+        (32, 6, 128, dict(num_stages=2)),  # G=6: 16 query columns
+        (16, 4, 128, dict(num_stages=2, k_stages=3, early_k=True, dtype="float16")),
+        (16, 4, 128, dict(longest_first=True, num_layers=2, layer=1)),
+    ],
+    ids=str,
+)
+def test_gpu_swap_ab(C, G, H, extra):
+    rng = np.random.default_rng(C + G + H)
+    extra = dict(extra)
+    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
+    lengths = [0, 1, C - 1, C, C + 1, 99, 1000, 2500]
+    _run_case(rng, lengths, K=4, G=G, H=H, C=C, dtype=dtype, swap_ab=True, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 8])
+def test_gpu_swap_ab_long_and_many(splits):
+    rng = np.random.default_rng(90 + splits)
+    _run_case(rng, [32768, 1, 20001], K=2, G=4, H=128, C=16, num_splits=splits, swap_ab=True)
+    lengths = rng.integers(0, 3000, size=96)
+    _run_case(rng, lengths, K=8, G=4, H=128, C=16, swap_ab=True)
 
 
 @pytest.mark.gpu

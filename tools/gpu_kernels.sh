@@ -42,9 +42,12 @@ tests() {  # tests FILE [-k EXPR]
   shift
   local k=() n=()
   [ $# -gt 0 ] && k=(-k "$*")
-  local workers=${TEST_WORKERS:-4}
-  [ "$workers" -gt 0 ] && n=(-n "$workers")
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(1 / ($workers + 1), 2))")} \
+  local workers=${TEST_WORKERS:-4} frac=${XLA_PYTHON_CLIENT_MEM_FRACTION:-}
+  if [ "$workers" -gt 0 ]; then
+    n=(-n "$workers")
+    frac=${frac:-$(python3 -c "print(round(1 / ($workers + 1), 2))")}
+  fi
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${frac:-0.75} \
     run "${TEST_TIMEOUT:-240}" "$DEST/$(basename "$file" .py).log" \
     "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider -p no:benchmark "${n[@]}" --durations=5 \
     "$file" "${k[@]}"
@@ -87,7 +90,7 @@ case "$PART" in
       --out "$DEST" "${@:3}"
     ;;
   *)
-    echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode or ncu" >&2
+    echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode, ncu or gaps" >&2
     exit 2
     ;;
 esac

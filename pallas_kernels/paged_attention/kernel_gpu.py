@@ -107,6 +107,7 @@ class _Config:
     k_stages: int  # K ring depth
     early_k: bool  # a K slot is refilled once Q K^T has read it, not after P @ V
     slot_lengths: bool  # lengths passed in the longest-first slot order (with longest_first)
+    swap_ab: bool  # scores as K Q^T (keys x queries): the G heads are a wgmma N of ``qcols``
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
@@ -128,6 +129,20 @@ class _Config:
     def rows_per_copy(self) -> int:
         return min(self.page_size, self.block_kv)
 
+    @property
+    def qcols(self) -> int:
+        """``swap_ab``: query rows a CTA loads (its G heads at offset ``qoff`` in an 8-row
+        aligned block), the wgmma N of both products."""
+        return _qcols(self.num_seqs, self.num_q_heads, self.num_kv_heads)
+
+
+def _qcols(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+    G = num_q_heads // num_kv_heads
+    offs = {
+        (b * num_q_heads + h * G) % 8 for b in range(min(num_seqs, 8)) for h in range(num_kv_heads)
+    }
+    return -(-(max(offs) + G) // 8) * 8
+
 
 def _smem_bytes(
     head_dim: int,
@@ -138,10 +153,15 @@ def _smem_bytes(
     persistent: bool = False,
     split: bool = True,
     k_stages: int | None = None,
+    qcols: int | None = None,
 ) -> int:
-    q = _ROWS * head_dim * itemsize
+    """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
+    ``qcols`` query rows instead of 64 (its output tiles reuse the ring's SMEM)."""
     k_stages = num_stages if k_stages is None else k_stages
     kv = (num_stages + k_stages) * block_kv * head_dim * itemsize
+    if qcols is not None:
+        return qcols * (head_dim + block_kv) * itemsize + kv + 1024
+    q = _ROWS * head_dim * itemsize
     if producer:  # the output tiles share the ring's SMEM (RefUnion), the largest at S > 1
         kv = max(kv, _ROWS * (head_dim + _LSE_COLS) * 4 + 1024)
     p = _ROWS * block_kv * itemsize
@@ -158,7 +178,11 @@ def default_block_kv(head_dim: int) -> int:
 
 
 def default_num_stages(
-    head_dim: int, block_kv: int = 64, producer: bool = False, persistent: bool = False
+    head_dim: int,
+    block_kv: int = 64,
+    producer: bool = False,
+    persistent: bool = False,
+    qcols: int | None = None,
 ) -> int:
     """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2.
 
@@ -173,7 +197,8 @@ def default_num_stages(
             stages -= 1
         return stages
     for stages in (4, 3):
-        if _smem_bytes(head_dim, block_kv, stages, persistent=persistent) <= _TWO_CTA_SMEM_BYTES:
+        smem = _smem_bytes(head_dim, block_kv, stages, persistent=persistent, qcols=qcols)
+        if smem <= _TWO_CTA_SMEM_BYTES:
             return stages
     return 2
 
@@ -336,6 +361,7 @@ class _Unit(NamedTuple):
     qrow: Any  # first query row of the unit's G heads
     s: Any  # the split
     valid: Any  # False for the padding units of a persistent CTA's last round
+    h: Any  # the KV head
 
     @property
     def qrow8(self):
@@ -358,7 +384,8 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) 
     else:
         b = order_ref[b_slot]
     # With ``slot_lengths`` the lengths come in slot order: read at once, not after the order.
-    length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
+    # Lengths < 0 (invalid) count as 0, so no tile index and no table lookup goes negative.
+    length = jnp.maximum(len_ref[b_slot] if cfg.slot_lengths else len_ref[b], 0)
     lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
     t_lo = lo // T
     t_hi = (length + T - 1) // T
@@ -377,6 +404,7 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) 
         qrow=b * cfg.num_q_heads + h * cfg.group,
         s=jnp.asarray(s, jnp.int32),
         valid=jnp.asarray(valid, jnp.bool_),
+        h=jnp.asarray(h, jnp.int32),
     )
 
 
@@ -419,10 +447,18 @@ def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
             plgpu.async_prefetch(src.at[pl.ds(row, r)])
 
 
-def _init_carry(H):
-    acc = plgpu.layout_cast(jnp.zeros((_ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+def _init_carry(cfg: _Config):
+    """(acc, m, l): acc [64, H] with m, l per row; ``swap_ab``: acc^T [H, qcols], m, l per
+    column."""
+    H = cfg.head_dim
+    if cfg.swap_ab:
+        shape, vec, axis = (H, cfg.qcols), cfg.qcols, 0
+    else:
+        shape, vec, axis = (_ROWS, H), _ROWS, 1
+    acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    vec_layout = plgpu.Layout.WGMMA.reduce(axis)
+    m = plgpu.layout_cast(jnp.full((vec,), -jnp.inf, jnp.float32), vec_layout)
+    l = plgpu.layout_cast(jnp.zeros((vec,), jnp.float32), vec_layout)
     return acc, m, l
 
 
@@ -441,13 +477,23 @@ def _tile(
     acc, m, l = carry
     tile_tok = (unit.start + i) * T
     v_slot = slot if v_slot is None else v_slot
+    # swap_ab: the scores' transpose K Q^T [T, qcols] (keys down, queries across), P^T stored
+    # through a transposed view of P [qcols, T], and O^T = V^T P^T [H, qcols]: the wgmma M is
+    # the keys / the head dim, and only N = qcols columns of queries are computed (8 for
+    # G <= 4) where the default tile computes 64 query rows.
+    swap = cfg.swap_ab
+    keys = 0 if swap else 1  # the scores' key axis
     plgpu.barrier_wait(k_bar.at[slot])
 
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        if swap:
+            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
-    sc = pl.run_scoped(qk, plgpu.ACC((_ROWS, T), jnp.float32))
+    sc_shape = (T, cfg.qcols) if swap else (_ROWS, T)
+    sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
     if after_qk is not None:
         after_qk()
     scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
@@ -459,24 +505,30 @@ def _tile(
         sc = sc * scale
 
     def mask(sc):
-        col = tile_tok + plgpu.broadcasted_iota(jnp.int32, (_ROWS, T), 1, layout=plgpu.Layout.WGMMA)
-        return jnp.where((col < unit.length) & (col >= unit.lo), sc, -jnp.inf)
+        key = tile_tok + plgpu.broadcasted_iota(
+            jnp.int32, sc_shape, keys, layout=plgpu.Layout.WGMMA
+        )
+        return jnp.where((key < unit.length) & (key >= unit.lo), sc, -jnp.inf)
 
     # Only a tile holding the sequence end or the window start has keys to hide: the others
     # skip the per-score iota, compares and select (a uniform branch).
     partial = (tile_tok + T > unit.length) | (tile_tok < unit.lo)
     sc = lax.cond(partial, mask, lambda sc: sc, sc)
+    queries = [1 - keys]  # where a per-query vector broadcasts to
     if fold:  # max(s) * scale = max(s * scale) for scale > 0; exp2(s * scale - m) per score
-        m_new = jnp.maximum(m, sc.max(axis=1) * scale)
-        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+        m_new = jnp.maximum(m, sc.max(axis=keys) * scale)
+        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, queries))
     else:
-        m_new = jnp.maximum(m, sc.max(axis=1))
-        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+        m_new = jnp.maximum(m, sc.max(axis=keys))
+        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, queries))
     alpha = jnp.exp2(m - m_new)
-    l = l * alpha + p.sum(axis=1)
+    l = l * alpha + p.sum(axis=keys)
     if before_p is not None:
         before_p()
-    p_smem[...] = p.astype(cfg.dtype)
+    if swap:
+        p_smem.transpose((1, 0))[...] = p.astype(cfg.dtype)
+    else:
+        p_smem[...] = p.astype(cfg.dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[v_slot])
 
@@ -489,11 +541,14 @@ def _tile(
         plgpu.commit_smem()
 
     def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem.at[v_slot])
+        if swap:
+            plgpu.wgmma(acc_ref, v_smem.at[v_slot].transpose((1, 0)), p_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[v_slot])
         return acc_ref[...]
 
-    o = pl.run_scoped(pv, plgpu.ACC((_ROWS, H), jnp.float32))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+    o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
     return acc, m_new, l
 
 
@@ -502,7 +557,7 @@ def _finish(cfg: _Config, acc, m, l):
     log-sum-exp."""
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
-    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1] if cfg.swap_ab else [0])
     if cfg.num_splits == 1:
         return out, None
     return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
@@ -516,7 +571,23 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
     rows = pl.ds(unit.qoff, G)
     if not wait:  # the previous unit's copies may still read these tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if cfg.num_splits == 1:
+    if cfg.swap_ab and cfg.num_splits == 1:  # out is O^T [H, qcols]: stored transposed
+        (o_ref,), (o_smem,) = outs, out_smem
+        o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
+    elif cfg.swap_ab:
+        # Mosaic GPU cannot store f32 through a transposed view: the CTA writes its whole
+        # O^T [H, qcols] tile and the lse of its qcols columns to its own slot (b * K + h),
+        # and the merge picks the G real columns (``_swapped_partials``).
+        (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
+        cta = unit.b * cfg.num_kv_heads + unit.h
+        o_smem[...] = out
+        lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[unit.s, cta])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, 1)], lse_ref.at[unit.s, pl.ds(cta, 1)])
+    elif cfg.num_splits == 1:
         (o_ref,), (o_smem,) = outs, out_smem
         o_smem[...] = out.astype(cfg.dtype)
         plgpu.commit_smem()
@@ -544,6 +615,21 @@ def _scratch(cfg: _Config):
     T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
     k_stages = cfg.k_stages
     tr = _smem_transforms()
+    if cfg.swap_ab:
+        NQ = cfg.qcols
+        if cfg.num_splits == 1:
+            out = (plgpu.SMEM((NQ, H), dtype),)  # untiled: G-row slices at qoff
+        else:
+            out = (plgpu.SMEM((H, NQ), jnp.float32), plgpu.SMEM((_ROWS, NQ), jnp.float32))
+        return (
+            plgpu.SMEM((NQ, H), dtype, transforms=tr),
+            (
+                plgpu.SMEM((k_stages, T, H), dtype, transforms=tr),
+                plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+            ),
+            plgpu.SMEM((NQ, T), dtype, transforms=tr),
+            out,
+        )
     # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
         out = (plgpu.SMEM((_ROWS, H), dtype),)
@@ -592,7 +678,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         """
         k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
         smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, _ROWS)], q_smem, q_bar)
+        q_rows = cfg.qcols if cfg.swap_ab else _ROWS
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, q_rows)], q_smem, q_bar)
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if consumed is None:
@@ -652,7 +739,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             plgpu.barrier_arrive(consumed[1].at[slot])
             return carry
 
-        return lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
+        return lax.fori_loop(0, n, step, _init_carry(cfg))
 
     q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
@@ -799,7 +886,7 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
                 pl.when(refill)(lambda: _issue(cfg, target, target_i, slot, pages, kv))
                 return carry
 
-            acc, m, l = lax.fori_loop(0, n, step, _init_carry(cfg.head_dim))
+            acc, m, l = lax.fori_loop(0, n, step, _init_carry(cfg))
             out, lse = _finish(cfg, acc, m, l)
             pl.when(cur.valid)(lambda: _store(cfg, cur, outs, out_smem, out, lse, wait=False))
             return t0 + n, n, (n > 0) & (nxt.n > 0)
@@ -817,6 +904,21 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
     )
+
+
+def _swapped_partials(cfg: _Config, o_SCHQ, lse_SCQ):
+    """``swap_ab`` split partials as rows: o [S, B*K, H, qcols] and lse [S, B*K, qcols] per
+    (sequence, KV head) tile -> o [S, B*N, H], lse [S, B*N, 1]. Head h of sequence b owns
+    columns qoff .. qoff + G of its tile, qoff = (b * N + h * G) % 8 (an XLA gather)."""
+    S, B, K, N, G, H = (
+        cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group, cfg.head_dim
+    )  # fmt: skip
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None]
+    h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
+    cols = (b * N + h * G) % 8 + jnp.arange(G, dtype=jnp.int32)  # [B, K, G]
+    o = jnp.take_along_axis(o_SCHQ.reshape(S, B, K, H, -1), cols[None, :, :, None, :], axis=4)
+    lse = jnp.take_along_axis(lse_SCQ.reshape(S, B, K, -1), cols[None], axis=3)
+    return o.transpose(0, 1, 2, 4, 3).reshape(S, B * N, H), lse.reshape(S, B * N, 1)
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
@@ -859,6 +961,11 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     S = cfg.num_splits
     if S == 1:
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
+    elif cfg.swap_ab:  # per (sequence, KV head) tiles: O^T and the lse of qcols columns
+        out_type = (
+            jax.ShapeDtypeStruct((S, B * K, H, cfg.qcols), jnp.float32),
+            jax.ShapeDtypeStruct((S, B * K, cfg.qcols), jnp.float32),
+        )
     else:
         out_type = (
             jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
@@ -869,6 +976,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{stages}_S{S}_C{C}_G{cfg.group}_H{H}"
     if cfg.early_k:
         name += "_ek"
+    if cfg.swap_ab:
+        name += f"_sw{cfg.qcols}"
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
     body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
@@ -896,7 +1005,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     out = kernel(*args)
     if S == 1:
         return out.reshape(B, N, H)
-    o_SRH, lse_SRL = out
+    o_SRH, lse_SRL = _swapped_partials(cfg, *out) if cfg.swap_ab else out
     return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H)
 
 
@@ -924,6 +1033,7 @@ def paged_attention_pallas_gpu(
     k_stages: int | None = None,
     early_k: bool = False,
     slot_lengths: bool = False,
+    swap_ab: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -969,9 +1079,15 @@ def paged_attention_pallas_gpu(
         producer warpgroup already does) or ``persistent``.
       slot_lengths: with ``longest_first``, pass the lengths permuted into the schedule's
         order (one small XLA gather after the sort), so a CTA reads its sequence's length and
-        its order entry at once instead of one after the other. Opt-in: on the H200 (eighth
+        its order entry at once instead of one after the other; ignored when the order is not
+        longest first (``longest_first`` False, or None resolving to off). Opt-in: on the H200 (eighth
         session) the gather cost more than the shorter start saved (CUPTI 276.2 vs 272.7 us at
         B=256 / 1k, 251.5 vs 249.9 at B=128 / 2k).
+      swap_ab: compute the scores' transpose K Q^T and O^T = V^T P^T, so the G query heads of
+        a KV head are a wgmma N of ``qcols`` (8 for G <= 4) instead of 64 padded rows: 8x
+        less tensor work and softmax at G=4, and Q and P tiles of 2 and 1 KB instead of 16 and
+        8 (a third ring stage fits at two CTAs per SM). Split partials are per (sequence, KV
+        head) tiles gathered by the merge. Not with ``producer`` or ``persistent``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -998,7 +1114,7 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
-    if B == 0:
+    if B == 0 or W == 0:  # no sequence, or no page to read (every length must then be 0)
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
     persistent = bool(persistent)
@@ -1010,8 +1126,15 @@ def paged_attention_pallas_gpu(
         splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
+    swap_ab = bool(swap_ab)
+    if swap_ab and (producer or persistent):
+        raise ValueError(
+            "swap_ab=True needs producer=False and persistent=False (got "
+            f"producer={producer}, persistent={persistent})"
+        )
+    qcols = _qcols(B, N, K) if swap_ab else None
     if num_stages is None:
-        stages = default_num_stages(H, block_kv, producer, persistent)
+        stages = default_num_stages(H, block_kv, producer, persistent, qcols=qcols)
     else:
         stages = _int_knob("num_stages", num_stages)
     k_stages = stages if k_stages is None else _int_knob("k_stages", k_stages)
@@ -1023,7 +1146,7 @@ def paged_attention_pallas_gpu(
         )
     smem = functools.partial(
         _smem_bytes, H, block_kv, producer=producer, persistent=persistent, split=splits > 1,
-        k_stages=k_stages,
+        k_stages=k_stages, qcols=qcols,
     )  # fmt: skip
     if stages < 1 or k_stages < 1 or smem(stages) > _SMEM_BYTES:
         raise ValueError(
@@ -1066,6 +1189,7 @@ def paged_attention_pallas_gpu(
         producer=producer,
         longest_first=lf,
         slot_lengths=lf and bool(slot_lengths),
+        swap_ab=swap_ab,
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
