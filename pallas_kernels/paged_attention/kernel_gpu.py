@@ -196,6 +196,10 @@ def default_num_stages(
         while stages > 1 and _smem_bytes(head_dim, block_kv, stages, producer=True) > _SMEM_BYTES:
             stages -= 1
         return stages
+    if qcols is not None:
+        # swap_ab: 2 stages (about 68 KB at H=128: three CTAs per SM by SMEM) beat 3 (two per
+        # SM) in 8 of 9 quick rows on the H200 (eighth session, decode_quick_s8_swap.json).
+        return 2
     for stages in (4, 3):
         smem = _smem_bytes(head_dim, block_kv, stages, persistent=persistent, qcols=qcols)
         if smem <= _TWO_CTA_SMEM_BYTES:
@@ -1033,7 +1037,7 @@ def paged_attention_pallas_gpu(
     k_stages: int | None = None,
     early_k: bool = False,
     slot_lengths: bool = False,
-    swap_ab: bool = False,
+    swap_ab: bool | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1086,8 +1090,11 @@ def paged_attention_pallas_gpu(
       swap_ab: compute the scores' transpose K Q^T and O^T = V^T P^T, so the G query heads of
         a KV head are a wgmma N of ``qcols`` (8 for G <= 4) instead of 64 padded rows: 8x
         less tensor work and softmax at G=4, and Q and P tiles of 2 and 1 KB instead of 16 and
-        8 (a third ring stage fits at two CTAs per SM). Split partials are per (sequence, KV
-        head) tiles gathered by the merge. Not with ``producer`` or ``persistent``.
+        8. Split partials are per (sequence, KV head) tiles gathered by the merge. Default
+        (None): on without splits (and without ``producer`` / ``persistent``), where it was
+        0.4-4.7% faster on CUPTI in every quick row on the H200; off with splits, where its
+        merge gather cost more (B=1 +2.4%, B=8 +1.9%). Not with ``producer`` or
+        ``persistent``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1126,6 +1133,8 @@ def paged_attention_pallas_gpu(
         splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
+    if swap_ab is None:
+        swap_ab = splits == 1 and not producer and not persistent
     swap_ab = bool(swap_ab)
     if swap_ab and (producer or persistent):
         raise ValueError(
