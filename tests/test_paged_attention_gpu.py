@@ -10,6 +10,7 @@ randomly permuted tables and NaN-poisoned free pages and last-page tails.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,7 @@ def _assert_no_races():
     "C,splits,extra",
     [
         (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
+        (16, 1, {"out_of_range_tail": True, "swap_ab": False}),  # 64 query rows without splits
         (16, 2, {"longest_first": True}),  # the (sequence, split, head) grid, permuted
         (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
         (16, 2, {"longest_first": True, "slot_lengths": True}),  # lengths in slot order
@@ -109,7 +111,7 @@ def _assert_no_races():
         # K refilled after Q K^T (early_k) and a K ring deeper than V's: the rings wrap at
         # different tiles (the longest case, 150 tokens, is 3 tiles of 64; the K ring wraps
         # only in the first; test_interpret_k_ring_matches_reference runs 10-tile sequences)
-        (16, 1, {"block_kv": 64, "num_stages": 1, "early_k": True}),
+        (16, 1, {"block_kv": 64, "num_stages": 1, "early_k": True, "swap_ab": False}),
         (16, 2, {"block_kv": 64, "num_stages": 1, "k_stages": 2, "early_k": True}),
         (8, 1, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
         # A negative scale keeps the scale out of exp2 (max(s) * scale != max(s * scale))
@@ -117,6 +119,7 @@ def _assert_no_races():
     ],
     ids=[
         "C16-T128-bad-ids",
+        "C16-T128-bad-ids-64-rows",
         "C16-split2-longest-first",
         "C16-split2-longest-first-heads-outer",
         "C16-split2-longest-first-slot-lengths",
@@ -291,7 +294,10 @@ def test_interpret_through_public_dispatch():
 # --------------------------------------------------------------------------- CPU: cross-lowering
 
 _VARIANTS = [
-    dict(),
+    dict(),  # no splits at B=4: swap_ab (queries as 8 wgmma columns), 2 stages
+    dict(swap_ab=False),  # the 64-row tile
+    dict(swap_ab=False, H=64, C=8, K=4, dtype=jnp.float16, L=3),
+    dict(swap_ab=False, N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(num_splits=4, logits_soft_cap=30.0, sliding_window=100),
     dict(H=256, C=256, num_splits=2),
     dict(H=64, C=8, K=4, dtype=jnp.float16, L=3),  # H=64: T=128 by default
@@ -363,6 +369,13 @@ def test_cross_lowers_for_cuda(variant):
     assert "mosaic_gpu" in text.lower()
     # The L2 prefetches are in the kernel exactly when asked for.
     assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
+    # swap_ab (the kernel name ends in _sw<qcols>): as asked, else exactly without splits.
+    T = v.get("block_kv", kernel_gpu.default_block_kv(H))
+    splits = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T)
+    default_swap = splits == 1 and not v.get("producer") and not v.get("persistent")
+    swap = v.get("swap_ab", default_swap)
+    names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
+    assert names and all(("_sw" in name) == swap for name in names), names
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -523,6 +536,9 @@ def test_default_tuning_from_static_shapes():
         assert kernel_gpu._smem_bytes(H, 64, stages) <= 113 * 1024 or stages == 2
     # The persistent kernel's output tiles share P's SMEM: two CTAs per SM at H=128, split too.
     assert kernel_gpu.default_num_stages(128, 64, persistent=True) == 2
+    # swap_ab: 2 stages, 68 KB at H=128: three CTAs per SM by SMEM (3 x (68 + 1) <= 228 KB).
+    assert kernel_gpu.default_num_stages(128, 64, qcols=8) == 2
+    assert kernel_gpu._smem_bytes(128, 64, 2, qcols=8) <= 75 * 1024
     assert kernel_gpu._smem_bytes(128, 64, 2, persistent=True, split=True) <= 113 * 1024
     # The producer variant runs one CTA per SM (registers): 4 stages where one CTA's SMEM fits.
     for H, stages in ((64, 4), (128, 4), (256, 2)):
@@ -570,6 +586,8 @@ def test_gpu_long_32k(splits):
         dict(num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=0.3, num_stages=2, longest_first=True),
         dict(longest_first=True, slot_lengths=True, num_splits=2),
+        dict(swap_ab=False, num_splits=1),  # the 64-row tile without splits
+        dict(swap_ab=False, num_splits=1, num_layers=2, layer=1, block_kv=128),
         dict(sm_scale=-0.05, num_splits=2),  # the scale stays out of exp2
         dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
