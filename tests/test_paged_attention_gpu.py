@@ -229,6 +229,9 @@ def test_interpret_k_ring_matches_reference(extra):
         (16, 3, [5, 200, 0, 64], dict(longest_first=True)),  # G=3: 16 query columns
         (32, 1, [0, 33, 400, 7], dict(num_splits=2, longest_first=True, out_of_range_tail=True)),
         (16, 8, [130, 0, 64, 1], dict(block_kv=64, num_stages=1, k_stages=2, early_k=True)),
+        (16, 16, [0, 1, 17, 300], dict(num_splits=1)),  # G=16: 16 query columns
+        (16, 16, [0, 1, 17, 300], dict(num_splits=2)),
+        (32, 4, [0, 33, 400], dict(num_splits=1, sm_scale=-0.2, window=100)),
     ],
     ids=[
         "C16-G2",
@@ -237,6 +240,9 @@ def test_interpret_k_ring_matches_reference(extra):
         "C16-G3-longest",
         "C32-G1-split2",
         "C16-G8-k-ring",
+        "C16-G16",
+        "C16-G16-split2",
+        "C32-G4-negative-scale-window",
     ],
 )
 def test_interpret_swap_ab_matches_reference(C, G, lengths, extra):
@@ -244,6 +250,17 @@ def test_interpret_swap_ab_matches_reference(C, G, lengths, extra):
     # transposed view, split partials are per-(sequence, KV head) tiles the merge gathers.
     rng = np.random.default_rng(80 + C + G)
     _run_case(rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True, **extra)
+
+
+def test_swap_ab_default():
+    # On without splits at H = 64 / 128 and 8 query columns, where it was measured.
+    assert kernel_gpu.default_swap_ab(1, 128, 8)
+    assert kernel_gpu.default_swap_ab(1, 64, 8)
+    assert not kernel_gpu.default_swap_ab(2, 128, 8)  # splits: the 64-row tile
+    assert not kernel_gpu.default_swap_ab(1, 256, 8)  # not timed
+    assert not kernel_gpu.default_swap_ab(1, 128, 16)
+    assert not kernel_gpu.default_swap_ab(1, 128, 8, producer=True)
+    assert not kernel_gpu.default_swap_ab(1, 128, 8, persistent=True)
 
 
 @pytest.mark.parametrize(
@@ -318,6 +335,11 @@ _VARIANTS = [
     dict(swap_ab=True, B=40, num_splits=2),  # longest first
     dict(swap_ab=True, N=48, K=8),  # G=6: 16 query columns
     dict(swap_ab=True, num_stages=2, k_stages=3, early_k=True),
+    dict(swap_ab=True, H=256, C=256, num_splits=1),  # O^T [256, 8] stored transposed
+    dict(swap_ab=True, N=64, K=4, num_splits=1),  # G=16: 16 query columns
+    dict(swap_ab=True, N=64, K=1, H=64, num_splits=1),  # G=64: 64 columns
+    dict(swap_ab=True, N=64, K=4, num_splits=3, sliding_window=100),
+    dict(N=64, K=4),  # G=16 without splits: 16 columns, so the 64-row tile by default
     dict(l2_prefetch=2),  # cp.async.bulk.prefetch of the tiles past the ring
     dict(l2_prefetch=1, num_splits=3, C=64, H=64, block_kv=64, sliding_window=100),
     # K refilled after Q K^T; a K ring deeper than V's (105 KB at H=128: 2 CTAs per SM)
@@ -372,7 +394,9 @@ def test_cross_lowers_for_cuda(variant):
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else exactly without splits.
     T = v.get("block_kv", kernel_gpu.default_block_kv(H))
     splits = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T)
-    default_swap = splits == 1 and not v.get("producer") and not v.get("persistent")
+    default_swap = kernel_gpu.default_swap_ab(
+        splits, H, kernel_gpu._qcols(B, N, K), bool(v.get("producer")), bool(v.get("persistent"))
+    )
     swap = v.get("swap_ab", default_swap)
     names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
     assert names and all(("_sw" in name) == swap for name in names), names
@@ -619,6 +643,16 @@ def test_gpu_options(extra):
         (32, 6, 128, dict(num_stages=2)),  # G=6: 16 query columns
         (16, 4, 128, dict(num_stages=2, k_stages=3, early_k=True, dtype="float16")),
         (16, 4, 128, dict(longest_first=True, num_layers=2, layer=1)),
+        # Without splits (these 8-sequence batches split by default): O^T stored transposed
+        (16, 4, 128, dict(num_splits=1)),
+        (16, 1, 128, dict(num_splits=1, out_of_range_tail=True)),
+        (8, 8, 64, dict(num_splits=1)),  # T=128
+        (64, 4, 256, dict(num_splits=1)),
+        (16, 4, 128, dict(num_splits=1, window=700, soft_cap=50.0)),
+        (32, 6, 128, dict(num_splits=1)),  # 16 query columns
+        (16, 16, 128, dict(num_splits=1)),  # G=16: 16 query columns
+        (16, 4, 128, dict(num_splits=1, block_kv=128, sm_scale=-0.05)),
+        (16, 4, 128, dict(num_splits=1, num_stages=2, k_stages=3, early_k=True, dtype="float16")),
     ],
     ids=str,
 )

@@ -1,8 +1,13 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm90).
 
 One CTA (one warpgroup; two with ``producer``) per (sequence, split, KV head). It reads each
-K/V byte once: the G query heads of a KV head are one 64-row wgmma tile (rows past G hold
-neighbouring heads' queries and are computed and dropped). K/V tiles of ``T = block_kv``
+K/V byte once for the G query heads of a KV head. Without splits, at head dims 64 / 128 and 8
+query columns (``swap_ab``, ``default_swap_ab``), the products are transposed: S^T = K Q^T [T, qcols] and O^T = V^T P^T [H, qcols], so
+the G heads are a wgmma N of ``qcols`` = 8 columns (16 when their rows straddle an 8-row
+boundary) and the M dimension is the keys and the head dim: 2-5% faster than the 64-row tile in
+most split-free rows on the H200 (eighth session). With splits, and in the ``producer`` and
+``persistent`` variants, the G heads are one 64-row wgmma tile (rows past G hold neighbouring
+heads' queries and are computed and dropped). K/V tiles of ``T = block_kv``
 tokens are gathered page by page with TMA (``copy_gmem_to_smem``) into a multi-stage SMEM ring;
 each barrier slot expects one arrival per page copy. The compute tile is independent of the page
 size: a tile holds ``T / C`` whole pages when ``C <= T`` and a ``T``-row slice of one page when
@@ -25,8 +30,9 @@ up, so the last wave holds the shortest work (longest-processing-time-first list
 
 On the H200 (Nsight Compute, seventh session, BENCHMARKS.md) the kernel reads about 1% more
 DRAM bytes than the live K/V (partial last pages; cuDNN's non-paged kernel 0.1-0.3%), and
-runs at 88-93% of DRAM peak at 64+ sequences, where cuDNN's kernel, of the same shape (one
-128-thread CTA per sequence and KV head, two per SM), runs at 91-93%.
+ran (64-row tile, before ``swap_ab``) at 88-93% of DRAM peak at 64+ sequences, where cuDNN's
+kernel, of the same shape (one 128-thread CTA per sequence and KV head, two per SM), runs at
+91-93%.
 
 ``l2_prefetch`` (opt-in) also requests the tiles past the SMEM ring into L2: more bytes in
 flight, at no SMEM cost. It was 8-52% slower in every row of the H200 quick table (L2 hits rose
@@ -156,7 +162,8 @@ def _smem_bytes(
     qcols: int | None = None,
 ) -> int:
     """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
-    ``qcols`` query rows instead of 64 (its output tiles reuse the ring's SMEM)."""
+    ``qcols`` query rows instead of 64. Output tiles reuse the ring's SMEM (a later scope; the
+    split path's (H + 64) x qcols f32 is far below the ring)."""
     k_stages = num_stages if k_stages is None else k_stages
     kv = (num_stages + k_stages) * block_kv * head_dim * itemsize
     if qcols is not None:
@@ -201,10 +208,23 @@ def default_num_stages(
         # SM) in 8 of 9 quick rows on the H200 (eighth session, decode_quick_s8_swap.json).
         return 2
     for stages in (4, 3):
-        smem = _smem_bytes(head_dim, block_kv, stages, persistent=persistent, qcols=qcols)
-        if smem <= _TWO_CTA_SMEM_BYTES:
+        if _smem_bytes(head_dim, block_kv, stages, persistent=persistent) <= _TWO_CTA_SMEM_BYTES:
             return stages
     return 2
+
+
+def default_swap_ab(
+    num_splits: int, head_dim: int, qcols: int, producer: bool = False, persistent: bool = False
+) -> bool:
+    """``swap_ab`` by default: without splits, at head dims 64 and 128 and 8 query columns (G
+    <= 8 heads whose rows do not straddle an 8-row boundary), where it was measured on the H200
+    (eighth session: 0.4-4.7% faster on CUPTI in all seven split-free quick rows, G = 1, 4, 8).
+    With splits its merge gather cost more (B=1 +2.4%, B=8 +1.9%). Head dim 256 and 16+
+    query columns are correct in the interpreter, on the H200 with splits, and in CUDA
+    lowering, but were not timed: opt in with ``swap_ab=True``."""
+    return (
+        num_splits == 1 and head_dim in (64, 128) and qcols == 8 and not producer and not persistent
+    )
 
 
 # CTAs resident at once on an H100/H200 (132 SMs x 2 CTAs of the default ring): below one such
@@ -569,8 +589,10 @@ def _finish(cfg: _Config, acc, m, l):
 
 def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True):
     """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
-    (``_partial_dtype``) and its log-sum-exp. ``wait=False`` leaves the copies in flight (the
-    persistent loop waits for their SMEM reads before it writes the tiles again)."""
+    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the whole O^T tile and
+    the lse row of its ``qcols`` columns, to the (sequence, KV head) slot). ``wait=False``
+    leaves the copies in flight (the persistent loop waits for their SMEM reads before it
+    writes the tiles again)."""
     G = cfg.group
     rows = pl.ds(unit.qoff, G)
     if not wait:  # the previous unit's copies may still read these tiles
@@ -926,8 +948,8 @@ def _swapped_partials(cfg: _Config, o_SCHQ, lse_SCQ):
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
-    """Log-sum-exp merge of split partials: o [S, R, H] (f32 or q.dtype), lse f32[S, R, 32]
-    (base 2; -inf for a split that saw no key, whose partial is zeros).
+    """Log-sum-exp merge of split partials: o [S, R, H] (f32 or q.dtype), lse f32[S, R, L]
+    (column 0 read; base 2; -inf for a split that saw no key, whose partial is zeros).
 
     The normalised weights [S, R] come first and the output is one weighted sum over S: three
     XLA kernels at S=32 where the previous form (max, sums, divide) took four (3.6 vs 5.1 us on
@@ -1055,7 +1077,8 @@ def paged_attention_pallas_gpu(
       interpret: run in the Mosaic GPU interpreter, any backend: True for the default
         ``plgpu.InterpretGPUParams()``, or the params to use (e.g. ``detect_races=True``).
       block_kv: tokens per K/V tile T, 64 or 128 (default ``default_block_kv(H)``).
-      num_stages: depth of the TMA ring (default: deepest that keeps 2 CTAs per SM; with
+      num_stages: depth of the TMA ring (default ``default_num_stages``: 2 with ``swap_ab``
+        (three CTAs per SM by SMEM at H=128), else the deepest that keeps 2 CTAs per SM; with
         ``producer``, 4 where it fits in 227 KB).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device argsort); default
@@ -1084,17 +1107,16 @@ def paged_attention_pallas_gpu(
       slot_lengths: with ``longest_first``, pass the lengths permuted into the schedule's
         order (one small XLA gather after the sort), so a CTA reads its sequence's length and
         its order entry at once instead of one after the other; ignored when the order is not
-        longest first (``longest_first`` False, or None resolving to off). Opt-in: on the H200 (eighth
-        session) the gather cost more than the shorter start saved (CUPTI 276.2 vs 272.7 us at
-        B=256 / 1k, 251.5 vs 249.9 at B=128 / 2k).
+        longest first (``longest_first`` False, or None resolving to off). Opt-in: on the H200
+        (eighth session) the gather cost more than the shorter start saved (CUPTI 276.2 vs
+        272.7 us at B=256 / 1k, 251.5 vs 249.9 at B=128 / 2k).
       swap_ab: compute the scores' transpose K Q^T and O^T = V^T P^T, so the G query heads of
         a KV head are a wgmma N of ``qcols`` (8 for G <= 4) instead of 64 padded rows: 8x
         less tensor work and softmax at G=4, and Q and P tiles of 2 and 1 KB instead of 16 and
-        8. Split partials are per (sequence, KV head) tiles gathered by the merge. Default
-        (None): on without splits (and without ``producer`` / ``persistent``), where it was
-        0.4-4.7% faster on CUPTI in every quick row on the H200; off with splits, where its
-        merge gather cost more (B=1 +2.4%, B=8 +1.9%). Not with ``producer`` or
-        ``persistent``.
+        8 at H=128, T=64 and 8 columns. Split partials are per (sequence, KV head) tiles
+        gathered by the merge. Default (None): ``default_swap_ab`` (on without splits at head
+        dims 64 / 128 and 8 query columns, where it was measured faster). Not with
+        ``producer`` or ``persistent``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1121,7 +1143,7 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
-    if B == 0 or W == 0:  # no sequence, or no page to read (every length must then be 0)
+    if B == 0:
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
     persistent = bool(persistent)
@@ -1134,7 +1156,7 @@ def paged_attention_pallas_gpu(
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
     if swap_ab is None:
-        swap_ab = splits == 1 and not producer and not persistent
+        swap_ab = default_swap_ab(splits, H, _qcols(B, N, K), producer, persistent)
     swap_ab = bool(swap_ab)
     if swap_ab and (producer or persistent):
         raise ValueError(
@@ -1172,6 +1194,8 @@ def paged_attention_pallas_gpu(
         num_ctas = _int_knob("num_ctas", num_ctas)
     if num_ctas is not None and (not persistent or num_ctas < 1):
         raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True")
+    if W == 0:  # no page to read: every length must be 0 (checked arguments, no launch)
+        return jnp.zeros(q.shape, q.dtype)
     if persistent and num_ctas is None:
         from jpaged import _backend
 
