@@ -639,38 +639,27 @@ def _partial_dtype(cfg: _Config):
 def _scratch(cfg: _Config):
     """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
     T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
-    k_stages = cfg.k_stages
     tr = _smem_transforms()
-    if cfg.swap_ab:
-        NQ = cfg.qcols
-        if cfg.num_splits == 1:
-            out = (plgpu.SMEM((NQ, H), dtype),)  # untiled: G-row slices at qoff
-        else:
-            out = (plgpu.SMEM((H, NQ), jnp.float32), plgpu.SMEM((_ROWS, NQ), jnp.float32))
-        return (
-            plgpu.SMEM((NQ, H), dtype, transforms=tr),
-            (
-                plgpu.SMEM((k_stages, T, H), dtype, transforms=tr),
-                plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-            ),
-            plgpu.SMEM((NQ, T), dtype, transforms=tr),
-            out,
-        )
-    # Untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
+    # Query rows of the Q and P tiles: ``qcols`` with ``swap_ab`` (Q^T and P^T are wgmma B
+    # operands read through transposed views), else the 64-row wgmma M tile.
+    rows = cfg.qcols if cfg.swap_ab else _ROWS
+    # Output tiles, untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
-        out = (plgpu.SMEM((_ROWS, H), dtype),)
+        out = (plgpu.SMEM((rows, H), dtype),)
+    elif cfg.swap_ab:  # O^T and the lse of each column, copied whole to the CTA's slot
+        out = (plgpu.SMEM((H, rows), jnp.float32), plgpu.SMEM((_ROWS, rows), jnp.float32))
     else:
         out = (
             plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
             plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
         )
     return (
-        plgpu.SMEM((_ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((rows, H), dtype, transforms=tr),
         (
-            plgpu.SMEM((k_stages, T, H), dtype, transforms=tr),
+            plgpu.SMEM((cfg.k_stages, T, H), dtype, transforms=tr),
             plgpu.SMEM((stages, T, H), dtype, transforms=tr),
         ),
-        plgpu.SMEM((_ROWS, T), dtype, transforms=tr),
+        plgpu.SMEM((rows, T), dtype, transforms=tr),
         out,
     )
 
