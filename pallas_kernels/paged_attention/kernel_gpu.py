@@ -141,6 +141,12 @@ class _Config:
         aligned block), the wgmma N of both products."""
         return _qcols(self.num_seqs, self.num_q_heads, self.num_kv_heads)
 
+    @property
+    def q_rows(self) -> int:
+        """Query rows of a CTA's Q and P tiles: ``qcols`` with ``swap_ab``, else the 64-row
+        wgmma M tile."""
+        return self.qcols if self.swap_ab else _ROWS
+
 
 def _qcols(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
     G = num_q_heads // num_kv_heads
@@ -640,9 +646,7 @@ def _scratch(cfg: _Config):
     """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
     T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
     tr = _smem_transforms()
-    # Query rows of the Q and P tiles: ``qcols`` with ``swap_ab`` (Q^T and P^T are wgmma B
-    # operands read through transposed views), else the 64-row wgmma M tile.
-    rows = cfg.qcols if cfg.swap_ab else _ROWS
+    rows = cfg.q_rows  # with swap_ab, Q^T and P^T are wgmma B operands (transposed views)
     # Output tiles, untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
         out = (plgpu.SMEM((rows, H), dtype),)
@@ -693,8 +697,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         """
         k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
         smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
-        q_rows = cfg.qcols if cfg.swap_ab else _ROWS
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, q_rows)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if consumed is None:
@@ -1144,15 +1147,16 @@ def paged_attention_pallas_gpu(
         splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
+    qcols = _qcols(B, N, K)
     if swap_ab is None:
-        swap_ab = default_swap_ab(splits, H, _qcols(B, N, K), producer, persistent)
+        swap_ab = default_swap_ab(splits, H, qcols, producer, persistent)
     swap_ab = bool(swap_ab)
     if swap_ab and (producer or persistent):
         raise ValueError(
             "swap_ab=True needs producer=False and persistent=False (got "
             f"producer={producer}, persistent={persistent})"
         )
-    qcols = _qcols(B, N, K) if swap_ab else None
+    qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
     if num_stages is None:
         stages = default_num_stages(H, block_kv, producer, persistent, qcols=qcols)
     else:
