@@ -2,9 +2,10 @@
 
 The decode kernel's split partials (o f32[S, R, H], base-2 lse f32[S, R, 32]) are merged by a
 small XLA epilogue after the Mosaic GPU kernel; at B=1 it was 4 kernels and 7-8 us of a
-53-57 us call (H200, seventh session). Each formulation here computes the same merge (checked
-against the first); the script prints each one's kernels (CUPTI) and wall time and writes
-JSON. ``kernel_gpu._merge_splits`` is the form chosen.
+53-57 us call (H200, seventh session), then 3 (``weights_first``). Each formulation here
+computes the same merge (checked against the first); the script prints each one's kernels
+(CUPTI) and wall time and writes JSON. ``kernel_gpu._merge_splits`` is the form chosen: one
+variadic ``lax.reduce`` over the splits (``pallas_kernels._merge``).
 
     python benchmarks/split_merge.py --out merge.json
 """
@@ -49,7 +50,8 @@ def merge_softmax(o_SRH, lse_SRL, dtype):
 
 
 def merge_weights_first(o_SRH, lse_SRL, dtype):
-    """Normalised weights first ([S, R], tiny), then one weighted sum over S."""
+    """Normalised weights first ([S, R], tiny), then one weighted sum over S (the seventh
+    session's choice: three kernels at S=32)."""
     lse_SR = jnp.maximum(lse_SRL[..., 0], -1e30)
     w_SR = jnp.exp2(lse_SR - jnp.max(lse_SR, axis=0))
     w_SR = w_SR / jnp.sum(w_SR, axis=0)
