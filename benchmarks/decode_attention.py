@@ -250,7 +250,26 @@ def _measure(name, builder, nbytes, args_ns, results, ref=None):
 
 
 def _parse_ints(spec: str) -> dict:
-    return {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    """``"num_stages=3,order_method=rank"`` -> keyword arguments (ints where they parse)."""
+
+    def value(v: str):
+        try:
+            return int(v)
+        except ValueError:
+            return v
+
+    return {k: value(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+
+
+def parse_case(spec: str) -> Case:
+    """``"B,ctx,K"`` or ``"B,ctx,K,C,H"`` -> a Case (C 16 and H 128 by default)."""
+    try:
+        nums = [int(x) for x in spec.split(",")]
+    except ValueError:
+        nums = []
+    if len(nums) not in (3, 4, 5):
+        raise SystemExit(f"--cases {spec!r}: expected B,ctx,K or B,ctx,K,C[,H] (integers)")
+    return Case(*nums)
 
 
 def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
@@ -374,9 +393,18 @@ def main(argv=None):
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
     p.add_argument("--only", type=int, nargs="*", help="indices of cases to run")
+    p.add_argument(
+        "--cases", nargs="*", default=[], help='cases instead of a table: "B,ctx,K[,C[,H]]"'
+    )
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
-    cases = QUICK if ns.quick else full_sweep(ns.max_live_gb)
+    cases = (
+        [parse_case(c) for c in ns.cases]
+        if ns.cases
+        else QUICK
+        if ns.quick
+        else full_sweep(ns.max_live_gb)
+    )
     if ns.only:
         cases = [cases[i] for i in ns.only]
     dev = jax.devices()[0]
@@ -402,7 +430,7 @@ def main(argv=None):
         "loop": ns.loop,
         "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
     }
-    tag = "quick" if ns.quick else "sweep"
+    tag = "cases" if ns.cases else "quick" if ns.quick else "sweep"
     out = ns.out or os.path.join(
         os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
         f"decode_{tag}.json",

@@ -111,3 +111,28 @@ def test_launch_gap_trace_parsing(tmp_path):
     gpu, host = plg.gpu_events(path)
     assert host and all(e[1] - e[0] == e[2] >= 0 for e in host)
     assert bool(gpu) == (jax.default_backend() == "gpu")  # GPU ops only where there is one
+
+
+def test_decode_order_methods_agree(tmp_path):
+    out = tmp_path / "order.json"
+    stdout = _run(["benchmarks/decode_order.py", "--batches", "5", "300", "--out", str(out)],
+                  tmp_path)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["B"], r["method"]) for r in rows] == [(5, "sort"), (5, "rank"), (300, "sort"),
+                                                     (300, "rank")]  # fmt: skip
+    assert all(r["same_as_sort"] and r["wall_us"] > 0 for r in rows)
+    assert "B=300   rank" in stdout
+
+
+def test_decode_attention_case_and_variant_parsing():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import decode_attention
+
+    assert decode_attention.parse_case("256,1024,8") == decode_attention.Case(256, 1024, 8)
+    assert decode_attention.parse_case("8,512,4,64,256").H == 256
+    assert decode_attention._parse_ints("num_stages=2,order_method=rank") == {
+        "num_stages": 2, "order_method": "rank"}  # fmt: skip
+    import pytest
+
+    with pytest.raises(SystemExit, match="B,ctx,K"):
+        decode_attention.parse_case("256,x")

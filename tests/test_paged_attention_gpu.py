@@ -276,6 +276,14 @@ def test_qcols_cover_every_heads_rows(num_seqs, num_q_heads, num_kv_heads, qcols
             assert qrow - qrow // 8 * 8 + G <= qcols  # the G rows lie in the loaded block
 
 
+@pytest.mark.parametrize("order_method", kernel_gpu.ORDER_METHODS)
+def test_interpret_order_methods(order_method):
+    # Both ways of computing the longest-first order give the same schedule and output.
+    rng = np.random.default_rng(71)
+    _run_case(rng, [5, 200, 0, 64, 130, 17, 64], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
+              longest_first=True, order_method=order_method)  # fmt: skip
+
+
 @pytest.mark.parametrize("slot_lengths", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_interpret_plain_order_indices(monkeypatch, persistent, slot_lengths):
@@ -325,6 +333,8 @@ _VARIANTS = [
     dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
     dict(B=40, slot_lengths=True),  # lengths permuted into slot order
+    dict(B=40, order_method="rank"),  # the order by counting, no sort
+    dict(B=40, order_method="sort"),
     # Scores as K Q^T (swap_ab): queries as a wgmma N of 8 / 16 columns
     dict(swap_ab=True),
     dict(swap_ab=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
@@ -466,6 +476,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(k_stages=1.5), "k_stages=1.5 must be an integer"),
         (dict(swap_ab=True, producer=True), "swap_ab=True needs producer=False"),
         (dict(swap_ab=True, persistent=True), "swap_ab=True needs producer=False"),
+        (dict(order_method="bitonic"), "order_method='bitonic' must be one of"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -473,6 +484,19 @@ def test_bad_arguments_raise(kw, match):
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes(dtype=dtype))
     with pytest.raises(ValueError, match=match):
         kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
+
+
+def test_rank_order_bounded_by_batch():
+    B, limit = 1025, kernel_gpu._RANK_ORDER_MAX_SEQS
+    q = jnp.zeros((B, 8, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    bt, ln = jnp.zeros((B, 2), jnp.int32), jnp.ones((B,), jnp.int32)
+    with pytest.raises(ValueError, match=f"at most {limit} sequences, got {B}"):
+        kernel_gpu.paged_attention_pallas_gpu(q, kv, kv, bt, ln, sm_scale=0.1, order_method="rank")
+    with pytest.raises(ValueError, match=f"at most {limit} sequences"):
+        kernel_gpu._longest_first_order(ln, 64, True, "rank")
+    with pytest.raises(ValueError, match="must be one of"):
+        kernel_gpu._longest_first_order(ln, 64, True, "radix")
 
 
 def test_empty_batch_returns_empty():
@@ -516,7 +540,7 @@ def test_five_d_pool_needs_layer():
         kernel_gpu.paged_attention_pallas_gpu(q, kv, kv, bt, ln, sm_scale=0.1)
 
 
-@pytest.mark.parametrize("B", [1, 7, 300, 65536])
+@pytest.mark.parametrize("B", [1, 7, 300, 1024, 65536])
 def test_longest_first_order_packed_keys(B):
     rng = np.random.default_rng(B)
     lengths = rng.integers(0, 5000, size=B).astype(np.int32)
@@ -530,6 +554,9 @@ def test_longest_first_order_packed_keys(B):
     order = keys & 0xFFFF
     tiles = np.minimum(-(-np.maximum(lengths, 0).astype(np.int64) // 64), 0x7FFF)
     np.testing.assert_array_equal(order, np.argsort(-tiles, kind="stable"))
+    if B <= kernel_gpu._RANK_ORDER_MAX_SEQS:  # counting gives the sort's array exactly
+        rank = kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, True, "rank")
+        np.testing.assert_array_equal(np.asarray(rank), keys)
     plain = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), 64, False))
     np.testing.assert_array_equal(np.sort(plain), np.arange(B))
     assert np.all(np.diff(np.maximum(lengths[plain], 0).astype(np.int64)) <= 0)

@@ -119,6 +119,7 @@ class _Config:
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
+    order_method: str  # how the longest-first order is computed (``ORDER_METHODS``)
     heads_inner: bool  # grid (B, S, K): a sequence's KV heads are adjacent CTAs
     persistent: bool  # num_ctas CTAs loop over the units (``_persistent_body``)
     num_ctas: int  # persistent grid size (0 otherwise)
@@ -274,20 +275,48 @@ def _packed_order(num_seqs: int) -> bool:
     return num_seqs <= 1 << _ORDER_BITS
 
 
-def _longest_first_order(lengths_B, block_kv: int, packed: bool):
+# Up to this many sequences the packed keys' order can be computed by counting (``"rank"``, two
+# O(B^2) reductions) instead of a sort: B^2 int32 compares are 1M at 1024.
+_RANK_ORDER_MAX_SEQS = 1024
+
+ORDER_METHODS = ("sort", "rank")
+
+
+def default_order_method(num_seqs: int) -> str:
+    """How the longest-first order is computed by default (``_longest_first_order``)."""
+    del num_seqs
+    return "sort"
+
+
+def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "sort"):
     """Sequence slots longest first: packed sort keys (``packed``) or plain argsort indices.
 
     ``jnp.argsort(-lengths)`` is a negate and a two-operand sort on the GPU (7.3 us at B=256 on
     the H200, ncu); the packed keys are one small fusion and a one-operand sort (2.5-4.7 us).
     Lengths compare in tiles (the work a unit does), capped at 0x7FFF tiles (2M tokens at
     T=64), so longer sequences tie; ties go in index order; lengths <= 0 sort last.
+
+    ``method="rank"`` (packed keys, at most ``_RANK_ORDER_MAX_SEQS`` sequences) gives the same
+    array without a sort: each key's rank is the count of smaller keys (the keys are distinct),
+    and entry i is the key whose rank is i; two reductions over [B, B] that compute the keys
+    inline, where the sort path is a key fusion, a copy into the sort's buffer and the sort.
     """
+    if method not in ORDER_METHODS:
+        raise ValueError(f"method={method!r} must be one of {ORDER_METHODS}")
     live = jnp.maximum(lengths_B, 0)
     if not packed:
         return jnp.argsort(-live).astype(jnp.int32)
     tiles = jnp.minimum((live - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
     slot = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
-    return lax.sort(((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | slot)
+    keys = ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | slot
+    if method == "sort":
+        return lax.sort(keys)
+    if lengths_B.shape[0] > _RANK_ORDER_MAX_SEQS:
+        raise ValueError(
+            f'method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {lengths_B.shape[0]}'
+        )
+    rank = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
+    return jnp.sum(jnp.where(rank[None, :] == slot[:, None], keys[None, :], 0), axis=1)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
@@ -965,7 +994,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     block_tables_BW = block_tables_BW.astype(jnp.int32)
     args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
     if cfg.longest_first:
-        order = _longest_first_order(lengths_B, cfg.block_kv, _packed_order(B))
+        order = _longest_first_order(lengths_B, cfg.block_kv, _packed_order(B), cfg.order_method)
         if cfg.slot_lengths:  # one small gather: each CTA reads its length without the order
             seq = order & ((1 << _ORDER_BITS) - 1) if _packed_order(B) else order
             args[4] = lengths_B[seq]
@@ -1046,6 +1075,7 @@ def paged_attention_pallas_gpu(
     early_k: bool = False,
     slot_lengths: bool = False,
     swap_ab: bool | None = None,
+    order_method: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1103,6 +1133,10 @@ def paged_attention_pallas_gpu(
         gathered by the merge. Default (None): ``default_swap_ab`` (on without splits at head
         dims 64 / 128 and 8 query columns, where it was measured faster). Not with
         ``producer`` or ``persistent``.
+      order_method: how the longest-first order is computed: ``"sort"`` (a key fusion and a
+        one-operand sort) or ``"rank"`` (two O(B^2) counting reductions, at most
+        ``_RANK_ORDER_MAX_SEQS`` sequences); the same order either way. Default (None):
+        ``default_order_method``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1190,6 +1224,14 @@ def paged_attention_pallas_gpu(
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
     num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
     lf = default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
+    if order_method is None:
+        order_method = default_order_method(B)
+    if order_method not in ORDER_METHODS:
+        raise ValueError(f"order_method={order_method!r} must be one of {ORDER_METHODS}")
+    if order_method == "rank" and not (_packed_order(B) and B <= _RANK_ORDER_MAX_SEQS):
+        raise ValueError(
+            f'order_method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {B}'
+        )
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
@@ -1208,6 +1250,7 @@ def paged_attention_pallas_gpu(
         num_splits=splits,
         producer=producer,
         longest_first=lf,
+        order_method=order_method,
         slot_lengths=lf and bool(slot_lengths),
         swap_ab=swap_ab,
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535

@@ -1,0 +1,71 @@
+"""The decode kernel's longest-first order: which formulation costs the fewest, cheapest kernels.
+
+Past one wave of CTAs the decode kernel runs sequences longest first (LPT list scheduling), and
+the order is computed on the device in every call (``kernel_gpu._longest_first_order``): a key
+fusion, a copy into the sort's buffer and a one-operand sort (``"sort"``), or two O(B^2)
+counting reductions (``"rank"``). Each method here gives the same array (checked); the script
+prints each one's kernels (CUPTI), their sum and the wall time of back-to-back calls, and
+writes JSON.
+
+    python benchmarks/decode_order.py --batches 64 256 1024 --out order.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _timing
+
+from pallas_kernels.paged_attention import kernel_gpu
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, nargs="*", default=[8, 64, 128, 256, 512, 1024])
+    p.add_argument("--block-kv", type=int, default=64)
+    p.add_argument("--out", default=None)
+    ns = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in ns.batches:
+        lengths = jnp.asarray(rng.integers(0, 4096, size=B).astype(np.int32))
+        ref = None
+        for method in kernel_gpu.ORDER_METHODS:
+            if method == "rank" and B > kernel_gpu._RANK_ORDER_MAX_SEQS:
+                continue
+            f = jax.jit(
+                lambda x, m=method: kernel_gpu._longest_first_order(x, ns.block_kv, True, m)
+            )
+            out = np.asarray(f(lengths))
+            ref = out if ref is None else ref
+            kernels = _timing.cupti_kernels_us(f, lengths)
+            row = {
+                "B": B, "method": method, "same_as_sort": bool(np.array_equal(out, ref)),
+                "wall_us": _timing.wall_us(f, lengths),
+                "kernels_us": kernels,
+                "cupti_us": sum(us for _, us in kernels) if kernels else None,
+            }  # fmt: skip
+            rows.append(row)
+            print(
+                f"B={B:<5} {method:<5} same {row['same_as_sort']}  wall {row['wall_us']:6.1f} us  "
+                f"kernels {len(kernels or [])}  cupti {row['cupti_us'] or 0:6.1f} us  "
+                + " ".join(f"{n[:24]}:{us:.1f}" for n, us in kernels or []),
+                flush=True,
+            )
+    if ns.out:
+        with open(ns.out, "w") as fh:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh)
+
+
+if __name__ == "__main__":
+    main()
