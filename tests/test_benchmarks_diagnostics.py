@@ -50,7 +50,7 @@ def test_split_merge_formulations_agree(tmp_path):
                    "--out", str(out)], tmp_path)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert {r["variant"] for r in rows} >= {"max_sums_divide", "kernel_gpu._merge_splits"}
-    assert len(rows) == 2 * 5 and "kernel_gpu._merge_splits" in stdout
+    assert len(rows) == 2 * 6 and "kernel_gpu._merge_splits" in stdout
     # bf16 output against the f32 merge (one ulp at |x| < 4); the row no split saw gives zeros
     assert all(0 <= r["max_abs_err"] < 2e-2 for r in rows)
     assert all(r["wall_us"] > 0 for r in rows)
