@@ -330,11 +330,11 @@ _VARIANTS = [
     dict(N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(N=64, K=8, C=64, num_stages=2, longest_first=False),  # G = 8
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
-    dict(B=40, num_splits=2),  # longest first by default (> one wave of CTAs)
+    dict(B=40, num_splits=2, longest_first=True),  # (off by default: 128-token tables)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
     dict(B=40, slot_lengths=True),  # lengths permuted into slot order
-    dict(B=40, order_method="rank"),  # the order by counting, no sort
-    dict(B=40, order_method="sort"),
+    dict(B=40, longest_first=True, order_method="rank"),  # the order by counting, no sort
+    dict(B=40, longest_first=True, order_method="sort"),
     # Scores as K Q^T (swap_ab): queries as a wgmma N of 8 / 16 columns
     dict(swap_ab=True),
     dict(swap_ab=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
@@ -363,7 +363,7 @@ _VARIANTS = [
     dict(persistent=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
     dict(persistent=True, H=64, C=8, K=4, dtype=jnp.float16, L=3, num_ctas=5),  # T=128
     dict(persistent=True, H=256, C=256, num_splits=2),  # one CTA per SM (SMEM)
-    dict(persistent=True, B=40, N=64, K=8, num_stages=3, num_ctas=7),  # G=8, longest first
+    dict(persistent=True, B=40, N=64, K=8, num_stages=3, num_ctas=7, longest_first=True),  # G=8
     dict(persistent=True, num_splits=2, C=8),
     # The producer warpgroup (two warpgroups, setmaxnreg, K/V-consumed barriers):
     dict(producer=True),  # 4 stages by default
@@ -399,6 +399,16 @@ def test_cross_lowers_for_cuda(variant):
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text.lower()
+    # The longest-first order is computed exactly when it is on (a sort, or the counting form's
+    # reductions over [B, B]).
+    lf = v.get("longest_first")
+    if lf is None:
+        T0 = v.get("block_kv", kernel_gpu.default_block_kv(H))
+        s0 = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T0)
+        lf = kernel_gpu.default_longest_first(B, K, s0, W * C)
+    method = v.get("order_method") or kernel_gpu.default_order_method(B)
+    has_order = ("stablehlo.sort" in text) or (f"tensor<{B}x{B}xi1>" in text)
+    assert has_order == bool(lf), (lf, method)
     # The L2 prefetches are in the kernel exactly when asked for.
     assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else exactly without splits.
@@ -580,6 +590,14 @@ def test_default_tuning_from_static_shapes():
     assert kernel_gpu.default_longest_first(8, 8, 16)
     assert not kernel_gpu.default_longest_first(1, 8, 64)
     assert not kernel_gpu.default_longest_first(32, 8, 1)  # 256 CTAs: one wave
+    # Given the table's reach: only units that can exceed 2048 tokens are ordered.
+    assert kernel_gpu.default_longest_first(128, 8, 1, 4096)
+    assert not kernel_gpu.default_longest_first(256, 8, 1, 2048)
+    assert kernel_gpu.default_longest_first(8, 8, 8, 49152)  # 6144 tokens per split
+    assert not kernel_gpu.default_longest_first(8, 8, 8, 16384)  # 2048 per split
+    assert not kernel_gpu.default_longest_first(32, 8, 1, 1 << 20)  # one wave
+    assert kernel_gpu.default_order_method(1024) == "rank"
+    assert kernel_gpu.default_order_method(1025) == "sort"
     # Two CTAs per SM: the ring fits in ~113 KB.
     for H in (64, 128, 256):
         stages = kernel_gpu.default_num_stages(H)

@@ -24,9 +24,10 @@ Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequenc
 programs are fewer than about one wave; each writes its normalised f32 partial output and base-2
 log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe). The grid is (sequence, split, KV head) with the
-heads innermost and, past one wave of CTAs, sequences longest first (an on-device sort of
-packed keys, ``_longest_first_order``): the hardware hands CTAs out in that order as slots free
-up, so the last wave holds the shortest work (longest-processing-time-first list scheduling).
+heads innermost and, past one wave of CTAs where a unit can exceed 2048 tokens, sequences
+longest first (an on-device order of packed keys, by counting up to 1024 sequences and by a sort
+beyond, ``_longest_first_order``): the hardware hands CTAs out in that order as slots free up, so
+the last wave holds the shortest work (longest-processing-time-first list scheduling).
 
 On the H200 (Nsight Compute, seventh session, BENCHMARKS.md) the kernel reads about 1% more
 DRAM bytes than the live K/V (partial last pages; cuDNN's non-paged kernel 0.1-0.3%), and
@@ -239,13 +240,30 @@ def default_swap_ab(
 _WAVE_CTAS = 2 * 132
 
 
-def default_longest_first(num_seqs: int, num_kv_heads: int, num_splits: int) -> bool:
-    """Order sequences longest first (an on-device argsort) when there is more than one wave.
+# Longest first pays only where a unit (a sequence's split) can be long: below this many
+# tokens per unit (table width x page size / splits) the order costs more than the tail saves.
+_LONGEST_FIRST_MIN_TOKENS = 2048
+
+
+def default_longest_first(
+    num_seqs: int, num_kv_heads: int, num_splits: int, max_tokens: int | None = None
+) -> bool:
+    """Order sequences longest first (an on-device order) when there is more than one wave
+    and, given ``max_tokens`` (the block table's width x page size), a unit can hold more than
+    ``_LONGEST_FIRST_MIN_TOKENS`` tokens.
 
     The hardware hands out CTAs in grid order as slots free up (greedy list scheduling): with
     the longest work first (LPT) the last wave holds the shortest CTAs and the tail is short.
+    The order costs 2-5 us per call (two or three small kernels, ``default_order_method``):
+    on the H200 (ninth session, ``decode_cases_s9_order.json``, wall us with / without) it
+    paid at 4096-token tables (B=128 / 2k 265.5 vs 271.0, B=64 / 4k 246.9 vs 254.7, K=32
+    488.6 vs 495.2, B=256 / 2k 476.2 vs 487.2, head dim 64 81.8 vs 86.3) and lost at 1024- and
+    2048-token ones (B=256 / 1k 267.3 vs 262.1, B=256 / 512 144.4 vs 136.4, B=512 / 1k 501.8
+    vs 499.0, B=128 / 1k 141.5 vs 135.7): short units leave a short tail in any order.
     """
-    return num_seqs > 1 and num_seqs * num_kv_heads * num_splits > _WAVE_CTAS
+    if num_seqs <= 1 or num_seqs * num_kv_heads * num_splits <= _WAVE_CTAS:
+        return False
+    return max_tokens is None or max_tokens > _LONGEST_FIRST_MIN_TOKENS * num_splits
 
 
 # ``l2_prefetch`` tiles are unrolled in the prologue: keep the program small.
@@ -281,9 +299,14 @@ ORDER_METHODS = ("sort", "rank")
 
 
 def default_order_method(num_seqs: int) -> str:
-    """How the longest-first order is computed by default (``_longest_first_order``)."""
-    del num_seqs
-    return "sort"
+    """``"rank"`` up to ``_RANK_ORDER_MAX_SEQS`` sequences, else ``"sort"``.
+
+    H200, ninth session: the counting form's kernels cost less than the key fusion and sort
+    at 8-1024 sequences (CUPTI, ``decode_order_s9.json``: 1.0 vs 2.1 us at B=8, 3.6 vs 4.4 at
+    256, 4.4 vs 8.8 at 1024), and in the whole call it was faster on CUPTI in all 11 cases of
+    ``decode_cases_s9_order.json`` (0.1-1.8 us) and on wall-clock in 8.
+    """
+    return "rank" if num_seqs <= _RANK_ORDER_MAX_SEQS and _packed_order(num_seqs) else "sort"
 
 
 def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "sort"):
@@ -1106,7 +1129,8 @@ def paged_attention_pallas_gpu(
         ``producer``, 4 where it fits in 227 KB).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device argsort); default
-        ``default_longest_first``: on when the grid is more than one wave of CTAs.
+        ``default_longest_first``: on when the grid is more than one wave of CTAs and a unit
+        can hold more than 2048 tokens (``block_tables`` width x page size / splits).
       producer: warp specialization: a second warpgroup issues the K/V page copies and the
         computing one never waits on the block table or the TMA issue (opt-in: slower than
         the default on the H200, see the module docstring).
@@ -1231,7 +1255,10 @@ def paged_attention_pallas_gpu(
         ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
     num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
-    lf = default_longest_first(B, K, splits) if longest_first is None else bool(longest_first)
+    if longest_first is None:
+        lf = default_longest_first(B, K, splits, W * C)
+    else:
+        lf = bool(longest_first)
     if order_method is None:
         order_method = default_order_method(B)
     if order_method not in ORDER_METHODS:
