@@ -171,7 +171,7 @@ def _smem_bytes(
 ) -> int:
     """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
     ``qcols`` query rows instead of 64. Output tiles reuse the ring's SMEM (a later scope; the
-    split path's (H + 64) x qcols f32 is far below the ring)."""
+    split path's qcols x H partial and 64 x qcols f32 lse are far below the ring)."""
     k_stages = num_stages if k_stages is None else k_stages
     kv = (num_stages + k_stages) * block_kv * head_dim * itemsize
     if qcols is not None:
@@ -661,15 +661,16 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
     elif cfg.swap_ab:
-        # Mosaic GPU cannot store f32 through a transposed view: the CTA writes its whole
-        # O^T [H, qcols] tile and the lse of its qcols columns to its own slot (b * K + h),
-        # and the merge picks the G real columns (``_swapped_partials``).
+        # The partial O^T goes out as its G rows in q.dtype through a transposed view, as
+        # without splits (Mosaic GPU cannot store f32 through a transposed view). The lse row
+        # of the qcols columns goes to the (sequence, KV head) slot b * K + h, and the merge
+        # picks the G real columns (``_swapped_partials``).
         (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
         cta = unit.b * cfg.num_kv_heads + unit.h
-        o_smem[...] = out
+        o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
         lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[unit.s, cta])
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, 1)], lse_ref.at[unit.s, pl.ds(cta, 1)])
     elif cfg.num_splits == 1:
         (o_ref,), (o_smem,) = outs, out_smem
@@ -688,10 +689,11 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
 
 
 def _partial_dtype(cfg: _Config):
-    """Split partials: f32, or ``q.dtype`` in the persistent kernel, whose output tiles have
-    their own SMEM (f32 would not leave room for two CTAs per SM), as FlashInfer's and vLLM's
-    merged states are stored."""
-    return cfg.dtype if cfg.persistent else jnp.float32
+    """Split partials: f32, or ``q.dtype`` as FlashInfer's and vLLM's merged states are stored:
+    in the persistent kernel, whose output tiles have their own SMEM (f32 would not leave room
+    for two CTAs per SM), and with ``swap_ab``, whose O^T leaves through a transposed view
+    (Mosaic GPU stores only 16-bit types that way)."""
+    return cfg.dtype if cfg.persistent or cfg.swap_ab else jnp.float32
 
 
 def _scratch(cfg: _Config):
@@ -702,8 +704,8 @@ def _scratch(cfg: _Config):
     # Output tiles, untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
         out = (plgpu.SMEM((rows, H), dtype),)
-    elif cfg.swap_ab:  # O^T and the lse of each column, copied whole to the CTA's slot
-        out = (plgpu.SMEM((H, rows), jnp.float32), plgpu.SMEM((_ROWS, rows), jnp.float32))
+    elif cfg.swap_ab:  # the partial's rows (stored through O^T's transposed view), lse row
+        out = (plgpu.SMEM((rows, H), _partial_dtype(cfg)), plgpu.SMEM((_ROWS, rows), jnp.float32))
     else:
         out = (
             plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
@@ -976,19 +978,17 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
     )
 
 
-def _swapped_partials(cfg: _Config, o_SCHQ, lse_SCQ):
-    """``swap_ab`` split partials as rows: o [S, B*K, H, qcols] and lse [S, B*K, qcols] per
-    (sequence, KV head) tile -> o [S, B*N, H], lse [S, B*N, 1]. Head h of sequence b owns
-    columns qoff .. qoff + G of its tile, qoff = (b * N + h * G) % 8 (an XLA gather)."""
-    S, B, K, N, G, H = (
-        cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group, cfg.head_dim
-    )  # fmt: skip
+def _swapped_partials(cfg: _Config, o_SRH, lse_SCQ):
+    """``swap_ab`` split partials: o [S, B*N, H] rows as stored, lse [S, B*K, qcols] per
+    (sequence, KV head) slot -> lse [S, B*N, 1]. Head h of sequence b owns columns
+    qoff .. qoff + G of its slot, qoff = (b * N + h * G) % 8 (a small XLA gather: S x B x N
+    floats)."""
+    S, B, K, N, G = (cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group)
     b = jnp.arange(B, dtype=jnp.int32)[:, None, None]
     h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
     cols = (b * N + h * G) % 8 + jnp.arange(G, dtype=jnp.int32)  # [B, K, G]
-    o = jnp.take_along_axis(o_SCHQ.reshape(S, B, K, H, -1), cols[None, :, :, None, :], axis=4)
     lse = jnp.take_along_axis(lse_SCQ.reshape(S, B, K, -1), cols[None], axis=3)
-    return o.transpose(0, 1, 2, 4, 3).reshape(S, B * N, H), lse.reshape(S, B * N, 1)
+    return o_SRH, lse.reshape(S, B * N, 1)
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
@@ -1033,9 +1033,9 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     S = cfg.num_splits
     if S == 1:
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
-    elif cfg.swap_ab:  # per (sequence, KV head) tiles: O^T and the lse of qcols columns
+    elif cfg.swap_ab:  # partial rows in q.dtype; the lse of qcols columns per (b, h) slot
         out_type = (
-            jax.ShapeDtypeStruct((S, B * K, H, cfg.qcols), jnp.float32),
+            jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
             jax.ShapeDtypeStruct((S, B * K, cfg.qcols), jnp.float32),
         )
     else:
