@@ -256,7 +256,7 @@ def test_swap_ab_default():
     # On without splits at H = 64 / 128 and 8 query columns, where it was measured.
     assert kernel_gpu.default_swap_ab(1, 128, 8)
     assert kernel_gpu.default_swap_ab(1, 64, 8)
-    assert not kernel_gpu.default_swap_ab(2, 128, 8)  # splits: the 64-row tile
+    assert kernel_gpu.default_swap_ab(2, 128, 8)  # with splits too (partials as rows)
     assert not kernel_gpu.default_swap_ab(1, 256, 8)  # not timed
     assert not kernel_gpu.default_swap_ab(1, 128, 16)
     assert not kernel_gpu.default_swap_ab(1, 128, 8, producer=True)

@@ -1,12 +1,13 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm90).
 
 One CTA (one warpgroup; two with ``producer``) per (sequence, split, KV head). It reads each
-K/V byte once for the G query heads of a KV head. Without splits, at head dims 64 / 128 and 8
-query columns (``swap_ab``, ``default_swap_ab``), the products are transposed: S^T = K Q^T [T, qcols] and O^T = V^T P^T [H, qcols], so
-the G heads are a wgmma N of ``qcols`` = 8 columns (16 when their rows straddle an 8-row
-boundary) and the M dimension is the keys and the head dim: 2-5% faster than the 64-row tile in
-most split-free rows on the H200 (eighth session). With splits, and in the ``producer`` and
-``persistent`` variants, the G heads are one 64-row wgmma tile (rows past G hold neighbouring
+K/V byte once for the G query heads of a KV head. At head dims 64 / 128 and 8 query columns
+(``swap_ab``, ``default_swap_ab``), the products are transposed: S^T = K Q^T [T, qcols] and
+O^T = V^T P^T [H, qcols], so the G heads are a wgmma N of ``qcols`` = 8 columns (16 when their
+rows straddle an 8-row boundary) and the M dimension is the keys and the head dim: 2-5% faster
+than the 64-row tile in most quick rows on the H200 (eighth and ninth sessions; with splits the
+partials leave as rows in ``q.dtype``). Otherwise, and in the ``producer`` and ``persistent``
+variants, the G heads are one 64-row wgmma tile (rows past G hold neighbouring
 heads' queries and are computed and dropped). K/V tiles of ``T = block_kv``
 tokens are gathered page by page with TMA (``copy_gmem_to_smem``) into a multi-stage SMEM ring;
 each barrier slot expects one arrival per page copy. The compute tile is independent of the page
@@ -224,15 +225,18 @@ def default_num_stages(
 def default_swap_ab(
     num_splits: int, head_dim: int, qcols: int, producer: bool = False, persistent: bool = False
 ) -> bool:
-    """``swap_ab`` by default: without splits, at head dims 64 and 128 and 8 query columns (G
-    <= 8 heads whose rows do not straddle an 8-row boundary), where it was measured on the H200
-    (eighth session: 0.4-4.7% faster on CUPTI in all seven split-free quick rows, G = 1, 4, 8).
-    With splits its merge gather cost more (B=1 +2.4%, B=8 +1.9%). Head dim 256 and 16+
-    query columns are correct in the interpreter, on the H200 with splits, and in CUDA
-    lowering, but were not timed: opt in with ``swap_ab=True``."""
-    return (
-        num_splits == 1 and head_dim in (64, 128) and qcols == 8 and not producer and not persistent
-    )
+    """``swap_ab`` by default at head dims 64 and 128 and 8 query columns (G <= 8 heads whose
+    rows do not straddle an 8-row boundary), with or without splits, where it was measured on
+    the H200. Without splits (eighth session): 0.4-4.7% faster on CUPTI in all seven
+    split-free quick rows, G = 1, 4, 8. With splits, once the partials left as rows in
+    ``q.dtype`` instead of whole f32 tiles that the merge gathered (ninth session,
+    ``decode_cases_s9_swap_splits.json``, CUPTI): B=1 / 32k -4.7%, B=1 / 8k at 32 KV heads
+    -3.0%, B=32 / 8k -1.0%, B=8 / 8k at 32 KV heads -1.1%, B=1 / 32k at 32 KV heads -0.8%;
+    slower at B=8 / 32k (+0.9%) and B=8 / 8k (+1.8%). Head dim 256 and 16+ query columns are
+    correct in the interpreter, on the H200 and in CUDA lowering, but were not timed: opt in
+    with ``swap_ab=True``. ``num_splits`` no longer changes the answer."""
+    del num_splits
+    return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 
 # CTAs resident at once on an H100/H200 (132 SMs x 2 CTAs of the default ring): below one such
@@ -1161,10 +1165,10 @@ def paged_attention_pallas_gpu(
       swap_ab: compute the scores' transpose K Q^T and O^T = V^T P^T, so the G query heads of
         a KV head are a wgmma N of ``qcols`` (8 for G <= 4) instead of 64 padded rows: 8x
         less tensor work and softmax at G=4, and Q and P tiles of 2 and 1 KB instead of 16 and
-        8 at H=128, T=64 and 8 columns. Split partials are per (sequence, KV head) tiles
-        gathered by the merge. Default (None): ``default_swap_ab`` (on without splits at head
-        dims 64 / 128 and 8 query columns, where it was measured faster). Not with
-        ``producer`` or ``persistent``.
+        8 at H=128, T=64 and 8 columns. Split partials are stored in ``q.dtype`` (Mosaic GPU
+        stores only 16-bit types through the transposed view), their lse per (sequence, KV
+        head) slot. Default (None): ``default_swap_ab`` (on at head dims 64 / 128 and 8 query
+        columns, where it was measured faster). Not with ``producer`` or ``persistent``.
       order_method: how the longest-first order is computed: ``"sort"`` (a key fusion and a
         one-operand sort) or ``"rank"`` (two O(B^2) counting reductions, at most
         ``_RANK_ORDER_MAX_SEQS`` sequences); the same order either way. Default (None):
