@@ -29,6 +29,23 @@ import _timing
 from pallas_kernels.paged_attention import kernel_gpu
 
 
+def rank_split_keys(lengths_B, block_kv: int):
+    """The counting order with each reduction computing its own keys from the lengths (two
+    different but equal formulas, so XLA cannot merge them into one shared key fusion). On the
+    H200 (ninth session) this removed the key fusion only at B=64; at 128-512 XLA made 3-4
+    kernels of it, so ``kernel_gpu`` keeps the shared keys."""
+    B = lengths_B.shape[0]
+    top, bits = kernel_gpu._ORDER_MAX_TILES, kernel_gpu._ORDER_BITS
+    slot = jnp.arange(B, dtype=jnp.int32)
+    live = jnp.maximum(lengths_B, 0)
+    keys = ((top - jnp.minimum((live - 1) // block_kv + 1, top)) << bits) | slot
+    rank = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
+    live2 = jnp.where(lengths_B > 0, lengths_B, 0)
+    tiles2 = jnp.minimum(live2 // block_kv + (live2 % block_kv > 0).astype(jnp.int32), top)
+    keys2 = (top - tiles2) * (1 << bits) + slot
+    return jnp.sum(jnp.where(rank[None, :] == slot[:, None], keys2[None, :], 0), axis=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="*", default=[8, 64, 128, 256, 512, 1024])
@@ -40,12 +57,15 @@ def main(argv=None):
     for B in ns.batches:
         lengths = jnp.asarray(rng.integers(0, 4096, size=B).astype(np.int32))
         ref = None
-        for method in kernel_gpu.ORDER_METHODS:
-            if method == "rank" and B > kernel_gpu._RANK_ORDER_MAX_SEQS:
+        for method in (*kernel_gpu.ORDER_METHODS, "rank_split_keys"):
+            if method != "sort" and B > kernel_gpu._RANK_ORDER_MAX_SEQS:
                 continue
-            f = jax.jit(
-                lambda x, m=method: kernel_gpu._longest_first_order(x, ns.block_kv, True, m)
-            )
+            if method == "rank_split_keys":
+                f = jax.jit(lambda x: rank_split_keys(x, ns.block_kv))
+            else:
+                f = jax.jit(
+                    lambda x, m=method: kernel_gpu._longest_first_order(x, ns.block_kv, True, m)
+                )
             out = np.asarray(f(lengths))
             ref = out if ref is None else ref
             kernels = _timing.cupti_kernels_us(f, lengths)
