@@ -249,16 +249,23 @@ def _measure(name, builder, nbytes, args_ns, results, ref=None):
         return None
 
 
-def _parse_ints(spec: str) -> dict:
-    """``"num_stages=3,order_method=rank"`` -> keyword arguments (ints where they parse)."""
+def _parse_kwargs(spec: str) -> dict:
+    """``"num_stages=3,swap_ab=false,order_method=rank"`` -> keyword arguments: integers,
+    true / false / none (any case) as Python's, anything else as a string."""
+    named = {"true": True, "false": False, "none": None}
 
     def value(v: str):
+        if v.lower() in named:
+            return named[v.lower()]
         try:
             return int(v)
         except ValueError:
             return v
 
-    return {k: value(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    pairs = [kv.split("=", 1) for kv in spec.split(",")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise SystemExit(f"--variants {spec!r}: expected name=value[,name=value...]")
+    return {k: value(v) for k, v in pairs}
 
 
 def parse_case(spec: str) -> Case:
@@ -289,10 +296,10 @@ def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
     for S in ns.splits:
         _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
     for spec in ns.variants:  # "num_stages=3,num_splits=4"
-        kw = _parse_ints(spec)
+        kw = _parse_kwargs(spec)
         _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res)
     for spec in ns.ragged_variants:  # "default" or "paired=0,block_kv=64"
-        kw = {} if spec == "default" else _parse_ints(spec)
+        kw = {} if spec == "default" else _parse_kwargs(spec)
         name = f"pallas_gpu_ragged_{spec}"
         _measure(name, lambda kw=kw: _ragged(inp, case, **kw), nbytes, ns, res, ref)
     if not ns.skip_cudnn:

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         print(f"{case.label}: live K/V {live / 1e9:.3f} GB (compare ncu's dram__bytes_read)")
         runs.append((f"{case.label} pallas_gpu", *da._ours(inp, case)))
         for spec in ns.variants:
-            kw = da._parse_ints(spec)
+            kw = da._parse_kwargs(spec)
             runs.append((f"{case.label} pallas_gpu_{spec}", *da._ours(inp, case, **kw)))
         if not ns.skip_cudnn:
             kd, vd = da._dense_kv(inp, case)

@@ -130,9 +130,13 @@ def test_decode_attention_case_and_variant_parsing():
 
     assert decode_attention.parse_case("256,1024,8") == decode_attention.Case(256, 1024, 8)
     assert decode_attention.parse_case("8,512,4,64,256").H == 256
-    assert decode_attention._parse_ints("num_stages=2,order_method=rank") == {
-        "num_stages": 2, "order_method": "rank"}  # fmt: skip
+    assert decode_attention._parse_kwargs("num_stages=2,order_method=rank,swap_ab=False") == {
+        "num_stages": 2, "order_method": "rank", "swap_ab": False}  # fmt: skip
+    assert decode_attention._parse_kwargs("num_splits=none,early_k=TRUE") == {
+        "num_splits": None, "early_k": True}  # fmt: skip
     import pytest
 
     with pytest.raises(SystemExit, match="B,ctx,K"):
         decode_attention.parse_case("256,x")
+    with pytest.raises(SystemExit, match="name=value"):
+        decode_attention._parse_kwargs("num_stages")

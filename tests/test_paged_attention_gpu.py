@@ -102,6 +102,7 @@ def _assert_no_races():
         (16, 1, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
         (16, 1, {"out_of_range_tail": True, "swap_ab": False}),  # 64 query rows without splits
         (16, 2, {"longest_first": True}),  # the (sequence, split, head) grid, permuted
+        (16, 2, {"swap_ab": False}),  # 64 query rows with splits: f32 partials
         (16, 2, {"longest_first": True, "heads_inner": False}),  # the previous grid order
         (16, 2, {"longest_first": True, "slot_lengths": True}),  # lengths in slot order
         (8, 3, {"soft_cap": 20.0, "window": 37, "block_kv": 64}),
@@ -121,6 +122,7 @@ def _assert_no_races():
         "C16-T128-bad-ids",
         "C16-T128-bad-ids-64-rows",
         "C16-split2-longest-first",
+        "C16-split2-64-rows",
         "C16-split2-longest-first-heads-outer",
         "C16-split2-longest-first-slot-lengths",
         "C8-T64-split3-cap-window",
@@ -246,14 +248,15 @@ def test_interpret_k_ring_matches_reference(extra):
     ],
 )
 def test_interpret_swap_ab_matches_reference(C, G, lengths, extra):
-    # Scores as K Q^T: the queries are a wgmma N of 8 or 16 columns, P^T is stored through a
-    # transposed view, split partials are per-(sequence, KV head) tiles the merge gathers.
+    # Scores as K Q^T: the queries are a wgmma N of 8 or 16 columns, P^T and O^T are stored
+    # through transposed views (split partials in q.dtype; their lse per (sequence, KV head)
+    # slot, gathered by the merge).
     rng = np.random.default_rng(80 + C + G)
     _run_case(rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True, **extra)
 
 
 def test_swap_ab_default():
-    # On without splits at H = 64 / 128 and 8 query columns, where it was measured.
+    # On at H = 64 / 128 and 8 query columns, with or without splits, where it was measured.
     assert kernel_gpu.default_swap_ab(1, 128, 8)
     assert kernel_gpu.default_swap_ab(1, 64, 8)
     assert kernel_gpu.default_swap_ab(2, 128, 8)  # with splits too (partials as rows)
@@ -332,7 +335,7 @@ _VARIANTS = [
     dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
     dict(B=40, num_splits=2, longest_first=True),  # (off by default: 128-token tables)
     dict(B=40, heads_inner=False, longest_first=True),  # the previous, head-major grid
-    dict(B=40, slot_lengths=True),  # lengths permuted into slot order
+    dict(B=40, longest_first=True, slot_lengths=True),  # lengths permuted into slot order
     dict(B=40, longest_first=True, order_method="rank"),  # the order by counting, no sort
     dict(B=40, longest_first=True, order_method="sort"),
     # Scores as K Q^T (swap_ab): queries as a wgmma N of 8 / 16 columns
@@ -342,7 +345,7 @@ _VARIANTS = [
     dict(swap_ab=True, H=256, C=256, num_splits=2),
     dict(swap_ab=True, N=64, K=8, C=64),  # G=8
     dict(swap_ab=True, N=8, K=8, C=32, block_kv=128),  # G=1, T=128
-    dict(swap_ab=True, B=40, num_splits=2),  # longest first
+    dict(swap_ab=True, B=40, num_splits=2, longest_first=True),
     dict(swap_ab=True, N=48, K=8),  # G=6: 16 query columns
     dict(swap_ab=True, num_stages=2, k_stages=3, early_k=True),
     dict(swap_ab=True, H=256, C=256, num_splits=1),  # O^T [256, 8] stored transposed
@@ -407,11 +410,11 @@ def test_cross_lowers_for_cuda(variant):
         s0 = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T0)
         lf = kernel_gpu.default_longest_first(B, K, s0, W * C)
     method = v.get("order_method") or kernel_gpu.default_order_method(B)
-    has_order = ("stablehlo.sort" in text) or (f"tensor<{B}x{B}xi1>" in text)
-    assert has_order == bool(lf), (lf, method)
+    assert ("stablehlo.sort" in text) == (lf and method == "sort"), (lf, method)
+    assert (f"tensor<{B}x{B}xi1>" in text) == (lf and method == "rank"), (lf, method)
     # The L2 prefetches are in the kernel exactly when asked for.
     assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
-    # swap_ab (the kernel name ends in _sw<qcols>): as asked, else exactly without splits.
+    # swap_ab (the kernel name ends in _sw<qcols>): as asked, else as default_swap_ab says.
     T = v.get("block_kv", kernel_gpu.default_block_kv(H))
     splits = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T)
     default_swap = kernel_gpu.default_swap_ab(
@@ -507,6 +510,23 @@ def test_rank_order_bounded_by_batch():
         kernel_gpu._longest_first_order(ln, 64, True, "rank")
     with pytest.raises(ValueError, match="must be one of"):
         kernel_gpu._longest_first_order(ln, 64, True, "radix")
+    with pytest.raises(ValueError, match="needs packed keys"):
+        kernel_gpu._longest_first_order(ln, 64, False, "rank")
+    # Checked before the early return of an empty table.
+    empty = jnp.zeros((2, 0), jnp.int32)
+    with pytest.raises(ValueError, match="order_method='bitonic'"):
+        kernel_gpu.paged_attention_pallas_gpu(
+            q[:2], kv, kv, empty, ln[:2] * 0, sm_scale=0.1, order_method="bitonic"
+        )
+
+
+def test_rank_order_is_int32_under_x64():
+    lengths = jnp.asarray([5, 300, 0, 64], jnp.int32)
+    with jax.enable_x64(True):
+        out = kernel_gpu._longest_first_order(lengths, 64, True, "rank")
+        ref = kernel_gpu._longest_first_order(lengths, 64, True, "sort")
+    assert out.dtype == ref.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
 def test_empty_batch_returns_empty():
@@ -637,10 +657,11 @@ def test_gpu_matches_reference(C, G, H, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 4, 16])
-def test_gpu_long_32k(splits):
+@pytest.mark.parametrize("splits,swap_ab", [(1, None), (4, None), (16, None), (4, False)])
+def test_gpu_long_32k(splits, swap_ab):
+    # swap_ab=False: the 64-row tile with splits and f32 partials (swap_ab is the default).
     rng = np.random.default_rng(splits)
-    _run_case(rng, [32768, 1, 20001], K=2, G=4, H=128, C=16, num_splits=splits)
+    _run_case(rng, [32768, 1, 20001], K=2, G=4, H=128, C=16, num_splits=splits, swap_ab=swap_ab)
 
 
 @pytest.mark.gpu

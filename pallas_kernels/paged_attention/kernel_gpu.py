@@ -22,8 +22,8 @@ registers on the H200 per ``research/mosaic_gpu.md``). Rows of the last tile pas
 end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach the output.
 
 Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequence, KV head)
-programs are fewer than about one wave; each writes its normalised f32 partial output and base-2
-log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
+programs are fewer than about one wave; each writes its normalised partial output (``q.dtype`` with
+``swap_ab``, else f32) and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe). The grid is (sequence, split, KV head) with the
 heads innermost and, past one wave of CTAs where a unit can exceed 2048 tokens, sequences
 longest first (an on-device order of packed keys, by counting up to 1024 sequences and by a sort
@@ -230,8 +230,8 @@ def default_swap_ab(
     the H200. Without splits (eighth session): 0.4-4.7% faster on CUPTI in all seven
     split-free quick rows, G = 1, 4, 8. With splits, once the partials left as rows in
     ``q.dtype`` instead of whole f32 tiles that the merge gathered (ninth session,
-    ``decode_cases_s9_swap_splits.json``, CUPTI): B=1 / 32k -4.7%, B=1 / 8k at 32 KV heads
-    -3.0%, B=32 / 8k -1.0%, B=8 / 8k at 32 KV heads -1.1%, B=1 / 32k at 32 KV heads -0.8%;
+    ``decode_cases_s9_swap_splits.json``, CUPTI): B=1 / 32k -4.8%, B=1 / 8k at 32 KV heads
+    -3.0%, B=32 / 8k -1.0%, B=8 / 8k at 32 KV heads -1.1%, B=1 / 32k at 32 KV heads -0.9%;
     slower at B=8 / 32k (+0.9%) and B=8 / 8k (+1.8%). Head dim 256 and 16+ query columns are
     correct in the interpreter, on the H200 and in CUDA lowering, but were not timed: opt in
     with ``swap_ab=True``. ``num_splits`` no longer changes the answer."""
@@ -260,10 +260,14 @@ def default_longest_first(
     the longest work first (LPT) the last wave holds the shortest CTAs and the tail is short.
     The order costs 2-5 us per call (two or three small kernels, ``default_order_method``):
     on the H200 (ninth session, ``decode_cases_s9_order.json``, wall us with / without) it
-    paid at 4096-token tables (B=128 / 2k 265.5 vs 271.0, B=64 / 4k 246.9 vs 254.7, K=32
-    488.6 vs 495.2, B=256 / 2k 476.2 vs 487.2, head dim 64 81.8 vs 86.3) and lost at 1024- and
-    2048-token ones (B=256 / 1k 267.3 vs 262.1, B=256 / 512 144.4 vs 136.4, B=512 / 1k 501.8
-    vs 499.0, B=128 / 1k 141.5 vs 135.7): short units leave a short tail in any order.
+    paid at 3072- to 6144-token tables without splits (B=128 / 2k 265.5 vs 271.0, B=64 / 4k
+    246.9 vs 254.7, K=32 488.6 vs 495.2, B=256 / 2k 476.2 vs 487.2, head dim 64 81.8 vs 86.3)
+    and lost at 1024- and 2048-token ones (B=256 / 1k 267.3 vs 262.1, B=256 / 512 144.4 vs
+    136.4, B=512 / 1k 501.8 vs 499.0, B=128 / 1k 141.5 vs 135.7): short units leave a short
+    tail in any order. With splits the evidence is mixed: it paid at 4 splits (B=32 / 8k,
+    B=8 / 8k at 32 KV heads: 1.2-1.4% on CUPTI, ``decode_cases_s9_swap_splits.json``) and
+    lost at B=8 / 32k with 8 splits (6k-token units; 0.9-1.7% on CUPTI in two calls), where
+    it stays on.
     """
     if num_seqs <= 1 or num_seqs * num_kv_heads * num_splits <= _WAVE_CTAS:
         return False
@@ -284,8 +288,9 @@ def _int_knob(name: str, value) -> int:
         raise ValueError(f"{name}={value!r} must be an integer") from None
 
 
-# The longest-first order is one single-operand sort of packed keys (``_longest_first_order``):
-# (0x7FFF - tiles) << 16 | sequence, so the kernel reads the sequence as ``key & 0xFFFF``.
+# The longest-first order is an array of packed keys sorted ascending (by a sort, or by counting:
+# ``_longest_first_order``): (0x7FFF - tiles) << 16 | sequence, so the kernel reads the
+# sequence as ``key & 0xFFFF``.
 _ORDER_BITS = 16
 _ORDER_MAX_TILES = 0x7FFF
 
@@ -308,7 +313,7 @@ def default_order_method(num_seqs: int) -> str:
     H200, ninth session: the counting form's kernels cost less than the key fusion and sort
     at 8-1024 sequences (CUPTI, ``decode_order_s9.json``: 1.0 vs 2.1 us at B=8, 3.6 vs 4.4 at
     256, 4.4 vs 8.8 at 1024), and in the whole call it was faster on CUPTI in all 11 cases of
-    ``decode_cases_s9_order.json`` (0.1-1.8 us) and on wall-clock in 8.
+    ``decode_cases_s9_order.json`` (0.3-2.2 us) and on wall-clock in 8.
     """
     return "rank" if num_seqs <= _RANK_ORDER_MAX_SEQS and _packed_order(num_seqs) else "sort"
 
@@ -330,6 +335,10 @@ def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "
         raise ValueError(f"method={method!r} must be one of {ORDER_METHODS}")
     live = jnp.maximum(lengths_B, 0)
     if not packed:
+        if method != "sort":
+            raise ValueError(
+                f'method="{method}" needs packed keys (at most {1 << _ORDER_BITS} sequences)'
+            )
         return jnp.argsort(-live).astype(jnp.int32)
     tiles = jnp.minimum((live - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
     slot = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
@@ -341,7 +350,8 @@ def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "
             f'method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {lengths_B.shape[0]}'
         )
     rank = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
-    return jnp.sum(jnp.where(rank[None, :] == slot[:, None], keys[None, :], 0), axis=1)
+    picked = jnp.where(rank[None, :] == slot[:, None], keys[None, :], 0)
+    return jnp.sum(picked, axis=1, dtype=jnp.int32)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_kv: int) -> int:
@@ -651,8 +661,8 @@ def _finish(cfg: _Config, acc, m, l):
 
 def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True):
     """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
-    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the whole O^T tile and
-    the lse row of its ``qcols`` columns, to the (sequence, KV head) slot). ``wait=False``
+    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
+    partial, and the lse row of its ``qcols`` columns to the (sequence, KV head) slot). ``wait=False``
     leaves the copies in flight (the persistent loop waits for their SMEM reads before it
     writes the tiles again)."""
     G = cfg.group
@@ -1132,7 +1142,7 @@ def paged_attention_pallas_gpu(
         (three CTAs per SM by SMEM at H=128), else the deepest that keeps 2 CTAs per SM; with
         ``producer``, 4 where it fits in 227 KB).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
-      longest_first: schedule sequences longest first (an on-device argsort); default
+      longest_first: schedule sequences longest first (an on-device order); default
         ``default_longest_first``: on when the grid is more than one wave of CTAs and a unit
         can hold more than 2048 tokens (``block_tables`` width x page size / splits).
       producer: warp specialization: a second warpgroup issues the K/V page copies and the
@@ -1199,6 +1209,19 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
+    if order_method is None:
+        order_method = default_order_method(B)
+    if order_method not in ORDER_METHODS:
+        raise ValueError(f"order_method={order_method!r} must be one of {ORDER_METHODS}")
+    if order_method == "rank" and B > _RANK_ORDER_MAX_SEQS:
+        raise ValueError(
+            f'order_method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {B}'
+        )
+    if order_method == "rank" and not _packed_order(B):
+        raise ValueError(
+            f'order_method="rank" needs packed order keys (at most {1 << _ORDER_BITS} '
+            f"sequences), got {B}"
+        )
     if B == 0:
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
@@ -1263,14 +1286,6 @@ def paged_attention_pallas_gpu(
         lf = default_longest_first(B, K, splits, W * C)
     else:
         lf = bool(longest_first)
-    if order_method is None:
-        order_method = default_order_method(B)
-    if order_method not in ORDER_METHODS:
-        raise ValueError(f"order_method={order_method!r} must be one of {ORDER_METHODS}")
-    if order_method == "rank" and not (_packed_order(B) and B <= _RANK_ORDER_MAX_SEQS):
-        raise ValueError(
-            f'order_method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {B}'
-        )
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
