@@ -82,6 +82,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._split_merge import merge_splits
+
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
 _LSE_COLS = 32  # lse rows are 32 f32 = 128 B: TMA needs 128-byte-aligned SMEM row slices
@@ -1007,20 +1009,8 @@ def _swapped_partials(cfg: _Config, o_SRH, lse_SCQ):
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
     """Log-sum-exp merge of split partials: o [S, R, H] (f32 or q.dtype), lse f32[S, R, L]
-    (column 0 read; base 2; -inf for a split that saw no key, whose partial is zeros).
-
-    The normalised weights [S, R] come first and the output is one weighted sum over S: three
-    XLA kernels at S=32 where the previous form (max, sums, divide) took four (3.6 vs 5.1 us on
-    the H200, ``benchmarks/split_merge.py``). -inf is clamped to the lowest f32, so a row no
-    split saw gets equal weights on zero partials (zeros) with no NaN guard, and a real lse,
-    however low, still outweighs an empty split. One variadic ``lax.reduce`` over the splits
-    (an associative combine of (lse, o) pairs) was two kernels but slower: 4.9 vs 3.6 us at
-    S=32, 3.7 vs 2.5 at S=8 (ninth session, ``split_merge_s9.json``).
-    """
-    lse_SR = jnp.maximum(lse_SRL[..., 0], -jnp.finfo(jnp.float32).max)
-    w_SR = jnp.exp2(lse_SR - jnp.max(lse_SR, axis=0))
-    w_SR = w_SR / jnp.sum(w_SR, axis=0)
-    return jnp.einsum("sr,srh->rh", w_SR, o_SRH.astype(jnp.float32)).astype(dtype)
+    (column 0 read; base 2; -inf for a split that saw no key): ``_split_merge.merge_splits``."""
+    return merge_splits(o_SRH, lse_SRL[..., 0], dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -68,6 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._split_merge import merge_splits
 from pallas_kernels.ragged_paged_attention import schedule, tuning_gpu
 
 _ROWS = tuning_gpu.ROWS
@@ -758,17 +759,12 @@ TILE_ORDERS = ("longest_first", "by_sequence", "index")
 
 def _merge_splits(o_STNH, lse_STNL, num_rows, dtype):
     """Log-sum-exp merge of the splits' partials (base 2; a split that saw no key has weight
-    0; a row no split saw gives zeros). Rows from ``num_rows`` on (padding: no unit wrote
-    them) are zeros."""
-    lse = lse_STNL[..., 0]
-    mx = jnp.max(lse, axis=0)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp2(lse - mx)  # [S, T, N]
-    den = jnp.sum(w, axis=0)
-    num = jnp.sum(w[..., None] * o_STNH.astype(jnp.float32), axis=0)
-    out = num / jnp.where(den > 0, den, 1.0)[..., None]
-    valid = jnp.arange(out.shape[0], dtype=jnp.int32) < num_rows
-    return jnp.where(valid[:, None, None], out, 0.0).astype(dtype)
+    0; a row no split saw gives zeros; ``_split_merge.merge_splits`` over the T x N rows).
+    Rows from ``num_rows`` on (padding: no unit wrote them) are zeros."""
+    S, T, N, H = o_STNH.shape
+    out = merge_splits(o_STNH.reshape(S, T * N, H), lse_STNL[..., 0].reshape(S, T * N), dtype)
+    valid = jnp.arange(T, dtype=jnp.int32) < num_rows
+    return jnp.where(valid[:, None, None], out.reshape(T, N, H), jnp.zeros((), dtype))
 
 
 # The longest-first tile order is one single-operand sort of packed int32 keys
