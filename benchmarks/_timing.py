@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -105,6 +106,24 @@ def cupti_kernels_us(fn: Callable, *args) -> list[tuple[str, float]] | None:
         print(f"cupti unavailable: {type(e).__name__}: {e}")
         return None
     return [(str(name), float(ms) * 1e3) for name, ms in (timings or [])]
+
+
+def kernel_costs(fn: Callable, *args) -> dict:
+    """``wall_us`` of back-to-back calls, each kernel of one call (``kernels_us``, CUPTI) and
+    their sum (``cupti_us``; None without CUPTI): what a small XLA epilogue or prologue costs."""
+    kernels = cupti_kernels_us(fn, *args)
+    return {
+        "wall_us": wall_us(fn, *args),
+        "kernels_us": kernels,
+        "cupti_us": sum(us for _, us in kernels) if kernels else None,
+    }
+
+
+def write_rows(path: str | None, rows: list) -> None:
+    """Writes ``{"device", "jax", "rows"}`` JSON to ``path`` (nothing when None)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh)
 
 
 def read_roofline_tbs(num_bytes: int = 4 << 30, dtype=jnp.bfloat16) -> tuple[float, float]:

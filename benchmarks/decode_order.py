@@ -13,7 +13,6 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -68,13 +67,9 @@ def main(argv=None):
                 )
             out = np.asarray(f(lengths))
             ref = out if ref is None else ref
-            kernels = _timing.cupti_kernels_us(f, lengths)
-            row = {
-                "B": B, "method": method, "same_as_sort": bool(np.array_equal(out, ref)),
-                "wall_us": _timing.wall_us(f, lengths),
-                "kernels_us": kernels,
-                "cupti_us": sum(us for _, us in kernels) if kernels else None,
-            }  # fmt: skip
+            row = {"B": B, "method": method, "same_as_sort": bool(np.array_equal(out, ref))}
+            row.update(_timing.kernel_costs(f, lengths))
+            kernels = row["kernels_us"]
             rows.append(row)
             print(
                 f"B={B:<5} {method:<5} same {row['same_as_sort']}  wall {row['wall_us']:6.1f} us  "
@@ -82,9 +77,7 @@ def main(argv=None):
                 + " ".join(f"{n[:24]}:{us:.1f}" for n, us in kernels or []),
                 flush=True,
             )
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh)
+    _timing.write_rows(ns.out, rows)
 
 
 if __name__ == "__main__":

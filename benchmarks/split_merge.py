@@ -12,7 +12,6 @@ JSON. ``kernel_gpu._merge_splits`` is the form chosen.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -116,22 +115,16 @@ def main(argv=None):
             f = jax.jit(lambda a, b, fn=fn: fn(a, b, jnp.bfloat16))
             out = np.asarray(f(o, lse_SRL).astype(jnp.float32))
             err = float(np.max(np.abs(out - ref)))
-            kernels = _timing.cupti_kernels_us(f, o, lse_SRL)
-            row = {
-                "S": S, "R": R, "H": H, "variant": name, "max_abs_err": err,
-                "wall_us": _timing.wall_us(f, o, lse_SRL),
-                "kernels_us": kernels,
-                "cupti_us": sum(us for _, us in kernels) if kernels else None,
-            }  # fmt: skip
+            row = {"S": S, "R": R, "H": H, "variant": name, "max_abs_err": err}
+            row.update(_timing.kernel_costs(f, o, lse_SRL))
+            kernels = row["kernels_us"]
             rows.append(row)
             print(
                 f"S={S:<3} R={R:<5} {name:<20} err {err:.1e}  wall {row['wall_us']:6.1f} us  "
                 f"kernels {len(kernels or [])}  cupti {row['cupti_us'] or 0:6.1f} us",
                 flush=True,
             )
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh)
+    _timing.write_rows(ns.out, rows)
 
 
 if __name__ == "__main__":
