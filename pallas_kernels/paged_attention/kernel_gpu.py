@@ -320,6 +320,21 @@ def default_order_method(num_seqs: int) -> str:
     return "rank" if num_seqs <= _RANK_ORDER_MAX_SEQS and _packed_order(num_seqs) else "sort"
 
 
+def _check_order_method(name: str, method, num_seqs: int, packed: bool) -> None:
+    """A ValueError naming ``name`` unless ``method`` can order ``num_seqs`` sequences."""
+    if method not in ORDER_METHODS:
+        raise ValueError(f"{name}={method!r} must be one of {ORDER_METHODS}")
+    if method == "rank" and not packed:
+        raise ValueError(
+            f'{name}="rank" needs packed keys (at most {1 << _ORDER_BITS} sequences), '
+            f"got {num_seqs}"
+        )
+    if method == "rank" and num_seqs > _RANK_ORDER_MAX_SEQS:
+        raise ValueError(
+            f'{name}="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {num_seqs}'
+        )
+
+
 def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "sort"):
     """Sequence slots longest first: packed sort keys (``packed``) or plain argsort indices.
 
@@ -333,24 +348,15 @@ def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "
     and entry i is the key whose rank is i; two reductions over [B, B] that compute the keys
     inline, where the sort path is a key fusion, a copy into the sort's buffer and the sort.
     """
-    if method not in ORDER_METHODS:
-        raise ValueError(f"method={method!r} must be one of {ORDER_METHODS}")
+    _check_order_method("method", method, lengths_B.shape[0], packed)
     live = jnp.maximum(lengths_B, 0)
     if not packed:
-        if method != "sort":
-            raise ValueError(
-                f'method="{method}" needs packed keys (at most {1 << _ORDER_BITS} sequences)'
-            )
         return jnp.argsort(-live).astype(jnp.int32)
     tiles = jnp.minimum((live - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
     slot = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
     keys = ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | slot
     if method == "sort":
         return lax.sort(keys)
-    if lengths_B.shape[0] > _RANK_ORDER_MAX_SEQS:
-        raise ValueError(
-            f'method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {lengths_B.shape[0]}'
-        )
     rank = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
     picked = jnp.where(rank[None, :] == slot[:, None], keys[None, :], 0)
     return jnp.sum(picked, axis=1, dtype=jnp.int32)
@@ -680,7 +686,7 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
         # The partial O^T goes out as its G rows in q.dtype through a transposed view, as
         # without splits (Mosaic GPU cannot store f32 through a transposed view). The lse row
         # of the qcols columns goes to the (sequence, KV head) slot b * K + h, and the merge
-        # picks the G real columns (``_swapped_partials``).
+        # picks the G real columns (``_swapped_lse``).
         (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
         cta = unit.b * cfg.num_kv_heads + unit.h
         o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
@@ -994,9 +1000,9 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
     )
 
 
-def _swapped_partials(cfg: _Config, o_SRH, lse_SCQ):
-    """``swap_ab`` split partials: o [S, B*N, H] rows as stored, lse [S, B*K, qcols] per
-    (sequence, KV head) slot -> lse [S, B*N, 1]. Head h of sequence b owns columns
+def _swapped_lse(cfg: _Config, lse_SCQ):
+    """``swap_ab`` split lse [S, B*K, qcols] per (sequence, KV head) slot -> [S, B*N, 1] (the
+    partials themselves are stored as rows). Head h of sequence b owns columns
     qoff .. qoff + G of its slot, qoff = (b * N + h * G) % 8 (a small XLA gather: S x B x N
     floats)."""
     S, B, K, N, G = (cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group)
@@ -1004,7 +1010,7 @@ def _swapped_partials(cfg: _Config, o_SRH, lse_SCQ):
     h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
     cols = (b * N + h * G) % 8 + jnp.arange(G, dtype=jnp.int32)  # [B, K, G]
     lse = jnp.take_along_axis(lse_SCQ.reshape(S, B, K, -1), cols[None], axis=3)
-    return o_SRH, lse.reshape(S, B * N, 1)
+    return lse.reshape(S, B * N, 1)
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
@@ -1081,7 +1087,9 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     out = kernel(*args)
     if S == 1:
         return out.reshape(B, N, H)
-    o_SRH, lse_SRL = _swapped_partials(cfg, *out) if cfg.swap_ab else out
+    o_SRH, lse_SRL = out
+    if cfg.swap_ab:
+        lse_SRL = _swapped_lse(cfg, lse_SRL)
     return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H)
 
 
@@ -1201,17 +1209,7 @@ def paged_attention_pallas_gpu(
     W = block_tables.shape[1]
     if order_method is None:
         order_method = default_order_method(B)
-    if order_method not in ORDER_METHODS:
-        raise ValueError(f"order_method={order_method!r} must be one of {ORDER_METHODS}")
-    if order_method == "rank" and B > _RANK_ORDER_MAX_SEQS:
-        raise ValueError(
-            f'order_method="rank" takes at most {_RANK_ORDER_MAX_SEQS} sequences, got {B}'
-        )
-    if order_method == "rank" and not _packed_order(B):
-        raise ValueError(
-            f'order_method="rank" needs packed order keys (at most {1 << _ORDER_BITS} '
-            f"sequences), got {B}"
-        )
+    _check_order_method("order_method", order_method, B, _packed_order(B))
     if B == 0:
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
