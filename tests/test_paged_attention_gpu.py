@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from _paged_inputs import dense_attention, make_paged_kv
 from _tolerances import assert_close
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import kernel_gpu
@@ -117,6 +118,7 @@ def _assert_no_races():
         (8, 1, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
         # A negative scale keeps the scale out of exp2 (max(s) * scale != max(s * scale))
         (16, 2, {"sm_scale": -0.2, "block_kv": 64}),
+        (16, 3, {"deferred_sum": False, "soft_cap": 20.0, "window": 37}),  # a sum every tile
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -132,6 +134,7 @@ def _assert_no_races():
         "C16-T64-st1-k2-early-k-split2",
         "C8-T64-st2-k3-bad-ids",
         "C16-T64-split2-negative-scale",
+        "C16-split3-sum-per-tile-cap-window",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -281,10 +284,64 @@ def test_qcols_cover_every_heads_rows(num_seqs, num_q_heads, num_kv_heads, qcols
 
 @pytest.mark.parametrize("order_method", kernel_gpu.ORDER_METHODS)
 def test_interpret_order_methods(order_method):
-    # Both ways of computing the longest-first order give the same schedule and output.
+    # Every way of computing the longest-first order gives the same schedule and output
+    # (8 sequences: the in-kernel count takes multiples of 4).
     rng = np.random.default_rng(71)
-    _run_case(rng, [5, 200, 0, 64, 130, 17, 64], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
+    _run_case(rng, [5, 200, 0, 64, 130, 17, 64, 3], K=2, G=2, H=64, C=16, interpret=RACE_CHECKED,
               longest_first=True, order_method=order_method)  # fmt: skip
+
+
+def _kernel_order_of(lengths, block_kv=64):
+    """(sequence << 16 | low 16 bits of its length) that ``_kernel_order`` finds for each grid slot, read back
+    through a one-warpgroup kernel in the interpreter."""
+    B = lengths.shape[0]
+    cfg = kernel_gpu._Config(
+        num_seqs=B, num_q_heads=8, num_kv_heads=1, num_pages=1, page_size=16, head_dim=128,
+        dtype=jnp.dtype(jnp.bfloat16), sm_scale=1.0, logits_soft_cap=None, sliding_window=None,
+        block_kv=block_kv, num_stages=2, k_stages=2, early_k=False, slot_lengths=False,
+        swap_ab=True, deferred_sum=True, num_splits=1, producer=False, longest_first=True,
+        order_method="kernel", heads_inner=True, persistent=False, num_ctas=0, l2_prefetch=0,
+        interpret=RACE_CHECKED,
+    )  # fmt: skip
+    row = plgpu.Layout.WG_STRIDED((128,), vec_size=1)
+
+    def body(len_ref, out_ref):
+        b_slot = jax.lax.axis_index("b")
+        b, length = kernel_gpu._kernel_order(cfg, len_ref, b_slot)
+
+        def store(o_smem):
+            o_smem[...] = plgpu.layout_cast(jnp.zeros((128,), jnp.int32), row) + (
+                b << 16 | (length & 0xFFFF)
+            )
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b_slot])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((128,), jnp.int32))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((B, 128), jnp.int32), grid=(B,), grid_names=("b",),
+        interpret=cfg.interpret,
+    )  # fmt: skip
+    return np.asarray(kernel(jnp.asarray(lengths)))[:, 0]
+
+
+@pytest.mark.parametrize("B,block_kv", [(4, 64), (12, 128), (132, 64)])
+def test_kernel_order_is_the_sorted_order(B, block_kv):
+    # The order each CTA counts for itself (order_method="kernel") is the sort's: ties (equal
+    # tiles) in slot order, lengths <= 0 last, lengths past the 0x7FFF-tile cap tied; 132
+    # sequences take two keys a thread.
+    rng = np.random.default_rng(B)
+    lengths = rng.integers(0, 3000, size=B).astype(np.int32)
+    lengths[: B // 3] = lengths[B // 3]
+    lengths[1:3] = [-5, 0]
+    lengths[-1] = 2**31 - 1
+    got = _kernel_order_of(lengths, block_kv)
+    keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), block_kv, True, "sort"))
+    seqs = keys & 0xFFFF
+    np.testing.assert_array_equal(got >> 16, seqs)
+    np.testing.assert_array_equal(got & 0xFFFF, lengths[seqs] & 0xFFFF)  # its own length too
+    _assert_no_races()
 
 
 @pytest.mark.parametrize("slot_lengths", [False, True])
@@ -338,6 +395,9 @@ _VARIANTS = [
     dict(B=40, longest_first=True, slot_lengths=True),  # lengths permuted into slot order
     dict(B=40, longest_first=True, order_method="rank"),  # the order by counting, no sort
     dict(B=40, longest_first=True, order_method="sort"),
+    dict(B=40, longest_first=True, order_method="kernel"),  # each CTA counts its place
+    dict(B=132, longest_first=True),  # the in-kernel count with two keys a thread
+    dict(B=40, longest_first=True, num_splits=3, swap_ab=False),  # the 64-row tile
     # Scores as K Q^T (swap_ab): queries as a wgmma N of 8 / 16 columns
     dict(swap_ab=True),
     dict(swap_ab=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
@@ -348,6 +408,8 @@ _VARIANTS = [
     dict(swap_ab=True, B=40, num_splits=2, longest_first=True),
     dict(swap_ab=True, N=48, K=8),  # G=6: 16 query columns
     dict(swap_ab=True, num_stages=2, k_stages=3, early_k=True),
+    dict(swap_ab=True, deferred_sum=False),  # the sum over keys reduced in every tile
+    dict(swap_ab=True, deferred_sum=False, num_splits=3, logits_soft_cap=30.0),
     dict(swap_ab=True, H=256, C=256, num_splits=1),  # O^T [256, 8] stored transposed
     dict(swap_ab=True, N=64, K=4, num_splits=1),  # G=16: 16 query columns
     dict(swap_ab=True, N=64, K=1, H=64, num_splits=1),  # G=64: 64 columns
@@ -409,7 +471,9 @@ def test_cross_lowers_for_cuda(variant):
         T0 = v.get("block_kv", kernel_gpu.default_block_kv(H))
         s0 = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T0)
         lf = kernel_gpu.default_longest_first(B, K, s0, W * C)
-    method = v.get("order_method") or kernel_gpu.default_order_method(B)
+    method = v.get("order_method") or kernel_gpu.default_order_method(
+        B, bool(v.get("producer")), bool(v.get("persistent")), bool(v.get("slot_lengths"))
+    )
     assert ("stablehlo.sort" in text) == (lf and method == "sort"), (lf, method)
     assert (f"tensor<{B}x{B}xi1>" in text) == (lf and method == "rank"), (lf, method)
     # The L2 prefetches are in the kernel exactly when asked for.
@@ -490,6 +554,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(swap_ab=True, producer=True), "swap_ab=True needs producer=False"),
         (dict(swap_ab=True, persistent=True), "swap_ab=True needs producer=False"),
         (dict(order_method="bitonic"), "order_method='bitonic' must be one of"),
+        # Two sequences: the in-kernel count's TMA copy takes multiples of 4.
+        (dict(order_method="kernel"), 'order_method="kernel" needs a multiple of 4'),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -618,6 +684,16 @@ def test_default_tuning_from_static_shapes():
     assert not kernel_gpu.default_longest_first(32, 8, 1, 1 << 20)  # one wave
     assert kernel_gpu.default_order_method(1024) == "rank"
     assert kernel_gpu.default_order_method(1025) == "sort"
+    # Each CTA counts its own place (no XLA kernel) for multiples of 4 up to 256 sequences.
+    assert kernel_gpu.default_order_method(128) == "kernel"
+    assert kernel_gpu.default_order_method(256) == "kernel"
+    assert kernel_gpu.default_order_method(4) == "kernel"
+    assert kernel_gpu.default_order_method(130) == "rank"
+    assert kernel_gpu.default_order_method(260) == "rank"
+    assert kernel_gpu.default_order_method(128, producer=True) == "rank"
+    assert kernel_gpu.default_order_method(128, persistent=True) == "rank"
+    assert kernel_gpu.default_order_method(128, slot_lengths=True) == "rank"
+    assert kernel_gpu.default_deferred_sum()
     # Two CTAs per SM: the ring fits in ~113 KB.
     for H in (64, 128, 256):
         stages = kernel_gpu.default_num_stages(H)
@@ -682,6 +758,8 @@ def test_gpu_long_32k(splits, swap_ab):
         dict(num_splits=2, longest_first=True, heads_inner=False),
         dict(out_of_range_tail=True, num_splits=2),
         dict(l2_prefetch=2, num_splits=2, out_of_range_tail=True),
+        dict(deferred_sum=False, num_splits=1, window=700),  # the sum over keys every tile
+        dict(deferred_sum=False, num_splits=3, soft_cap=50.0),
         dict(l2_prefetch=4, window=700, soft_cap=50.0),
         dict(early_k=True),
         dict(early_k=True, k_stages=3, out_of_range_tail=True),
@@ -741,9 +819,29 @@ def test_gpu_swap_ab_long_and_many(splits):
 
 @pytest.mark.gpu
 def test_gpu_many_sequences_default_tuning():
+    # 96 sequences of up to 3000 tokens: longest first, counted in each CTA (order "kernel").
     rng = np.random.default_rng(11)
     lengths = rng.integers(0, 3000, size=96)
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,extra",
+    [
+        (132, dict()),  # two keys a thread
+        (256, dict(soft_cap=30.0)),
+        (40, dict(num_splits=3, window=700)),
+        (64, dict(order_method="rank")),  # the XLA forms, for comparison
+        (64, dict(order_method="sort", swap_ab=False)),
+    ],
+    ids=str,
+)
+def test_gpu_kernel_order(B, extra):
+    rng = np.random.default_rng(B)
+    lengths = rng.integers(0, 2500, size=B)
+    lengths[:5] = [0, 1, 15, 16, 17]
+    _run_case(rng, lengths, K=8, G=4, H=128, C=16, longest_first=True, **extra)
 
 
 @pytest.mark.gpu

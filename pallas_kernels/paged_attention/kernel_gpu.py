@@ -118,6 +118,7 @@ class _Config:
     early_k: bool  # a K slot is refilled once Q K^T has read it, not after P @ V
     slot_lengths: bool  # lengths passed in the longest-first slot order (with longest_first)
     swap_ab: bool  # scores as K Q^T (keys x queries): the G heads are a wgmma N of ``qcols``
+    deferred_sum: bool  # swap_ab: l kept per (key row, query) and summed over keys once at the end
     num_splits: int
     producer: bool  # a second warpgroup issues every K/V copy (warp specialization)
     longest_first: bool
@@ -127,6 +128,12 @@ class _Config:
     num_ctas: int  # persistent grid size (0 otherwise)
     l2_prefetch: int  # tiles past the ring prefetched into L2 (``_prefetch``; 0: none)
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
+
+    @property
+    def xla_order(self) -> bool:
+        """The longest-first order comes in as an array computed by XLA (else the kernel
+        computes it: ``order_method="kernel"``, or there is none)."""
+        return self.longest_first and self.order_method != "kernel"
 
     @property
     def group(self) -> int:
@@ -241,6 +248,18 @@ def default_swap_ab(
     return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 
+def default_deferred_sum() -> bool:
+    """``swap_ab`` tiles defer the softmax sum to the end (``deferred_sum``), always.
+
+    On the H200 (tenth session, ``decode_cta_rate_s10.json``): a lone CTA streamed 42 GB/s
+    instead of 36 (one sequence of 8 KV heads at 32k, no splits: 525.8 vs 616.1 us CUPTI), and
+    the quick table was 0.1-2.4% faster on CUPTI in all nine rows (B=32 / 2k 69.2 vs 70.9 us,
+    B=128 / 2k 239.0 vs 240.4; ``decode_quick_s10_deferred.json``): the second reduction
+    across the warpgroup's warps is gone from every tile's critical path.
+    """
+    return True
+
+
 # CTAs resident at once on an H100/H200 (132 SMs x 2 CTAs of the default ring): below one such
 # wave the dispatch order cannot matter and ``longest_first`` is off by default.
 _WAVE_CTAS = 2 * 132
@@ -306,24 +325,62 @@ def _packed_order(num_seqs: int) -> bool:
 # O(B^2) reductions) instead of a sort: B^2 int32 compares are 1M at 1024.
 _RANK_ORDER_MAX_SEQS = 1024
 
-ORDER_METHODS = ("sort", "rank")
+# Up to this many sequences each CTA can count its own place in the order (``"kernel"``): B
+# compares of B / 128 keys a thread, in the CTA's prologue. The lengths reach SMEM by one TMA
+# copy, whose bytes must be a multiple of 16 (B % 4 == 0) and whose box at most 256 long.
+_KERNEL_ORDER_MAX_SEQS = 256
+
+ORDER_METHODS = ("sort", "rank", "kernel")
 
 
-def default_order_method(num_seqs: int) -> str:
-    """``"rank"`` up to ``_RANK_ORDER_MAX_SEQS`` sequences, else ``"sort"``.
+def _kernel_order_reason(
+    num_seqs: int, producer: bool = False, persistent: bool = False, slot_lengths: bool = False
+):
+    """Why ``order_method="kernel"`` cannot order this call (None if it can)."""
+    if num_seqs > _KERNEL_ORDER_MAX_SEQS or num_seqs % 4:
+        return (
+            f"needs a multiple of 4 sequences, at most {_KERNEL_ORDER_MAX_SEQS} (the lengths "
+            f"reach SMEM by one TMA copy), got {num_seqs}"
+        )
+    if producer or persistent:
+        return "is not built for producer=True or persistent=True"
+    if slot_lengths:
+        return "leaves no order array to permute the lengths by (slot_lengths=True)"
+    return None
+
+
+def default_order_method(
+    num_seqs: int, producer: bool = False, persistent: bool = False, slot_lengths: bool = False
+) -> str:
+    """``"kernel"`` where each CTA can count its own place (``_kernel_order_reason``), else
+    ``"rank"`` up to ``_RANK_ORDER_MAX_SEQS`` sequences, else ``"sort"``.
 
     H200, ninth session: the counting form's kernels cost less than the key fusion and sort
     at 8-1024 sequences (CUPTI, ``decode_order_s9.json``: 1.0 vs 2.1 us at B=8, 3.6 vs 4.4 at
     256, 4.4 vs 8.8 at 1024), and in the whole call it was faster on CUPTI in all 11 cases of
-    ``decode_cases_s9_order.json`` (0.3-2.2 us) and on wall-clock in 8.
+    ``decode_cases_s9_order.json`` (0.3-2.2 us) and on wall-clock in 8. The in-kernel count
+    needs no XLA kernel at all (``_kernel_order``).
     """
+    if _kernel_order_reason(num_seqs, producer, persistent, slot_lengths) is None:
+        return "kernel"
     return "rank" if num_seqs <= _RANK_ORDER_MAX_SEQS and _packed_order(num_seqs) else "sort"
 
 
-def _check_order_method(name: str, method, num_seqs: int, packed: bool) -> None:
+def _check_order_method(
+    name: str,
+    method,
+    num_seqs: int,
+    packed: bool,
+    producer: bool = False,
+    persistent: bool = False,
+    slot_lengths: bool = False,
+) -> None:
     """A ValueError naming ``name`` unless ``method`` can order ``num_seqs`` sequences."""
     if method not in ORDER_METHODS:
         raise ValueError(f"{name}={method!r} must be one of {ORDER_METHODS}")
+    why = _kernel_order_reason(num_seqs, producer, persistent, slot_lengths)
+    if method == "kernel" and why:
+        raise ValueError(f'{name}="kernel" {why}')
     if method == "rank" and not packed:
         raise ValueError(
             f'{name}="rank" needs packed keys (at most {1 << _ORDER_BITS} sequences), '
@@ -348,6 +405,8 @@ def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "
     and entry i is the key whose rank is i; two reductions over [B, B] that compute the keys
     inline, where the sort path is a key fusion, a copy into the sort's buffer and the sort.
     """
+    if method == "kernel":
+        raise ValueError('method="kernel" is computed inside the kernel (``_kernel_order``)')
     _check_order_method("method", method, lengths_B.shape[0], packed)
     live = jnp.maximum(lengths_B, 0)
     if not packed:
@@ -479,9 +538,13 @@ class _Unit(NamedTuple):
         return _Unit(*(jnp.where(pred, a, b) for a, b in zip(self, other, strict=True)))
 
 
-def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) -> _Unit:
+def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None) -> _Unit:
+    """The unit of grid slot (``b_slot``, ``s``, ``h``); ``seq``: its (sequence, length), as
+    ``_kernel_order`` found them."""
     T, C, S = cfg.block_kv, cfg.page_size, cfg.num_splits
-    if order_ref is None:
+    if seq is not None:
+        b = seq[0]
+    elif order_ref is None:
         b = b_slot
     elif _packed_order(cfg.num_seqs):  # packed keys (``_longest_first_order``)
         b = order_ref[b_slot] & ((1 << _ORDER_BITS) - 1)
@@ -489,7 +552,11 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True) 
         b = order_ref[b_slot]
     # With ``slot_lengths`` the lengths come in slot order: read at once, not after the order.
     # Lengths < 0 (invalid) count as 0, so no tile index and no table lookup goes negative.
-    length = jnp.maximum(len_ref[b_slot] if cfg.slot_lengths else len_ref[b], 0)
+    if seq is not None:
+        length = seq[1]
+    else:
+        length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
+    length = jnp.maximum(length, 0)
     lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
     t_lo = lo // T
     t_hi = (length + T - 1) // T
@@ -553,7 +620,7 @@ def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
 
 def _init_carry(cfg: _Config):
     """(acc, m, l): acc [64, H] with m, l per row; ``swap_ab``: acc^T [H, qcols], m, l per
-    column."""
+    column, and with ``deferred_sum`` l [T, qcols] in the scores' layout (``_sum_l``)."""
     H = cfg.head_dim
     if cfg.swap_ab:
         shape, vec, axis = (H, cfg.qcols), cfg.qcols, 0
@@ -562,8 +629,18 @@ def _init_carry(cfg: _Config):
     acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     vec_layout = plgpu.Layout.WGMMA.reduce(axis)
     m = plgpu.layout_cast(jnp.full((vec,), -jnp.inf, jnp.float32), vec_layout)
-    l = plgpu.layout_cast(jnp.zeros((vec,), jnp.float32), vec_layout)
+    if cfg.deferred_sum:
+        l = plgpu.layout_cast(jnp.zeros((cfg.block_kv, cfg.qcols), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+        l = plgpu.layout_cast(jnp.zeros((vec,), jnp.float32), vec_layout)
     return acc, m, l
+
+
+def _sum_l(cfg: _Config, l):
+    """The softmax denominators per query: with ``deferred_sum`` the per-key partial sums
+    [T, qcols] are reduced over the keys here, once, instead of once a tile (a reduction across
+    the warpgroup's four warps, through SMEM, in every tile's critical path)."""
+    return l.sum(axis=0) if cfg.deferred_sum else l
 
 
 def _tile(
@@ -626,7 +703,10 @@ def _tile(
         m_new = jnp.maximum(m, sc.max(axis=keys))
         p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, queries))
     alpha = jnp.exp2(m - m_new)
-    l = l * alpha + p.sum(axis=keys)
+    if cfg.deferred_sum:  # l [T, qcols]: no reduction across the warps in the loop
+        l = l * lax.broadcast_in_dim(alpha, sc.shape, queries) + p
+    else:
+        l = l * alpha + p.sum(axis=keys)
     if before_p is not None:
         before_p()
     if swap:
@@ -659,6 +739,7 @@ def _tile(
 def _finish(cfg: _Config, acc, m, l):
     """The normalised output (rows that saw no key give zeros) and, split, its base-2
     log-sum-exp."""
+    l = _sum_l(cfg, l)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1] if cfg.swap_ab else [0])
@@ -745,19 +826,59 @@ def _scratch(cfg: _Config):
 
 
 def _split_rest(cfg: _Config, rest):
-    if cfg.longest_first:
+    if cfg.xla_order:
         order_ref, *outs = rest
         return order_ref, outs
     return None, list(rest)
+
+
+def _kernel_order(cfg: _Config, len_ref, b_slot):
+    """(sequence, length) of the sequence whose place in the longest-first order is ``b_slot``,
+    counted by this CTA (``order_method="kernel"``): no XLA kernel before the launch.
+
+    One TMA copy brings the B lengths to SMEM; each of the 128 threads holds ``B / 128`` packed
+    keys (as ``_longest_first_order``'s: ``(0x7FFF - tiles) << 16 | sequence``, distinct), and
+    a loop over the B keys, read from SMEM as scalars, counts the smaller ones: the ranks. The
+    sequence of rank ``b_slot`` is one sum over the warpgroup. B compares of B / 128 keys a
+    thread (128 at B = 128), where ``"rank"`` runs two [B, B] reductions in XLA kernels.
+    """
+    B, T = cfg.num_seqs, cfg.block_kv
+    Bp = -(-B // 128) * 128  # a strided register layout covers 128 * k elements
+    shift = T.bit_length() - 1
+    layout = plgpu.Layout.WG_STRIDED((Bp,), vec_size=Bp // 128)
+
+    def key(length, seq):
+        # ceil(length / T) without overflow near 2**31 (0 -> (-1 >> shift) + 1 = 0)
+        tiles = jnp.minimum(((jnp.maximum(length, 0) - 1) >> shift) + 1, _ORDER_MAX_TILES)
+        return ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | seq
+
+    def count(len_smem, bar):
+        plgpu.copy_gmem_to_smem(len_ref, len_smem.at[pl.ds(0, B)], bar)
+        plgpu.barrier_wait(bar)
+        seqs = plgpu.broadcasted_iota(jnp.int32, (Bp,), 0, layout=layout)
+        lengths = plgpu.load(len_smem, layout=layout)  # entries >= B: never written
+        keys = jnp.where(seqs < B, key(lengths, seqs), jnp.int32(0x7FFFFFFF))  # ranks >= B
+
+        def smaller(j, rank):
+            return rank + (key(len_smem[j], j) < keys).astype(jnp.int32)
+
+        zeros = plgpu.layout_cast(jnp.zeros((Bp,), jnp.int32), layout)
+        rank = lax.fori_loop(0, B, smaller, zeros)
+        b = jnp.sum(jnp.where(rank == b_slot, seqs, 0))
+        return b, len_smem[b]
+
+    return pl.run_scoped(count, plgpu.SMEM((Bp,), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
 
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
     """Body of one CTA: (sequence slot b, split s, KV head h)."""
     order_ref, outs = _split_rest(cfg, rest)
     stages, k_stages, n_cp = cfg.num_stages, cfg.k_stages, cfg.copies_per_tile
+    b_slot = lax.axis_index("b")
+    seq = _kernel_order(cfg, len_ref, b_slot) if cfg.longest_first and not cfg.xla_order else None
     unit = _unit(
-        cfg, len_ref, base_ref, order_ref, lax.axis_index("b"), lax.axis_index("h"),
-        lax.axis_index("s"),
+        cfg, len_ref, base_ref, order_ref, b_slot, lax.axis_index("h"), lax.axis_index("s"),
+        seq=seq,
     )  # fmt: skip
     n = unit.n
 
@@ -1034,7 +1155,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     lengths_B = lengths_B.astype(jnp.int32)
     block_tables_BW = block_tables_BW.astype(jnp.int32)
     args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
-    if cfg.longest_first:
+    if cfg.xla_order:
         order = _longest_first_order(lengths_B, cfg.block_kv, _packed_order(B), cfg.order_method)
         if cfg.slot_lengths:  # one small gather: each CTA reads its length without the order
             seq = order & ((1 << _ORDER_BITS) - 1) if _packed_order(B) else order
@@ -1119,6 +1240,7 @@ def paged_attention_pallas_gpu(
     slot_lengths: bool = False,
     swap_ab: bool | None = None,
     order_method: str | None = None,
+    deferred_sum: bool | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1181,6 +1303,10 @@ def paged_attention_pallas_gpu(
         one-operand sort) or ``"rank"`` (two O(B^2) counting reductions, at most
         ``_RANK_ORDER_MAX_SEQS`` sequences); the same order either way. Default (None):
         ``default_order_method``.
+      deferred_sum: with ``swap_ab``, keep the softmax denominators per (key row, query), a
+        [T, qcols] array added to elementwise, and sum them over the keys once after the loop,
+        so a tile does one reduction across the warpgroup (the max) instead of two. Default
+        (None): ``default_deferred_sum``. Ignored without ``swap_ab``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1207,9 +1333,10 @@ def paged_attention_pallas_gpu(
         K, P, C, _ = k_pages.shape
         layer = 0
     W = block_tables.shape[1]
+    order_args = (B, bool(producer), bool(persistent), bool(slot_lengths))
     if order_method is None:
-        order_method = default_order_method(B)
-    _check_order_method("order_method", order_method, B, _packed_order(B))
+        order_method = default_order_method(*order_args)
+    _check_order_method("order_method", order_method, B, _packed_order(B), *order_args[1:])
     if B == 0:
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
@@ -1295,6 +1422,8 @@ def paged_attention_pallas_gpu(
         order_method=order_method,
         slot_lengths=lf and bool(slot_lengths),
         swap_ab=swap_ab,
+        deferred_sum=swap_ab
+        and (default_deferred_sum() if deferred_sum is None else bool(deferred_sum)),
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
