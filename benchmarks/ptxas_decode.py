@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _compile_all(cases, variants) -> None:
+    import decode_attention as da
     import jax
     import numpy as np
 
-    import decode_attention as da
     from pallas_kernels.paged_attention import kernel_gpu
 
     rng = np.random.default_rng(0)
@@ -36,8 +36,8 @@ def _compile_all(cases, variants) -> None:
             kw = da._parse_kwargs(variant) if variant else {}
             print(f"### case {spec} variant {variant or 'default'}", flush=True)
             f = jax.jit(
-                lambda q, k, v, bt, ln, kw=kw: kernel_gpu.paged_attention_pallas_gpu(
-                    q, k, v, bt, ln, sm_scale=1 / math.sqrt(case.H), **kw
+                lambda q, k, v, bt, ln, kw=kw, H=case.H: kernel_gpu.paged_attention_pallas_gpu(
+                    q, k, v, bt, ln, sm_scale=1 / math.sqrt(H), **kw
                 )
             )
             jax.block_until_ready(f(inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths))
