@@ -6,6 +6,9 @@
   one panel per system, at one request rate.
 - `page_map`: the pool as a grid of pages, coloured by the request that holds each page,
   shared pages (more than one holder) outlined in black, pages held by none left white.
+- `timeline`: inside one decode kernel (``profile_decode_timeline.py`` JSON): each CTA as a
+  line from its start to its end, one row per SM slot, and the running CTAs over time
+  against the resident slots.
 
 Every function takes the benchmark's JSON document (or a part of it) and a path, and
 returns the path written. From the command line, the PNGs of saved JSON files (e.g. fetched
@@ -132,14 +135,62 @@ def memory_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
+def timeline(doc: dict, path: str | pathlib.Path) -> pathlib.Path:
+    """CTAs per SM slot over time (upper panel) and running CTAs (lower) of one profiled
+    decode kernel (``profile_decode_timeline.py``), with the HBM roofline's time marked."""
+    ctas = sorted(doc["ctas"], key=lambda c: (c["sm"], c["t_start"]))
+    # Slots: each CTA takes the lowest slot of its SM that is free at its start.
+    rows, free_at = [], {}
+    for c in ctas:
+        slots = free_at.setdefault(c["sm"], [])
+        slot = next((i for i, t in enumerate(slots) if t <= c["t_start"] + 0.3), len(slots))
+        if slot == len(slots):
+            slots.append(0.0)
+        slots[slot] = c["t_end"]
+        rows.append((c["sm"], slot, c))
+    per_sm = max(len(v) for v in free_at.values())
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    colors = plt.cm.tab10.colors
+    for sm, slot, c in rows:
+        y = sm * per_sm + slot
+        start = c["t_start"]
+        lead = c.get("order_us", 0.0) + c.get("prologue_us", 0.0)
+        top.plot([start, start + lead], [y, y], color="0.6", lw=0.6)
+        top.plot([start + lead, c["t_end"]], [y, y], color=colors[slot % 10], lw=0.6)
+    top.set_ylabel(f"SM x slot ({per_sm} a SM)")
+    span = max(c["t_end"] for c in ctas)
+    ts = np.linspace(0.0, span, 600)
+    running = [sum(c["t_start"] <= t < c["t_end"] for c in ctas) for t in ts]
+    bottom.plot(ts, running, color="k", lw=1)
+    bottom.axhline(per_sm * len(free_at), color="0.5", ls=":", lw=1)
+    for ax in (top, bottom):
+        ax.axvline(doc["roofline_us"], color="r", ls="--", lw=1)
+    bottom.set_ylabel("running CTAs")
+    bottom.set_xlabel("us since the first CTA started (red: live bytes at the HBM roofline)")
+    top.set_title(
+        f"{doc['label']}: {len(ctas)} CTAs, span {span:.0f} us, roofline {doc['roofline_us']:.0f}"
+        f" us\n{doc['device']}, jax {doc['jax']} (grey: order + prologue)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return pathlib.Path(path)
+
+
 def main(paths: list[str]) -> list[pathlib.Path]:
-    """Writes the plots of each ``serving.py`` / ``memory.py`` JSON file next to it."""
+    """Writes the plots of each ``serving.py`` / ``memory.py`` / ``profile_decode_timeline.py``
+    JSON file next to it."""
     import json
 
     written = []
     for path in map(pathlib.Path, paths):
         doc = json.loads(path.read_text())
         stem = path.with_suffix("")
+        if "ctas" in doc:
+            written.append(timeline(doc, stem.with_suffix(".png")))
+            continue
         written += serving_plots(doc, stem) if "results" in doc else memory_plots(doc, stem)
     for w in written:
         print(f"wrote {w}")

@@ -3,7 +3,9 @@
 Past one wave of CTAs the decode kernel runs sequences longest first (LPT list scheduling), and
 the order is computed on the device in every call (``kernel_gpu._longest_first_order``): a key
 fusion, a copy into the sort's buffer and a one-operand sort (``"sort"``), or two O(B^2)
-counting reductions (``"rank"``). Each method here gives the same array (checked); the script
+counting reductions (``"rank"``); ``"kernel"`` (each CTA counts its own place, no XLA kernel:
+``kernel_gpu._kernel_order``) is timed in whole calls by ``decode_attention.py``, not here.
+Each method here gives the same array (checked); the script
 prints each one's kernels (CUPTI), their sum and the wall time of back-to-back calls, and
 writes JSON.
 
@@ -56,7 +58,8 @@ def main(argv=None):
     for B in ns.batches:
         lengths = jnp.asarray(rng.integers(0, 4096, size=B).astype(np.int32))
         ref = None
-        for method in (*kernel_gpu.ORDER_METHODS, "rank_split_keys"):
+        xla_methods = [m for m in kernel_gpu.ORDER_METHODS if m != "kernel"]
+        for method in (*xla_methods, "rank_split_keys"):
             if method != "sort" and B > kernel_gpu._RANK_ORDER_MAX_SEQS:
                 continue
             if method == "rank_split_keys":

@@ -140,3 +140,34 @@ def test_decode_attention_case_and_variant_parsing():
         decode_attention.parse_case("256,x")
     with pytest.raises(SystemExit, match="name=value"):
         decode_attention._parse_kwargs("num_stages")
+
+
+def test_decode_timeline_reading_and_plot(tmp_path):
+    # The profiler trace of a decode kernel (Mosaic GPU, GPU only) as the timeline script reads
+    # it: 2 SMs x 2 slots, 8 CTAs of 4 regions; at 1.5 GHz each CTA ends as the next on its
+    # slot starts, so the lowest consistent clock is 1.5 GHz and two CTAs run at any time.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _plots
+    import profile_decode_timeline as tl
+
+    events = []
+    for cta in range(8):
+        sm, wave = cta % 2, cta // 4
+        start = 1000.0 + wave * 60.0  # us (globaltimer ns / 1e3)
+        offset = 0.0  # cycles / 1e3 past the start: 90 in all, 60 us at 1.5 GHz
+        for name, cycles in (("order", 3.0), ("prologue", 6.0), ("loop", 78.0), ("store", 3.0)):
+            for ph, off in (("B", offset), ("E", offset + cycles)):
+                events.append({"name": name, "ph": ph, "ts": start + off, "pid": sm + 1,
+                               "tid": cta + 1})  # fmt: skip
+            offset += cycles
+    ctas = tl.ctas_from_trace(events)
+    assert len(ctas) == 8 and {c["sm"] for c in ctas} == {0, 1}
+    assert tl._fit_ghz(ctas) == 1.5
+    s = tl.summarize(ctas, 1.5)
+    assert abs(s["span_us"] - 120.0) < 1e-6 and s["tail_us"] == 60.0
+    assert s["first_wave_ctas"] == 4 and abs(s["loop_median_us"] - 52.0) < 1e-6
+    assert abs(s["mean_running"] - 4.0) < 1e-6 and len(s["drain_last_40us"]) == 16
+    doc = {"label": "synthetic", "device": "cpu", "jax": "x", "roofline_us": 100.0,
+           "ctas": [{k: c[k] for k in ("sm", "t_start", "t_end", "loop_us", "order_us",
+                                        "prologue_us")} for c in ctas]}  # fmt: skip
+    assert _plots.timeline(doc, tmp_path / "t.png").stat().st_size > 0

@@ -128,6 +128,7 @@ class _Config:
     num_ctas: int  # persistent grid size (0 otherwise)
     l2_prefetch: int  # tiles past the ring prefetched into L2 (``_prefetch``; 0: none)
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
+    profile_dir: str = ""  # Mosaic GPU on-device profiler trace directory ("": off)
 
     @property
     def xla_order(self) -> bool:
@@ -859,11 +860,15 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
         lengths = plgpu.load(len_smem, layout=layout)  # entries >= B: never written
         keys = jnp.where(seqs < B, key(lengths, seqs), jnp.int32(0x7FFFFFFF))  # ranks >= B
 
-        def smaller(j, rank):
-            return rank + (key(len_smem[j], j) < keys).astype(jnp.int32)
+        def smaller(i, rank):  # 4 keys a trip: their SMEM loads in flight together (B % 4 == 0)
+            j = i * 4
+            others = [key(len_smem[j + u], j + u) for u in range(4)]
+            for other in others:
+                rank = rank + (other < keys).astype(jnp.int32)
+            return rank
 
         zeros = plgpu.layout_cast(jnp.zeros((Bp,), jnp.int32), layout)
-        rank = lax.fori_loop(0, B, smaller, zeros)
+        rank = lax.fori_loop(0, B // 4, smaller, zeros)
         b = jnp.sum(jnp.where(rank == b_slot, seqs, 0))
         return b, len_smem[b]
 
@@ -875,7 +880,10 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     order_ref, outs = _split_rest(cfg, rest)
     stages, k_stages, n_cp = cfg.num_stages, cfg.k_stages, cfg.copies_per_tile
     b_slot = lax.axis_index("b")
-    seq = _kernel_order(cfg, len_ref, b_slot) if cfg.longest_first and not cfg.xla_order else None
+    seq = None
+    if cfg.longest_first and not cfg.xla_order:
+        with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
+            seq = _kernel_order(cfg, len_ref, b_slot)
     unit = _unit(
         cfg, len_ref, base_ref, order_ref, b_slot, lax.axis_index("h"), lax.axis_index("s"),
         seq=seq,
@@ -894,25 +902,26 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         """
         k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
         smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
-        ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
-        ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
-        if consumed is None:
-            # Every prologue lookup first (clamped, so in bounds even past n): the block-table
-            # reads are in flight together rather than one tile's after the last one's issue.
-            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
-            for i in range(ring):
-                streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
-                pl.when(i < n)(
-                    lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
-                )
-            for i in range(ring, ahead):
-                pl.when(i < n)(
-                    lambda i=i: _prefetch(
-                        cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
+        with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
+            ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
+            ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
+            if consumed is None:
+                # Every prologue lookup first (clamped, so in bounds even past n): the block-table
+                # reads are in flight together rather than one tile's after the last one's issue.
+                first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
+                for i in range(ring):
+                    streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
+                    pl.when(i < n)(
+                        lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
                     )
-                )
-        plgpu.barrier_wait(q_bar)
+                for i in range(ring, ahead):
+                    pl.when(i < n)(
+                        lambda i=i: _prefetch(
+                            cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
+                        )
+                    )
+            plgpu.barrier_wait(q_bar)
 
         def step(i, carry):
             slot = lax.rem(i, jnp.int32(stages))
@@ -954,7 +963,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
             plgpu.barrier_arrive(consumed[1].at[slot])
             return carry
 
-        return lax.fori_loop(0, n, step, _init_carry(cfg))
+        with jax.named_scope("loop"):
+            return lax.fori_loop(0, n, step, _init_carry(cfg))
 
     q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
@@ -965,9 +975,12 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         acc, m, l = pl.run_scoped(
             attend, q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier
         )
-        out, lse = _finish(cfg, acc, m, l)
-        # A second scope: stack-allocated, it reuses the ring's SMEM.
-        pl.run_scoped(lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch)
+        with jax.named_scope("store"):
+            out, lse = _finish(cfg, acc, m, l)
+            # A second scope: stack-allocated, it reuses the ring's SMEM.
+            pl.run_scoped(
+                lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch
+            )
         return
 
     def warp_specialized(q_smem, ring, p_smem, q_bar, k_bar, v_bar, k_consumed, v_consumed):
@@ -1201,7 +1214,11 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         out_type=out_type,
         grid=grid,
         grid_names=grid_names,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            # 4 regions (order, prologue, loop, store) of 2 events a warpgroup, and spare
+            **({"profile_space": 16, "profile_dir": cfg.profile_dir} if cfg.profile_dir else {}),
+        ),
         interpret=cfg.interpret or None,
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
     )
@@ -1241,6 +1258,7 @@ def paged_attention_pallas_gpu(
     swap_ab: bool | None = None,
     order_method: str | None = None,
     deferred_sum: bool | None = None,
+    profile_dir: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1307,6 +1325,10 @@ def paged_attention_pallas_gpu(
         [T, qcols] array added to elementwise, and sum them over the keys once after the loop,
         so a tile does one reduction across the warpgroup (the max) instead of two. Default
         (None): ``default_deferred_sum``. Ignored without ``swap_ab``.
+      profile_dir: record each CTA's SM, start time and the cycles of its regions (order,
+        prologue, loop, store) with the Mosaic GPU on-device profiler and write the trace
+        (Chrome JSON) to this directory at every call: a diagnostic, on a GPU, for
+        ``benchmarks/profile_decode_timeline.py``; it slows the kernel a little.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1435,5 +1457,6 @@ def paged_attention_pallas_gpu(
             if interpret
             else False
         ),
+        profile_dir=str(profile_dir) if profile_dir else "",
     )
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
