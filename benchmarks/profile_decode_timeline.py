@@ -18,7 +18,7 @@ it runs the kernel once with profiling, reads the trace, and reports:
 A CTA's start is the SM's globaltimer (ns); region times are SM clock cycles. They are
 converted at the lowest clock (to 0.01 GHz) at which no SM ever runs more CTAs than it started
 at once (``_fit_ghz``): at a lower one a CTA would still run when the slot's next CTA
-started. On the H200 that was 1.74-1.77 GHz in every case (tenth session), under the 1.98 GHz
+started (with one wave, at the clock that makes the span the kernel's CUPTI time). On the H200 that was 1.74-1.77 GHz in every case (tenth session), under the 1.98 GHz
 boost: the SMs run slower under this HBM-bound load; at that clock the profiled span matched
 the kernel's CUPTI time within 3 us. Per-CTA rows go to ``OUT/decode_timeline_<case>.json``;
 ``benchmarks/_plots.py`` draws them (``timeline``).
@@ -139,7 +139,7 @@ def run(ns) -> None:
             kernel_us = max(
                 us for name, us in (_timing.cupti_kernels_us(f, *args) or [("", profiled)])
             )
-            ghz = ns.ghz or _fit_ghz(ctas)
+            ghz = ns.ghz or _fit_ghz(ctas, kernel_us)
             summary = summarize(ctas, ghz)
             label = f"{case.label} {variant or 'default'}"
             doc = {
@@ -179,15 +179,22 @@ def run(ns) -> None:
             )  # fmt: skip
             if ns.out:
                 name = spec.replace(",", "_") + (f"_{variant}" if variant else "")
+                name = name.replace("=", "-").replace(",", "_")  # letters, digits, . _ - only
                 path = os.path.join(ns.out, f"decode_timeline_{name}.json")
                 with open(path, "w") as fh:
                     json.dump(doc, fh)
 
 
-def _fit_ghz(ctas: list[dict]) -> float:
+def _fit_ghz(ctas: list[dict], kernel_us: float | None = None) -> float:
     """The lowest SM clock (GHz, 0.01 steps from 1.2 to 2.0) at which no SM runs more CTAs at
-    any CTA's start than it started in the kernel's first microsecond (its resident slots)."""
+    any CTA's start than it started in the kernel's first microsecond (its resident slots).
+    With one wave (no CTA starts later) that says nothing: then the clock at which the last
+    CTA ends ``kernel_us`` after the first start (1.75 GHz without it)."""
     t0 = min(c["start"] for c in ctas)
+    if all(c["start"] - t0 < 1.0 for c in ctas):
+        if not kernel_us:
+            return 1.75
+        return round(max(c["end_k"] for c in ctas) / kernel_us, 3)
     per_sm: dict[int, list[tuple[float, float]]] = {}
     for c in ctas:
         per_sm.setdefault(c["sm"], []).append((c["start"] - t0, c["end_k"]))

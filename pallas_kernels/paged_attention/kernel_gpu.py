@@ -20,15 +20,29 @@ holds the sequence end or the window start masks its scores (a uniform ``lax.con
 are wgmma operands in SMEM (the variant the Mosaic GPU interpreter can run, and as fast as
 registers on the H200 per ``research/mosaic_gpu.md``). Rows of the last tile past the sequence
 end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach the output.
+With ``swap_ab`` the softmax denominators stay per (key row, query) through the loop and are
+summed over the keys once at the end (``deferred_sum``): a tile does one reduction across the
+warpgroup's four warps (the max, through SMEM) instead of two, and a lone CTA streams 42 GB/s
+instead of 36 on the H200 (tenth session).
 
 Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequence, KV head)
 programs are fewer than about one wave; each writes its normalised partial output (``q.dtype`` with
 ``swap_ab``, else f32) and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe). The grid is (sequence, split, KV head) with the
 heads innermost and, past one wave of CTAs where a unit can exceed 2048 tokens, sequences
-longest first (an on-device order of packed keys, by counting up to 1024 sequences and by a sort
-beyond, ``_longest_first_order``): the hardware hands CTAs out in that order as slots free up, so
-the last wave holds the shortest work (longest-processing-time-first list scheduling).
+longest first: the hardware hands CTAs out in grid order as slots free up, so the last wave
+holds the shortest work (longest-processing-time-first list scheduling). Each CTA counts its
+own place in that order from the lengths (``_kernel_order``: one TMA copy of the lengths and
+B / 128 keys a thread; multiples of 4 up to 256 sequences), so no XLA kernel runs before the
+launch; otherwise the order is an array of packed keys computed by XLA (by counting up to 1024
+sequences, by a sort beyond: ``_longest_first_order``).
+
+Where the time goes inside the kernel (``profile_dir``: the Mosaic GPU on-device profiler, read
+by ``benchmarks/profile_decode_timeline.py``; H200, tenth session, BENCHMARKS.md): all
+resident CTAs start within 1 us and stream after about 3-4 us (order, prologue, first copies);
+the steady state keeps every slot busy; the last partial wave of short units runs at about 20
+GB/s a CTA (two 32 KB stages in flight under load), so the drain at the end leaves HBM part
+idle for 15-25 us at 1k-2k-token units and about 60 us with 8 splits of 2k-6k tokens.
 
 On the H200 (Nsight Compute, seventh session, BENCHMARKS.md) the kernel reads about 1% more
 DRAM bytes than the live K/V (partial last pages; cuDNN's non-paged kernel 0.1-0.3%), and
@@ -837,9 +851,10 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
     """(sequence, length) of the sequence whose place in the longest-first order is ``b_slot``,
     counted by this CTA (``order_method="kernel"``): no XLA kernel before the launch.
 
-    One TMA copy brings the B lengths to SMEM; each of the 128 threads holds ``B / 128`` packed
-    keys (as ``_longest_first_order``'s: ``(0x7FFF - tiles) << 16 | sequence``, distinct), and
-    a loop over the B keys, read from SMEM as scalars, counts the smaller ones: the ranks. The
+    One TMA copy brings the B lengths to SMEM; each of the 128 threads computes ``B / 128``
+    packed keys (as ``_longest_first_order``'s: ``(0x7FFF - tiles) << 16 | sequence``,
+    distinct) and stores them to SMEM, and a loop over the B keys, read back as scalars, counts
+    the smaller ones: the ranks. The
     sequence of rank ``b_slot`` is one sum over the warpgroup. B compares of B / 128 keys a
     thread (128 at B = 128), where ``"rank"`` runs two [B, B] reductions in XLA kernels.
     """
@@ -853,16 +868,17 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
         tiles = jnp.minimum(((jnp.maximum(length, 0) - 1) >> shift) + 1, _ORDER_MAX_TILES)
         return ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | seq
 
-    def count(len_smem, bar):
+    def count(len_smem, key_smem, bar):
         plgpu.copy_gmem_to_smem(len_ref, len_smem.at[pl.ds(0, B)], bar)
         plgpu.barrier_wait(bar)
         seqs = plgpu.broadcasted_iota(jnp.int32, (Bp,), 0, layout=layout)
         lengths = plgpu.load(len_smem, layout=layout)  # entries >= B: never written
         keys = jnp.where(seqs < B, key(lengths, seqs), jnp.int32(0x7FFFFFFF))  # ranks >= B
+        key_smem[...] = keys  # each key computed once, read back as a scalar by every thread
+        plgpu.commit_smem()  # (its warpgroup barrier orders the stores before the loads)
 
         def smaller(i, rank):  # 4 keys a trip: their SMEM loads in flight together (B % 4 == 0)
-            j = i * 4
-            others = [key(len_smem[j + u], j + u) for u in range(4)]
+            others = [key_smem[i * 4 + u] for u in range(4)]
             for other in others:
                 rank = rank + (other < keys).astype(jnp.int32)
             return rank
@@ -872,7 +888,12 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
         b = jnp.sum(jnp.where(rank == b_slot, seqs, 0))
         return b, len_smem[b]
 
-    return pl.run_scoped(count, plgpu.SMEM((Bp,), jnp.int32), plgpu.Barrier(num_arrivals=1))
+    return pl.run_scoped(
+        count,
+        plgpu.SMEM((Bp,), jnp.int32),
+        plgpu.SMEM((Bp,), jnp.int32),
+        plgpu.Barrier(num_arrivals=1),
+    )
 
 
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
