@@ -12,7 +12,7 @@ it runs the kernel once with profiling, reads the trace, and reports:
 - the ramp: when the first-wave CTAs entered their loop (median and last);
 - the tail: from the last CTA start to the end, and how many CTAs were running over time
   (deciles of the span);
-- per-CTA medians of the regions (order, prologue, loop, store) and per-tile loop time;
+- per-CTA medians of the regions (order, prologue, loop, store);
 - how the running CTAs drain in the last 40 us (every 2.5 us).
 
 A CTA's start is the SM's globaltimer (ns); region times are SM clock cycles. They are
@@ -42,7 +42,10 @@ REGIONS = ("order", "prologue", "loop", "store")
 
 def ctas_from_trace(events: list[dict]) -> list[dict]:
     """Per CTA (one warpgroup a CTA): sm, start (trace us: globaltimer ns / 1e3) and each
-    region's begin and end offsets in cycles / 1e3 (the trace's unit past the start)."""
+    region's begin and end offsets in cycles / 1e3 (the trace's unit past the start).
+
+    The start is the low 32 bits of ``%globaltimer``, which wrap every 4.29 s: starts more
+    than 2**31 ns below the latest are moved up by 2**32 ns (a kernel that straddled a wrap)."""
     by_tid: dict[int, list[dict]] = {}
     for e in events:
         if e.get("ph") in ("B", "E"):
@@ -56,6 +59,12 @@ def ctas_from_trace(events: list[dict]) -> list[dict]:
             row[key] = e["ts"] - start
         row["end_k"] = max(e["ts"] for e in evs) - start  # cycles / 1e3
         ctas.append(row)
+    if ctas:
+        wrap, half = 2.0**32 / 1e3, 2.0**31 / 1e3
+        latest = max(c["start"] for c in ctas)
+        for c in ctas:
+            if latest - c["start"] > half:
+                c["start"] += wrap
     return ctas
 
 
@@ -135,10 +144,14 @@ def run(ns) -> None:
                 trace = json.load(fh)
             events = trace["traceEvents"] if isinstance(trace, dict) else trace
             ctas = ctas_from_trace(events)
+            if not ctas:
+                raise SystemExit(
+                    f"{spec} {variant}: no profiler regions in the trace (the persistent and "
+                    "producer variants have none)"
+                )
             # The longest kernel of the call (the attention kernel), to compare the span with.
-            kernel_us = max(
-                us for name, us in (_timing.cupti_kernels_us(f, *args) or [("", profiled)])
-            )
+            kernels = _timing.cupti_kernels_us(f, *args) or []
+            kernel_us = max((us for _, us in kernels), default=profiled)
             ghz = ns.ghz or _fit_ghz(ctas, kernel_us)
             summary = summarize(ctas, ghz)
             label = f"{case.label} {variant or 'default'}"
@@ -165,7 +178,7 @@ def run(ns) -> None:
             s = summary
             print(
                 f"-- {label}: {s['ctas']} CTAs on {s['sms']} SMs, clock {ghz:.3f} GHz\n"
-                f"   CUPTI {plain:.1f} us (profiled {profiled:.1f}; kernel {kernel_us:.1f}), "
+                f"   CUPTI {_us(plain)} us (profiled {_us(profiled)}; kernel {_us(kernel_us)}), "
                 f"roofline {doc['roofline_us']:.1f} us, span {s['span_us']:.1f}\n"
                 f"   first wave {s['first_wave_ctas']} CTAs in their loop at "
                 f"{s['first_wave_loop_us']['median']:.2f} us (median), "
@@ -183,6 +196,10 @@ def run(ns) -> None:
                 path = os.path.join(ns.out, f"decode_timeline_{name}.json")
                 with open(path, "w") as fh:
                     json.dump(doc, fh)
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _fit_ghz(ctas: list[dict], kernel_us: float | None = None) -> float:

@@ -52,13 +52,15 @@ def main(argv=None) -> None:
     if ns.child:
         _compile_all(ns.cases, ns.variants)
         return
+    # The child compiles on the same GPU: this process must not preallocate its memory.
+    child_env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     if jax.default_backend() != "gpu":
         raise SystemExit("ptxas_decode.py compiles Mosaic GPU kernels: it needs a CUDA GPU")
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
     cmd = [sys.executable, __file__, "--child", "--cases", *ns.cases, "--variants", *ns.variants]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    out = subprocess.run(cmd, env=child_env, capture_output=True, text=True)
     keep = re.compile(r"###|Compiling entry|registers|spill", re.IGNORECASE)
     for line in (out.stdout + out.stderr).splitlines():
         if keep.search(line):

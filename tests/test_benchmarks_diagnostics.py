@@ -171,3 +171,33 @@ def test_decode_timeline_reading_and_plot(tmp_path):
            "ctas": [{k: c[k] for k in ("sm", "t_start", "t_end", "loop_us", "order_us",
                                         "prologue_us")} for c in ctas]}  # fmt: skip
     assert _plots.timeline(doc, tmp_path / "t.png").stat().st_size > 0
+
+
+def test_decode_timeline_one_wave_and_no_order_region():
+    # One wave (every CTA starts at once): the occupancy condition says nothing, so the clock
+    # is the one that ends the last CTA at the kernel's CUPTI time. A trace without the order
+    # region (the order off) reads the same; starts across a globaltimer wrap are unwrapped.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import profile_decode_timeline as tl
+
+    wrap = 2.0**32 / 1e3
+    events = []
+    for cta, cycles in enumerate((100.0, 150.0, 200.0)):
+        start = wrap - 0.5 if cta == 0 else 0.2  # CTA 0 started just before the wrap
+        for name, b, e in (
+            ("prologue", 0.0, 2.0),
+            ("loop", 2.0, cycles - 1),
+            ("store", cycles - 1, cycles),
+        ):
+            events.append(
+                {"name": name, "ph": "B", "ts": start + b, "pid": cta + 1, "tid": cta + 1}
+            )
+            events.append(
+                {"name": name, "ph": "E", "ts": start + e, "pid": cta + 1, "tid": cta + 1}
+            )
+    ctas = tl.ctas_from_trace(events)
+    assert max(c["start"] for c in ctas) - min(c["start"] for c in ctas) < 1.0  # unwrapped
+    assert tl._fit_ghz(ctas, kernel_us=100.0) == 2.0  # 200 cycles / 1e3 over 100 us
+    assert tl._fit_ghz(ctas) == 1.75
+    s = tl.summarize(ctas, 2.0)
+    assert "order_median_us" not in s and s["first_wave_ctas"] == 3

@@ -326,7 +326,7 @@ def _kernel_order_of(lengths, block_kv=64):
     return np.asarray(kernel(jnp.asarray(lengths)))[:, 0]
 
 
-@pytest.mark.parametrize("B,block_kv", [(4, 64), (12, 128), (132, 64)])
+@pytest.mark.parametrize("B,block_kv", [(4, 64), (12, 128), (128, 64), (132, 64)])
 def test_kernel_order_is_the_sorted_order(B, block_kv):
     # The order each CTA counts for itself (order_method="kernel") is the sort's: ties (equal
     # tiles) in slot order, lengths <= 0 last, lengths past the 0x7FFF-tile cap tied; 132
@@ -409,6 +409,10 @@ _VARIANTS = [
     dict(swap_ab=True, N=48, K=8),  # G=6: 16 query columns
     dict(swap_ab=True, num_stages=2, k_stages=3, early_k=True),
     dict(swap_ab=True, deferred_sum=False),  # the sum over keys reduced in every tile
+    dict(swap_ab=False, deferred_sum=True),  # ignored without swap_ab
+    dict(swap_ab=True, N=64, K=4, num_splits=1, deferred_sum=True),  # 16 columns, asked for
+    # (profile_dir is not here: its trace leaves through a host callback, which lowers only
+    # for the backend in hand; it ran on the H200, benchmarks/profile_decode_timeline.py.)
     dict(swap_ab=True, deferred_sum=False, num_splits=3, logits_soft_cap=30.0),
     dict(swap_ab=True, H=256, C=256, num_splits=1),  # O^T [256, 8] stored transposed
     dict(swap_ab=True, N=64, K=4, num_splits=1),  # G=16: 16 query columns
@@ -476,6 +480,7 @@ def test_cross_lowers_for_cuda(variant):
     )
     assert ("stablehlo.sort" in text) == (lf and method == "sort"), (lf, method)
     assert (f"tensor<{B}x{B}xi1>" in text) == (lf and method == "rank"), (lf, method)
+    assert ("_ko_mosaic_gpu" in text) == (lf and method == "kernel"), (lf, method)
     # The L2 prefetches are in the kernel exactly when asked for.
     assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else as default_swap_ab says.
@@ -487,6 +492,10 @@ def test_cross_lowers_for_cuda(variant):
     swap = v.get("swap_ab", default_swap)
     names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
     assert names and all(("_sw" in name) == swap for name in names), names
+    # deferred_sum (name part _ds): with swap_ab only; by default at 8 query columns.
+    qcols = kernel_gpu._qcols(B, N, K)
+    deferred = swap and v.get("deferred_sum", kernel_gpu.default_deferred_sum(qcols))
+    assert all(("_ds" in name) == bool(deferred) for name in names), names
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -554,8 +563,12 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(swap_ab=True, producer=True), "swap_ab=True needs producer=False"),
         (dict(swap_ab=True, persistent=True), "swap_ab=True needs producer=False"),
         (dict(order_method="bitonic"), "order_method='bitonic' must be one of"),
-        # Two sequences: the in-kernel count's TMA copy takes multiples of 4.
-        (dict(order_method="kernel"), 'order_method="kernel" needs a multiple of 4'),
+        # Two sequences: the in-kernel count's TMA copy takes multiples of 4 (checked where
+        # the order is on; with it off any method is accepted: test_kernel_order_only_if_on).
+        (
+            dict(order_method="kernel", longest_first=True),
+            'order_method="kernel" needs a multiple of 4',
+        ),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -563,6 +576,40 @@ def test_bad_arguments_raise(kw, match):
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes(dtype=dtype))
     with pytest.raises(ValueError, match=match):
         kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
+
+
+def test_kernel_order_only_if_on():
+    # "kernel"'s own limits apply where the order is on: with it off (as by default on this
+    # tiny grid) any sequence count and variant is accepted; with it on, producer, persistent
+    # and slot_lengths are refused by name.
+    q = jnp.zeros((4, 8, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)
+    bt, ln = jnp.zeros((4, 2), jnp.int32), jnp.ones((4,), jnp.int32)
+    for kw in (dict(), dict(slot_lengths=True), dict(producer=True)):
+        out = kernel_gpu.paged_attention_pallas_gpu(
+            q[:2], kv, kv, bt[:2], ln[:2], sm_scale=0.1, order_method="kernel",
+            longest_first=False, interpret=True, **kw,
+        )  # fmt: skip
+        assert out.shape == (2, 8, 64)
+    for kw, why in (
+        (dict(producer=True), "producer=True or persistent=True"),
+        (dict(persistent=True), "producer=True or persistent=True"),
+        (dict(slot_lengths=True), "slot_lengths=True"),
+    ):
+        with pytest.raises(ValueError, match=f'order_method="kernel" .*{re.escape(why)}'):
+            kernel_gpu.paged_attention_pallas_gpu(
+                q, kv, kv, bt, ln, sm_scale=0.1, order_method="kernel", longest_first=True,
+                **kw,
+            )  # fmt: skip
+
+
+def test_interpret_kernel_order_window_splits_heads_outer():
+    # The in-kernel order with a window (tiles counted from the window start), splits and the
+    # previous head-major grid: every unit still maps to one (sequence, split, head).
+    rng = np.random.default_rng(73)
+    _run_case(rng, [5, 200, 0, 64, 130, 17, 64, 3], K=2, G=2, H=64, C=8, interpret=RACE_CHECKED,
+              longest_first=True, order_method="kernel", window=37, num_splits=2,
+              heads_inner=False)  # fmt: skip
 
 
 def test_rank_order_bounded_by_batch():

@@ -263,8 +263,11 @@ def default_swap_ab(
     return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 
-def default_deferred_sum() -> bool:
-    """``swap_ab`` tiles defer the softmax sum to the end (``deferred_sum``), always.
+def default_deferred_sum(qcols: int = 8) -> bool:
+    """``swap_ab`` tiles defer the softmax sum to the end (``deferred_sum``) at 8 query
+    columns, the shape it was timed at; with 16-64 columns the [T, qcols] sums would hold
+    T * qcols / 128 more f32 registers a thread (64 at 64 columns and T=128), unmeasured, so
+    those keep the per-tile sum unless asked.
 
     On the H200 (tenth session, ``decode_cta_rate_s10.json``): a lone CTA streamed 42 GB/s
     instead of 36 (one sequence of 8 KV heads at 32k, no splits: 525.8 vs 616.1 us CUPTI), and
@@ -272,7 +275,7 @@ def default_deferred_sum() -> bool:
     B=128 / 2k 239.0 vs 240.4; ``decode_quick_s10_deferred.json``): the second reduction
     across the warpgroup's warps is gone from every tile's critical path.
     """
-    return True
+    return qcols == 8
 
 
 # CTAs resident at once on an H100/H200 (132 SMs x 2 CTAs of the default ring): below one such
@@ -294,8 +297,11 @@ def default_longest_first(
 
     The hardware hands out CTAs in grid order as slots free up (greedy list scheduling): with
     the longest work first (LPT) the last wave holds the shortest CTAs and the tail is short.
-    The order costs 2-5 us per call (two or three small kernels, ``default_order_method``):
-    on the H200 (ninth session, ``decode_cases_s9_order.json``, wall us with / without) it
+    The XLA forms of the order cost 2-5 us per call (two or three small kernels); counted in
+    each CTA (``order_method="kernel"``, the default up to 256 sequences) it costs 1.4-1.9 us of
+    each CTA's prologue at 64-128 sequences (tenth session) and still lost on 1k-2k-token
+    tables (B=256 / 512: 142.5 vs 133.5 us CUPTI, ``decode_cases_s10_order_splits.json``), so
+    this rule stays. With the XLA order, on the H200 (ninth session, ``decode_cases_s9_order.json``, wall us with / without) it
     paid at 3072- to 6144-token tables without splits (B=128 / 2k 265.5 vs 271.0, B=64 / 4k
     246.9 vs 254.7, K=32 488.6 vs 495.2, B=256 / 2k 476.2 vs 487.2, head dim 64 81.8 vs 86.3)
     and lost at 1024- and 2048-token ones (B=256 / 1k 267.3 vs 262.1, B=256 / 512 144.4 vs
@@ -324,9 +330,9 @@ def _int_knob(name: str, value) -> int:
         raise ValueError(f"{name}={value!r} must be an integer") from None
 
 
-# The longest-first order is an array of packed keys sorted ascending (by a sort, or by counting:
-# ``_longest_first_order``): (0x7FFF - tiles) << 16 | sequence, so the kernel reads the
-# sequence as ``key & 0xFFFF``.
+# The longest-first order is the ascending order of packed keys (0x7FFF - tiles) << 16 |
+# sequence: an XLA array (by a sort, or by counting: ``_longest_first_order``) from which the
+# kernel reads the sequence as ``key & 0xFFFF``, or counted in each CTA (``_kernel_order``).
 _ORDER_BITS = 16
 _ORDER_MAX_TILES = 0x7FFF
 
@@ -389,12 +395,14 @@ def _check_order_method(
     producer: bool = False,
     persistent: bool = False,
     slot_lengths: bool = False,
+    kernel: bool = True,
 ) -> None:
-    """A ValueError naming ``name`` unless ``method`` can order ``num_seqs`` sequences."""
+    """A ValueError naming ``name`` unless ``method`` can order ``num_seqs`` sequences
+    (``kernel=False``: without ``"kernel"``'s own limits, for a call that may not order)."""
     if method not in ORDER_METHODS:
         raise ValueError(f"{name}={method!r} must be one of {ORDER_METHODS}")
     why = _kernel_order_reason(num_seqs, producer, persistent, slot_lengths)
-    if method == "kernel" and why:
+    if kernel and method == "kernel" and why:
         raise ValueError(f'{name}="kernel" {why}')
     if method == "rank" and not packed:
         raise ValueError(
@@ -1215,6 +1223,10 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ek"
     if cfg.swap_ab:
         name += f"_sw{cfg.qcols}"
+    if cfg.deferred_sum:
+        name += "_ds"
+    if cfg.longest_first and not cfg.xla_order:
+        name += "_ko"  # the order counted in the kernel
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
     body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
@@ -1338,18 +1350,22 @@ def paged_attention_pallas_gpu(
         stores only 16-bit types through the transposed view), their lse per (sequence, KV
         head) slot. Default (None): ``default_swap_ab`` (on at head dims 64 / 128 and 8 query
         columns, where it was measured faster). Not with ``producer`` or ``persistent``.
-      order_method: how the longest-first order is computed: ``"sort"`` (a key fusion and a
-        one-operand sort) or ``"rank"`` (two O(B^2) counting reductions, at most
-        ``_RANK_ORDER_MAX_SEQS`` sequences); the same order either way. Default (None):
-        ``default_order_method``.
+      order_method: how the longest-first order is computed, the same order every way:
+        ``"kernel"`` (each CTA counts its own place from the lengths, no XLA kernel and no order
+        array: B a multiple of 4, at most 256, not with ``producer``, ``persistent`` or
+        ``slot_lengths``), ``"sort"`` (a key fusion and a one-operand sort) or ``"rank"`` (two
+        O(B^2) counting reductions, at most ``_RANK_ORDER_MAX_SEQS`` sequences). Default (None):
+        ``default_order_method``. Its limits are checked only where the order is on.
       deferred_sum: with ``swap_ab``, keep the softmax denominators per (key row, query), a
         [T, qcols] array added to elementwise, and sum them over the keys once after the loop,
         so a tile does one reduction across the warpgroup (the max) instead of two. Default
         (None): ``default_deferred_sum``. Ignored without ``swap_ab``.
       profile_dir: record each CTA's SM, start time and the cycles of its regions (order,
         prologue, loop, store) with the Mosaic GPU on-device profiler and write the trace
-        (Chrome JSON) to this directory at every call: a diagnostic, on a GPU, for
-        ``benchmarks/profile_decode_timeline.py``; it slows the kernel a little.
+        (Chrome JSON) to this directory (created if missing). JAX names the file when the
+        kernel is compiled and never overwrites it: the first call after a compile writes it
+        (later calls warn), or the next call after it is removed. A diagnostic, on a GPU, for
+        ``benchmarks/profile_decode_timeline.py``; it slows the kernel by 1-2%.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1379,7 +1395,8 @@ def paged_attention_pallas_gpu(
     order_args = (B, bool(producer), bool(persistent), bool(slot_lengths))
     if order_method is None:
         order_method = default_order_method(*order_args)
-    _check_order_method("order_method", order_method, B, _packed_order(B), *order_args[1:])
+    # "kernel"'s own limits are checked once the order is known to be on (below).
+    _check_order_method("order_method", order_method, B, _packed_order(B), kernel=False)
     if B == 0:
         return jnp.zeros(q.shape, q.dtype)
     producer = bool(producer)
@@ -1444,6 +1461,11 @@ def paged_attention_pallas_gpu(
         lf = default_longest_first(B, K, splits, W * C)
     else:
         lf = bool(longest_first)
+    if lf:  # the in-kernel count's limits matter only where there is an order to count
+        _check_order_method(
+            "order_method", order_method, B, _packed_order(B), producer, persistent,
+            bool(slot_lengths),
+        )  # fmt: skip
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
@@ -1466,7 +1488,7 @@ def paged_attention_pallas_gpu(
         slot_lengths=lf and bool(slot_lengths),
         swap_ab=swap_ab,
         deferred_sum=swap_ab
-        and (default_deferred_sum() if deferred_sum is None else bool(deferred_sum)),
+        and (default_deferred_sum(qcols) if deferred_sum is None else bool(deferred_sum)),
         heads_inner=bool(heads_inner) and B <= 65535,  # blockIdx.z (B) is at most 65535
         persistent=persistent,
         num_ctas=num_ctas,
@@ -1480,4 +1502,8 @@ def paged_attention_pallas_gpu(
         ),
         profile_dir=str(profile_dir) if profile_dir else "",
     )
+    if profile_dir:
+        import os
+
+        os.makedirs(profile_dir, exist_ok=True)
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
