@@ -88,6 +88,7 @@ import dataclasses
 import functools
 import math
 import operator
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -415,6 +416,19 @@ def _check_order_method(
         )
 
 
+def _packed_key(length, seq, block_kv: int):
+    """The order's sort key of a sequence: ``(0x7FFF - tiles) << 16 | seq``, tiles =
+    ceil(max(length, 0) / block_kv) capped at 0x7FFF. Shared by the XLA order and the kernel's
+    own count (``_kernel_order``), on arrays or in-kernel values alike; ``block_kv`` is a power
+    of two, so the division is a shift (and no int32 overflows near 2**31: 0 -> (-1 >> k) + 1
+    = 0)."""
+    if block_kv & (block_kv - 1):
+        raise ValueError(f"{block_kv=} must be a power of two")
+    shift = block_kv.bit_length() - 1
+    tiles = jnp.minimum(((jnp.maximum(length, 0) - 1) >> shift) + 1, _ORDER_MAX_TILES)
+    return ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | seq
+
+
 def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "sort"):
     """Sequence slots longest first: packed sort keys (``packed``) or plain argsort indices.
 
@@ -434,9 +448,8 @@ def _longest_first_order(lengths_B, block_kv: int, packed: bool, method: str = "
     live = jnp.maximum(lengths_B, 0)
     if not packed:
         return jnp.argsort(-live).astype(jnp.int32)
-    tiles = jnp.minimum((live - 1) // block_kv + 1, _ORDER_MAX_TILES)  # no int32 overflow
     slot = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
-    keys = ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | slot
+    keys = _packed_key(live, slot, block_kv)
     if method == "sort":
         return lax.sort(keys)
     rank = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
@@ -861,27 +874,23 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
 
     One TMA copy brings the B lengths to SMEM; each of the 128 threads computes ``B / 128``
     packed keys (as ``_longest_first_order``'s: ``(0x7FFF - tiles) << 16 | sequence``,
-    distinct) and stores them to SMEM, and a loop over the B keys, read back as scalars, counts
-    the smaller ones: the ranks. The
-    sequence of rank ``b_slot`` is one sum over the warpgroup. B compares of B / 128 keys a
-    thread (128 at B = 128), where ``"rank"`` runs two [B, B] reductions in XLA kernels.
+    distinct: ``_packed_key``) and stores them to SMEM, and a loop over the B keys, read back as
+    scalars, counts the smaller ones: the ranks. The sequence of rank ``b_slot`` is one sum
+    over the warpgroup. B compares of B / 128 keys a thread (128 at B = 128), where ``"rank"``
+    runs two [B, B] reductions in XLA kernels.
     """
     B, T = cfg.num_seqs, cfg.block_kv
     Bp = -(-B // 128) * 128  # a strided register layout covers 128 * k elements
-    shift = T.bit_length() - 1
     layout = plgpu.Layout.WG_STRIDED((Bp,), vec_size=Bp // 128)
-
-    def key(length, seq):
-        # ceil(length / T) without overflow near 2**31 (0 -> (-1 >> shift) + 1 = 0)
-        tiles = jnp.minimum(((jnp.maximum(length, 0) - 1) >> shift) + 1, _ORDER_MAX_TILES)
-        return ((_ORDER_MAX_TILES - tiles) << _ORDER_BITS) | seq
 
     def count(len_smem, key_smem, bar):
         plgpu.copy_gmem_to_smem(len_ref, len_smem.at[pl.ds(0, B)], bar)
         plgpu.barrier_wait(bar)
         seqs = plgpu.broadcasted_iota(jnp.int32, (Bp,), 0, layout=layout)
         lengths = plgpu.load(len_smem, layout=layout)  # entries >= B: never written
-        keys = jnp.where(seqs < B, key(lengths, seqs), jnp.int32(0x7FFFFFFF))  # ranks >= B
+        keys = jnp.where(
+            seqs < B, _packed_key(lengths, seqs, T), jnp.int32(0x7FFFFFFF)
+        )  # ranks >= B
         key_smem[...] = keys  # each key computed once, read back as a scalar by every thread
         plgpu.commit_smem()  # (its warpgroup barrier orders the stores before the loads)
 
@@ -1503,7 +1512,5 @@ def paged_attention_pallas_gpu(
         profile_dir=str(profile_dir) if profile_dir else "",
     )
     if profile_dir:
-        import os
-
         os.makedirs(profile_dir, exist_ok=True)
     return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
