@@ -913,6 +913,89 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
     )
 
 
+def _attend(
+    cfg: _Config, refs, unit: _Unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+    consumed=None,
+):
+    """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
+    (q_ref, k_ref, v_ref, bt_ref).
+
+    Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
+    and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
+    (``early_k``) or P @ V has read its slot, and V of tile i + stages once P @ V has. With
+    ``consumed`` (the K- and V-consumed barriers of the producer variant) it issues none
+    and arrives on them as soon as the slot's K (after Q K^T) or V (after P @ V) is no
+    longer read.
+    """
+    q_ref, k_ref, v_ref, bt_ref = refs
+    stages, k_stages, n = cfg.num_stages, cfg.k_stages, unit.n
+    k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
+    smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+    with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
+        ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
+        ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
+        if consumed is None:
+            # Every prologue lookup first (clamped, so in bounds even past n): the block-table
+            # reads are in flight together rather than one tile's after the last one's issue.
+            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
+            for i in range(ring):
+                streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
+                pl.when(i < n)(
+                    lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
+                )
+            for i in range(ring, ahead):
+                pl.when(i < n)(
+                    lambda i=i: _prefetch(
+                        cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
+                    )
+                )
+        plgpu.barrier_wait(q_bar)
+
+    def step(i, carry):
+        slot = lax.rem(i, jnp.int32(stages))
+        if consumed is None:
+            k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
+            # The block-table reads are in flight during the tile.
+            next_v = _lookup(cfg, bt_ref, unit, i + stages)
+            next_k = next_v if k_stages == stages else _lookup(cfg, bt_ref, unit, i + k_stages)
+            if cfg.l2_prefetch:
+                far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
+
+            def refill_k():
+                pl.when(i + k_stages < n)(
+                    lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
+                )
+
+            carry = _tile(
+                cfg, unit, i, k_slot, carry, smem, v_slot=slot,
+                after_qk=refill_k if cfg.early_k else None,
+            )  # fmt: skip
+            if cfg.early_k:
+                streams = [v_stream]
+            elif k_stages == stages:
+                streams = [k_stream, v_stream]
+            else:
+                refill_k()
+                streams = [v_stream]
+            pl.when(i + stages < n)(
+                lambda: _issue(cfg, unit, i + stages, slot, next_v, streams)
+            )
+            if cfg.l2_prefetch:
+                pl.when(i + ahead < n)(
+                    lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
+                )
+            return carry
+        # reading the scores waited for the wgmma: K is free
+        after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
+        carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=after_qk)
+        plgpu.barrier_arrive(consumed[1].at[slot])
+        return carry
+
+    with jax.named_scope("loop"):
+        return lax.fori_loop(0, n, step, _init_carry(cfg))
+
+
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
     """Body of one CTA: (sequence slot b, split s, KV head h)."""
     order_ref, outs = _split_rest(cfg, rest)
@@ -927,82 +1010,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         seq=seq,
     )  # fmt: skip
     n = unit.n
-
-    def attend(q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, consumed=None):
-        """The attention loop over this split's n tiles: (acc, m, l) in the WGMMA layout.
-
-        Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
-        and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
-        (``early_k``) or P @ V has read its slot, and V of tile i + stages once P @ V has. With
-        ``consumed`` (the K- and V-consumed barriers of the producer variant) it issues none
-        and arrives on them as soon as the slot's K (after Q K^T) or V (after P @ V) is no
-        longer read.
-        """
-        k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
-        smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
-        with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
-            ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
-            ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
-            if consumed is None:
-                # Every prologue lookup first (clamped, so in bounds even past n): the block-table
-                # reads are in flight together rather than one tile's after the last one's issue.
-                first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
-                for i in range(ring):
-                    streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
-                    pl.when(i < n)(
-                        lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
-                    )
-                for i in range(ring, ahead):
-                    pl.when(i < n)(
-                        lambda i=i: _prefetch(
-                            cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
-                        )
-                    )
-            plgpu.barrier_wait(q_bar)
-
-        def step(i, carry):
-            slot = lax.rem(i, jnp.int32(stages))
-            if consumed is None:
-                k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
-                # The block-table reads are in flight during the tile.
-                next_v = _lookup(cfg, bt_ref, unit, i + stages)
-                next_k = next_v if k_stages == stages else _lookup(cfg, bt_ref, unit, i + k_stages)
-                if cfg.l2_prefetch:
-                    far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
-
-                def refill_k():
-                    pl.when(i + k_stages < n)(
-                        lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
-                    )
-
-                carry = _tile(
-                    cfg, unit, i, k_slot, carry, smem, v_slot=slot,
-                    after_qk=refill_k if cfg.early_k else None,
-                )  # fmt: skip
-                if cfg.early_k:
-                    streams = [v_stream]
-                elif k_stages == stages:
-                    streams = [k_stream, v_stream]
-                else:
-                    refill_k()
-                    streams = [v_stream]
-                pl.when(i + stages < n)(
-                    lambda: _issue(cfg, unit, i + stages, slot, next_v, streams)
-                )
-                if cfg.l2_prefetch:
-                    pl.when(i + ahead < n)(
-                        lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
-                    )
-                return carry
-            # reading the scores waited for the wgmma: K is free
-            after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
-            carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=after_qk)
-            plgpu.barrier_arrive(consumed[1].at[slot])
-            return carry
-
-        with jax.named_scope("loop"):
-            return lax.fori_loop(0, n, step, _init_carry(cfg))
+    refs = (q_ref, k_ref, v_ref, bt_ref)
 
     q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
@@ -1011,8 +1019,9 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     if not cfg.producer:
         k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=k_stages)
         acc, m, l = pl.run_scoped(
-            attend, q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier
-        )
+            functools.partial(_attend, cfg, refs, unit),
+            q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier,
+        )  # fmt: skip
         with jax.named_scope("store"):
             out, lse = _finish(cfg, acc, m, l)
             # A second scope: stack-allocated, it reuses the ring's SMEM.
@@ -1058,9 +1067,10 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         @pl.when(wg == 0)
         def _compute():
             plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-            acc, m, l = attend(
-                q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, (k_consumed, v_consumed)
-            )
+            acc, m, l = _attend(
+                cfg, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+                (k_consumed, v_consumed),
+            )  # fmt: skip
             # Every copy into the ring has landed (all its barriers were waited on) and no
             # wgmma reads it any more: the output tiles may overwrite it.
             _store(cfg, unit, outs, out_smem, *_finish(cfg, acc, m, l))
