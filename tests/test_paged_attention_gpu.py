@@ -378,6 +378,44 @@ def test_interpret_through_public_dispatch():
 
 # --------------------------------------------------------------------------- CPU: cross-lowering
 
+
+@pytest.mark.parametrize(
+    "K,G,H,C,lengths,extra",
+    [
+        # 28 stream tiles on 5 CTAs (6 each): pairs cut in two, whole pairs, an empty sequence.
+        (2, 2, 64, 16, [0, 1, 15, 16, 17, 150, 300, 64], dict(num_ctas=5)),
+        # Pairs of 15 tiles over shares of 6: 3 and 4 pieces; B % 4 != 0 (lengths padded).
+        (2, 2, 64, 16, [40, 900, 3], dict(num_ctas=7)),
+        # One pair of 40 tiles in 10 pieces: two rounds of the merge's 8 buffers.
+        (1, 4, 64, 32, [2560], dict(num_ctas=12)),
+        # More CTAs than tiles (empty shares); soft cap and a window (tiles before it unread).
+        (2, 1, 64, 8, [0, 1, 9, 150, 300], dict(num_ctas=16, soft_cap=20.0, window=100)),
+        # Pages larger than the tile, 16 query columns (G=3), a window smaller than a tile.
+        (2, 3, 64, 128, [0, 1, 300, 129, 64], dict(num_ctas=4, window=50)),
+        # Head dim 128 at T=64, 8 heads a KV head, out-of-range ids in unused table entries.
+        (2, 8, 128, 16, [200, 0, 64, 65, 1], dict(num_ctas=3, oor=True)),
+        # One CTA: every pair whole, nothing to merge; SMEM reuse across segments race-checked.
+        (2, 2, 64, 16, [0, 1, 17, 300, 129], dict(num_ctas=1, races=True)),
+    ],
+    ids=["ctas5", "3-4-pieces", "10-pieces", "empty-shares-cap-window", "C128-G3-window",
+         "H128-G8-bad-ids", "one-cta"],
+)  # fmt: skip
+def test_interpret_balanced_matches_reference(K, G, H, C, lengths, extra):
+    # Shares of the tile stream cut pairs; the CTA holding a pair's last piece merges the
+    # partials. The interpreter runs the CTAs one after the other in index order, and has no
+    # semaphores (the kernel skips them there): its race detector would report every partial
+    # a later CTA reads, so it checks only the one-CTA case (no partials).
+    rng = np.random.default_rng(90 + C + G)
+    extra = dict(extra)
+    oor = extra.pop("oor", False)
+    interpret = RACE_CHECKED if extra.pop("races", False) else True
+    block_kv = 128 if H == 64 and C == 128 else 64
+    _run_case(
+        rng, lengths, K=K, G=G, H=H, C=C, interpret=interpret, balanced=True,
+        block_kv=block_kv, out_of_range_tail=oor, **extra,
+    )  # fmt: skip
+
+
 _VARIANTS = [
     dict(),  # no splits at B=4: swap_ab (queries as 8 wgmma columns), 2 stages
     dict(swap_ab=False),  # the 64-row tile
@@ -441,6 +479,14 @@ _VARIANTS = [
     dict(producer=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128, 8 copies per tile
     dict(producer=True, H=256, C=256, num_splits=2, logits_soft_cap=30.0, sliding_window=100),
     dict(producer=True, N=64, K=8, C=32, num_stages=1, longest_first=False),  # G=8, 1 stage
+    # Balanced shares of the tile stream (semaphores, the in-kernel merge):
+    dict(balanced=True),  # 3 CTAs per SM by SMEM: 396
+    dict(balanced=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128
+    dict(balanced=True, B=7, N=2, K=2, H=64),  # lengths padded to 8 for the TMA copy
+    dict(balanced=True, logits_soft_cap=30.0, sliding_window=100, C=128),  # C > T
+    dict(balanced=True, N=48, K=8),  # G=6: 16 query columns
+    dict(balanced=True, H=256, C=256),
+    dict(balanced=True, B=300, num_ctas=1000),  # lengths in two TMA copies, 3 keys a thread
 ]
 
 
@@ -471,7 +517,9 @@ def test_cross_lowers_for_cuda(variant):
     # The longest-first order is computed exactly when it is on (a sort, or the counting form's
     # reductions over [B, B]).
     lf = v.get("longest_first")
-    if lf is None:
+    if v.get("balanced"):
+        lf = False
+    elif lf is None:
         T0 = v.get("block_kv", kernel_gpu.default_block_kv(H))
         s0 = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T0)
         lf = kernel_gpu.default_longest_first(B, K, s0, W * C)
@@ -489,9 +537,10 @@ def test_cross_lowers_for_cuda(variant):
     default_swap = kernel_gpu.default_swap_ab(
         splits, H, kernel_gpu._qcols(B, N, K), bool(v.get("producer")), bool(v.get("persistent"))
     )
-    swap = v.get("swap_ab", default_swap)
+    swap = v.get("swap_ab", default_swap) or bool(v.get("balanced"))
     names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
     assert names and all(("_sw" in name) == swap for name in names), names
+    assert all(("_bal" in name) == bool(v.get("balanced")) for name in names), names
     # deferred_sum (name part _ds): with swap_ab only; by default at 8 query columns.
     qcols = kernel_gpu._qcols(B, N, K)
     deferred = swap and v.get("deferred_sum", kernel_gpu.default_deferred_sum(qcols))
@@ -545,7 +594,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(num_stages=9), "num_stages=9"),
         (dict(num_stages=7, producer=True), "num_stages=7"),  # 249 KB at H=128
         (dict(dtype=jnp.float32), "cannot run this call"),
-        (dict(num_ctas=8), "needs persistent=True"),
+        (dict(num_ctas=8), "needs persistent=True or balanced=True"),
         (dict(num_ctas=0, persistent=True), "num_ctas=0"),
         (dict(producer=True, persistent=True), "cannot be combined"),
         (dict(l2_prefetch=-1), "l2_prefetch=-1"),
@@ -569,6 +618,14 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
             dict(order_method="kernel", longest_first=True),
             'order_method="kernel" needs a multiple of 4',
         ),
+        (dict(balanced=True, num_splits=2), "cannot take {'num_splits': 2}"),
+        (dict(balanced=True, producer=True), "cannot take {'producer': True}"),
+        (dict(balanced=True, persistent=True), "cannot take {'persistent': True}"),
+        (dict(balanced=True, swap_ab=False), "cannot take {'swap_ab': True}"),
+        (dict(balanced=True, longest_first=True), "cannot take {'longest_first': True}"),
+        (dict(balanced=True, l2_prefetch=1, early_k=True), "'l2_prefetch': 1, 'early_k': True"),
+        (dict(balanced=True, num_ctas=0), "num_ctas=0"),
+        (dict(balanced=True, num_ctas=70000), "num_ctas=70000 must be at most 65535"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -941,3 +998,41 @@ def test_gpu_producer_warpgroup(C, H, extra):
     rng = np.random.default_rng(C + H)
     lengths = [0, 1, C - 1, C, C + 1, 99, 1000, 2500]
     _run_case(rng, lengths, K=4, G=4, H=H, C=C, producer=True, **extra)
+
+
+# After the producer tests: a semaphore wait that never ends would hang here, last.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths,C,G,H,extra",
+    [
+        ("many", 16, 4, 128, dict()),  # 96 x 8 pairs on 396 CTAs (3 per SM)
+        ("many", 64, 4, 128, dict(num_ctas=50)),
+        ("many", 8, 4, 64, dict()),  # T=128
+        ("many", 256, 4, 256, dict()),  # one CTA per SM by SMEM: 132
+        ("many", 16, 1, 128, dict(dtype=jnp.float16)),
+        ("many", 32, 8, 128, dict(soft_cap=30.0, window=700)),
+        ("edge", 16, 4, 128, dict(num_ctas=5, soft_cap=30.0, window=100)),
+        ("edge", 32, 4, 128, dict(num_ctas=3)),
+        ("edge", 16, 4, 128, dict(num_ctas=1, out_of_range_tail=True)),
+        ("edge", 128, 4, 128, dict()),  # more CTAs than tiles: empty shares
+        ("long", 16, 4, 128, dict()),  # 32k: about 100 pieces a pair, 13 merge rounds
+        ("long", 16, 4, 128, dict(num_ctas=7)),
+        ("one", 16, 4, 128, dict()),  # B=1, 8 KV heads at 32k
+    ],
+    ids=str,
+)
+def test_gpu_balanced(lengths, C, G, H, extra):
+    rng = np.random.default_rng(C + G + H + len(extra))
+    K = 8
+    if lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+        lengths[:6] = [0, 1, C - 1, C, C + 1, 0]
+    elif lengths == "edge":
+        lengths, K = [0, 1, C - 1, C, C + 1, 99, 1000, 2500, 0, 7], 4
+    elif lengths == "long":
+        lengths, K = [32768, 1, 20001, 0], 2
+    else:
+        lengths = [32768]
+    # Twice: the semaphores are back at zero after a call.
+    for _ in range(2):
+        _run_case(rng, lengths, K=K, G=G, H=H, C=C, balanced=True, **extra)

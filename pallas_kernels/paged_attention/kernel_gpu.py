@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._split_merge import merge_splits
@@ -144,6 +145,7 @@ class _Config:
     l2_prefetch: int  # tiles past the ring prefetched into L2 (``_prefetch``; 0: none)
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
     profile_dir: str = ""  # Mosaic GPU on-device profiler trace directory ("": off)
+    balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
 
     @property
     def xla_order(self) -> bool:
@@ -574,10 +576,19 @@ class _Unit(NamedTuple):
         return _Unit(*(jnp.where(pred, a, b) for a, b in zip(self, other, strict=True)))
 
 
+def _tile_span(cfg: _Config, length):
+    """(first visible key, first tile, tiles) of a sequence of ``length`` >= 0 keys: the tiles
+    that hold its visible keys (all of them, or the sliding window's)."""
+    T = cfg.block_kv
+    lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else length * 0
+    t_lo = lo // T
+    return lo, t_lo, (length + T - 1) // T - t_lo
+
+
 def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None) -> _Unit:
     """The unit of grid slot (``b_slot``, ``s``, ``h``); ``seq``: its (sequence, length), as
     ``_kernel_order`` found them."""
-    T, C, S = cfg.block_kv, cfg.page_size, cfg.num_splits
+    S = cfg.num_splits
     if seq is not None:
         b = seq[0]
     elif order_ref is None:
@@ -593,13 +604,19 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, 
     else:
         length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
     length = jnp.maximum(length, 0)
-    lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else jnp.int32(0)
-    t_lo = lo // T
-    t_hi = (length + T - 1) // T
-    per_split = (t_hi - t_lo + S - 1) // S
+    lo, t_lo, tiles = _tile_span(cfg, length)
+    t_hi = t_lo + tiles
+    per_split = (tiles + S - 1) // S
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
     n = jnp.where(valid, n, 0)
+    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s, valid)
+
+
+def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0, valid=True) -> _Unit:
+    """The unit reading tiles [start, start + n) of KV head h of sequence b (``length`` >= 0
+    keys, the first visible one ``lo``)."""
+    C = cfg.page_size
     return _Unit(
         b=b,
         length=length,
@@ -772,14 +789,14 @@ def _tile(
     return acc, m_new, l
 
 
-def _finish(cfg: _Config, acc, m, l):
-    """The normalised output (rows that saw no key give zeros) and, split, its base-2
-    log-sum-exp."""
+def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
+    """The normalised output (rows that saw no key give zeros) and, split (or ``with_lse``),
+    its base-2 log-sum-exp."""
     l = _sum_l(cfg, l)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1] if cfg.swap_ab else [0])
-    if cfg.num_splits == 1:
+    if not (cfg.num_splits > 1 if with_lse is None else with_lse):
         return out, None
     return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
@@ -914,7 +931,16 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
 
 
 def _attend(
-    cfg: _Config, refs, unit: _Unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+    cfg: _Config,
+    refs,
+    unit: _Unit,
+    q_smem,
+    k_smem,
+    v_smem,
+    p_smem,
+    q_bar,
+    k_bar,
+    v_bar,
     consumed=None,
 ):
     """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
@@ -978,9 +1004,7 @@ def _attend(
             else:
                 refill_k()
                 streams = [v_stream]
-            pl.when(i + stages < n)(
-                lambda: _issue(cfg, unit, i + stages, slot, next_v, streams)
-            )
+            pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_v, streams))
             if cfg.l2_prefetch:
                 pl.when(i + ahead < n)(
                     lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
@@ -1182,6 +1206,259 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
     )
 
 
+_TMA_MAX_DIM = 256  # elements a TMA copy spans along one dimension, at most
+
+# Pieces whose partials one round of the balanced merge loads at once (``_balanced_body``).
+_MERGE_BATCH = 8
+
+
+# The balanced grid's semaphores and partial slots scale with its CTAs: keep them bounded.
+_MAX_BALANCED_CTAS = 65535
+
+
+def _balanced_ctas_per_sm(head_dim: int, block_kv: int, stages: int, qcols: int, B: int) -> int:
+    """CTAs of the balanced kernel resident on one SM by SMEM (228 KB, 1 KB reserved each):
+    the ``swap_ab`` tiles and ring, the output and lse tiles, the lengths, and the merge
+    buffers where they outgrow the ring they share."""
+    ring = 2 * stages * block_kv * head_dim * 2
+    merge = _MERGE_BATCH * qcols * (head_dim * 2 + 4)
+    smem = _smem_bytes(head_dim, block_kv, stages, qcols=qcols) + max(0, merge - ring)
+    smem += qcols * head_dim * 2 + _ROWS * qcols * 4 + -(-B // 128) * 128 * 4
+    return max(1, (228 * 1024) // (smem + 1024))
+
+
+def _stream_tiles(cfg: _Config, length):
+    """A (sequence, KV head) pair's share of the balanced stream: the tiles it reads, and one
+    for a pair with none (length 0), so that every pair has a place and an owner that writes
+    its zeros."""
+    return jnp.maximum(_tile_span(cfg, length)[2], 1)
+
+
+def _balanced_schedule(cfg: _Config, len_ref, len_smem, c):
+    """Where CTA c's share of the balanced stream starts: (total, chunk, b0, pre0).
+
+    The stream is every (sequence, KV head) pair's tiles one after the other, sequence-major
+    (``_stream_tiles`` each, the same for the K heads of a sequence): ``total`` tiles, of which
+    CTA c takes [c * chunk, (c + 1) * chunk), chunk = ceil(total / P). ``b0`` is the sequence
+    holding tile c * chunk (B if none does) and ``pre0`` the tiles of one head of each sequence
+    before it. One TMA copy brings the lengths to SMEM (``len_smem``, which the walk reads
+    after); each thread sums the tiles of the sequences up to its own (``B / 128`` a thread, B
+    scalar SMEM reads, as ``_kernel_order`` counts), and two reductions over the warpgroup find
+    b0 and pre0. All on device: nothing syncs with the host.
+    """
+    B, K, P = cfg.num_seqs, cfg.num_kv_heads, cfg.num_ctas
+    Bp = len_smem.shape[0]
+    Bc = -(-B // 4) * 4  # lengths copied (padded to 16 bytes by the caller)
+    layout = plgpu.Layout.WG_STRIDED((Bp,), vec_size=Bp // 128)
+
+    def count(tiles_smem, bar):
+        for off in range(0, Bc, _TMA_MAX_DIM):  # a TMA box spans at most 256 elements
+            size = min(_TMA_MAX_DIM, Bc - off)
+            plgpu.copy_gmem_to_smem(
+                len_ref.at[pl.ds(off, size)], len_smem.at[pl.ds(off, size)], bar
+            )
+        plgpu.barrier_wait(bar)
+        seqs = plgpu.broadcasted_iota(jnp.int32, (Bp,), 0, layout=layout)
+        lengths = jnp.maximum(plgpu.load(len_smem, layout=layout), 0)  # >= Bc: unwritten
+        tiles = jnp.where(seqs < B, _stream_tiles(cfg, lengths), 0)
+        tiles_smem[...] = tiles
+        plgpu.commit_smem()
+
+        def upto(i, incl):  # 4 sequences a trip: their SMEM loads in flight together
+            others = [tiles_smem[i * 4 + u] for u in range(4)]
+            for u, other in enumerate(others):
+                incl = incl + jnp.where(i * 4 + u <= seqs, other, 0)
+            return incl
+
+        zeros = plgpu.layout_cast(jnp.zeros((Bp,), jnp.int32), layout)
+        incl = lax.fori_loop(0, Bc // 4, upto, zeros)  # tiles of sequences 0..b, one head
+        total = K * jnp.sum(tiles)
+        chunk = (total + P - 1) // P
+        b0 = jnp.sum(((seqs < B) & (K * incl <= c * chunk)).astype(jnp.int32))
+        pre0 = jnp.sum(jnp.where(seqs == b0, incl - tiles, 0))
+        return total, chunk, b0, pre0
+
+    copies = -(-Bc // _TMA_MAX_DIM)
+    return pl.run_scoped(count, plgpu.SMEM((Bp,), jnp.int32), plgpu.Barrier(num_arrivals=copies))
+
+
+def _gmem_proxy_fence():
+    """``fence.proxy.async.global``: orders this thread's TMA (async proxy) accesses to global
+    memory with its generic ones, the semaphore's release and acquire: a partial's TMA store
+    before the signal that it is there, and the merger's TMA loads after its wait."""
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
+def _balanced_body(
+    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, out_ref, part_o, part_lse
+):
+    """Body of one CTA of the balanced grid (``balanced=True``): P = ``num_ctas`` CTAs, CTA c
+    reads tiles [c * chunk, (c + 1) * chunk) of the stream of every (sequence, KV head) pair's
+    tiles (``_balanced_schedule``), so every CTA streams the same bytes whatever the lengths
+    (stream-K). No unit is longer than another, so no tail of long units runs alone after
+    the others (the drain that the timeline shows for the grid of whole units).
+
+    A CTA walks its share pair by pair (a segment each). A pair wholly inside the share is
+    finished and stored. A pair cut by a share boundary leaves a partial (its normalised
+    output in ``q.dtype`` and base-2 lse) in the slot 2c (the share's first segment) or 2c + 1
+    (its last), and the CTA holding the pair's last piece, c2, merges the pieces: the others
+    signal c2's semaphore once their partial is stored, and c2, at the end of its share, waits
+    for them, loads the partials (``_MERGE_BATCH`` at a time) and writes the output. A CTA
+    waits only for CTAs of lower index, which start before it, so the grid cannot deadlock
+    however many CTAs are resident. The Mosaic GPU interpreter runs the CTAs one after the
+    other in index order, so it needs (and has) no semaphores.
+    """
+    B, N, K, G, P = cfg.num_seqs, cfg.num_q_heads, cfg.num_kv_heads, cfg.group, cfg.num_ctas
+    R, H, NB = cfg.q_rows, cfg.head_dim, _MERGE_BATCH
+    c = lax.axis_index("c")
+    refs = (q_ref, k_ref, v_ref, bt_ref)
+    sem = None if cfg.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
+
+    def body(len_smem, q_smem, ring_merge, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, m_bar):
+        (k_smem, v_smem), (mo_smem, ml_smem) = ring_merge
+        with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
+            total, chunk, b0, pre0 = _balanced_schedule(cfg, len_ref, len_smem, c)
+        r0 = c * chunk
+        r1 = jnp.minimum(r0 + chunk, total)
+        b0 = jnp.minimum(b0, B - 1)  # B: an empty share (r0 >= total), no segment
+        t0 = _stream_tiles(cfg, jnp.maximum(len_smem[b0], 0))
+        h0 = jnp.minimum((r0 - K * pre0) // t0, K - 1)
+        p0 = K * pre0 + h0 * t0  # the first pair's place in the stream
+        e0 = p0 + t0
+
+        def segment(carry):
+            pos, b, h, pre = carry  # pair (b, h) starts at K * pre + h * t
+            length = jnp.maximum(len_smem[b], 0)
+            lo, t_lo, tiles = _tile_span(cfg, length)
+            t = jnp.maximum(tiles, 1)
+            p_start = K * pre + h * t
+            p_end = p_start + t
+            first = pos - p_start
+            n = jnp.maximum(jnp.minimum(jnp.minimum(p_end, r1) - p_start, tiles) - first, 0)
+            unit = _make_unit(cfg, base_ref, b, length, lo, h, t_lo + first, n)
+            acc, m, l = _attend(
+                cfg, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar
+            )
+            with jax.named_scope("store"):
+                out, lse = _finish(cfg, acc, m, l, with_lse=True)
+                whole = (p_start >= r0) & (p_end <= r1)
+                o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)  # O^T stored as rows
+                plgpu.commit_smem()
+
+                @pl.when(whole)
+                def _():
+                    rows = pl.ds(unit.qoff, G)
+                    plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[pl.ds(unit.qrow, G)])
+
+                @pl.when(~whole)
+                def _():
+                    slot = 2 * c + (pos != r0).astype(jnp.int32)
+                    lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, part_o.at[slot])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, 1)], part_lse.at[pl.ds(slot, 1)])
+
+                plgpu.wait_smem_to_gmem(0)  # stored (and o_smem free for the next segment)
+                if sem is not None:
+
+                    @pl.when(~whole & (p_end > r1))  # a piece of a pair the next CTAs finish
+                    def _():
+                        _gmem_proxy_fence()
+                        pl.semaphore_signal(sem.at[(p_end - 1) // chunk])
+
+            wrap = h + 1 == K
+            return (
+                jnp.minimum(p_end, r1),
+                jnp.where(wrap, b + 1, b),
+                jnp.where(wrap, 0, h + 1),
+                jnp.where(wrap, pre + t, pre),
+            )
+
+        lax.while_loop(lambda carry: carry[0] < r1, segment, (r0, b0, h0, pre0))
+
+        @pl.when((r0 < total) & (p0 < r0) & (e0 <= r1))  # this CTA holds a pair's last piece
+        def _merge():
+            with jax.named_scope("merge"):
+                c1 = p0 // chunk  # the pair's first piece: c1's last segment, or its first
+                pieces = c - c1 + 1
+                if sem is not None:
+                    plgpu.semaphore_wait(sem.at[c], pieces - 1)
+                    _gmem_proxy_fence()
+                first_slot = 2 * c1 + (p0 != c1 * chunk).astype(jnp.int32)
+                layout = plgpu.Layout.WG_STRIDED((R, H), vec_size=min(8, R * H // 128))
+                rows = plgpu.broadcasted_iota(jnp.int32, (R, H), 0, layout=layout)
+
+                def load_piece(j, slot):  # piece -> merge buffer j
+                    plgpu.copy_gmem_to_smem(part_o.at[slot], mo_smem.at[j], m_bar.at[j])
+                    plgpu.copy_gmem_to_smem(
+                        part_lse.at[pl.ds(slot, 1)], ml_smem.at[pl.ds(j, 1)], m_bar.at[j]
+                    )
+
+                def combine(j, carry):  # the online log-sum-exp merge of piece j
+                    m_run, s_run, acc = carry
+                    plgpu.barrier_wait(m_bar.at[j])
+                    o = plgpu.load(mo_smem.at[j], layout=layout).astype(jnp.float32)
+                    lse = (rows == 0).astype(jnp.float32) * ml_smem[j, 0]
+                    for r in range(1, R):  # this piece's lse of query row r, on row r
+                        lse = lse + (rows == r).astype(jnp.float32) * ml_smem[j, r]
+                    m_new = jnp.maximum(m_run, lse)
+                    ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha, w = jnp.exp2(m_run - ref), jnp.exp2(lse - ref)
+                    return m_new, s_run * alpha + w, acc * alpha + o * w
+
+                def merge_batch(g, carry):
+                    for j in range(NB):
+                        k = g * NB + j
+                        slot = jnp.where(k == 0, first_slot, 2 * (c1 + k))
+
+                        pl.when(k < pieces)(functools.partial(load_piece, j, slot))
+
+                    for j in range(NB):
+                        carry = lax.cond(
+                            g * NB + j < pieces,  # buffers past the last piece are never read
+                            functools.partial(combine, j),
+                            lambda carry: carry,
+                            carry,
+                        )
+                    return carry
+
+                init = tuple(
+                    plgpu.layout_cast(jnp.full((R, H), v, jnp.float32), layout)
+                    for v in (-jnp.inf, 0.0, 0.0)
+                )
+                _, s_run, acc = lax.fori_loop(0, (pieces + NB - 1) // NB, merge_batch, init)
+                merged = acc / jnp.where(s_run == 0.0, 1.0, s_run)
+                o_smem[...] = merged.astype(cfg.dtype)
+                plgpu.commit_smem()
+                qrow = b0 * N + h0 * G
+                qoff = qrow - (qrow // 8) * 8
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], out_ref.at[pl.ds(qrow, G)])
+                plgpu.wait_smem_to_gmem(0)
+
+    q_scratch, ring_scratch, p_scratch, _ = _scratch(cfg)
+    n_cp = cfg.copies_per_tile
+    merge_scratch = (plgpu.SMEM((NB, R, H), cfg.dtype), plgpu.SMEM((NB, R), jnp.float32))
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((-(-B // 128) * 128,), jnp.int32),
+        q_scratch,
+        plgpu.RefUnion(ring_scratch, merge_scratch),  # the ring is idle once the walk is over
+        p_scratch,
+        plgpu.SMEM((R, H), cfg.dtype),
+        plgpu.SMEM((_ROWS, R), jnp.float32),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=NB),
+    )
+
+
 def _swapped_lse(cfg: _Config, lse_SCQ):
     """``swap_ab`` split lse [S, B*K, qcols] per (sequence, KV head) slot -> [S, B*N, 1] (the
     partials themselves are stored as rows). Head h of sequence b owns columns
@@ -1216,6 +1493,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     lengths_B = lengths_B.astype(jnp.int32)
     block_tables_BW = block_tables_BW.astype(jnp.int32)
     args = [q_RH, k_RH, v_RH, block_tables_BW, lengths_B, base]
+    if cfg.balanced and B % 4:  # one TMA copy of the lengths: a multiple of 16 bytes
+        args[4] = jnp.pad(lengths_B, (0, -B % 4))
     if cfg.xla_order:
         order = _longest_first_order(lengths_B, cfg.block_kv, _packed_order(B), cfg.order_method)
         if cfg.slot_lengths:  # one small gather: each CTA reads its length without the order
@@ -1223,7 +1502,13 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             args[4] = lengths_B[seq]
         args.append(order)
     S = cfg.num_splits
-    if S == 1:
+    if cfg.balanced:  # the output, and two partial slots a CTA (its share's two ends)
+        out_type = (
+            jax.ShapeDtypeStruct((B * N, H), cfg.dtype),
+            jax.ShapeDtypeStruct((2 * cfg.num_ctas, cfg.q_rows, H), cfg.dtype),
+            jax.ShapeDtypeStruct((2 * cfg.num_ctas, cfg.q_rows), jnp.float32),
+        )
+    elif S == 1:
         out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
     elif cfg.swap_ab:  # partial rows in q.dtype; the lse of qcols columns per (b, h) slot
         out_type = (
@@ -1236,6 +1521,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             jax.ShapeDtypeStruct((S, B * N, _LSE_COLS), jnp.float32),
         )
     kind = "_ws" if cfg.producer else "_persistent" if cfg.persistent else ""
+    kind += f"_bal{cfg.num_ctas}" if cfg.balanced else ""
     stages = f"{cfg.num_stages}" + (f"k{cfg.k_stages}" if cfg.k_stages != cfg.num_stages else "")
     name = f"paged_decode_mgpu{kind}_T{cfg.block_kv}_st{stages}_S{S}_C{C}_G{cfg.group}_H{H}"
     if cfg.early_k:
@@ -1248,9 +1534,10 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ko"  # the order counted in the kernel
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
-    body = functools.partial(_persistent_body if cfg.persistent else _kernel_body, cfg)
+    body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
+    body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
-    if cfg.persistent:
+    if cfg.persistent or cfg.balanced:
         grid, grid_names = (cfg.num_ctas,), ("c",)
     elif cfg.heads_inner:
         # Mosaic GPU maps the last grid axis to blockIdx.x, which the hardware hands out
@@ -1275,6 +1562,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
     )
     out = kernel(*args)
+    if cfg.balanced:
+        return out[0].reshape(B, N, H)
     if S == 1:
         return out.reshape(B, N, H)
     o_SRH, lse_SRL = out
@@ -1311,6 +1600,7 @@ def paged_attention_pallas_gpu(
     order_method: str | None = None,
     deferred_sum: bool | None = None,
     profile_dir: str | None = None,
+    balanced: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1385,6 +1675,13 @@ def paged_attention_pallas_gpu(
         kernel is compiled and never overwrites it: the first call after a compile writes it
         (later calls warn), or the next call after it is removed. A diagnostic, on a GPU, for
         ``benchmarks/profile_decode_timeline.py``; it slows the kernel by 1-2%.
+      balanced: ``num_ctas`` CTAs (default: as many as are resident at once) each read an
+        equal share of the stream of every (sequence, KV head) pair's tiles, whatever the
+        lengths (stream-K, ``_balanced_body``): a pair cut by a share boundary is finished by
+        the CTA holding its last piece, which waits on a semaphore for the others' partials
+        and merges them inside the kernel (no XLA epilogue). With ``swap_ab`` (on by default
+        with it); not with splits, ``producer``, ``persistent``, ``l2_prefetch``, ``k_stages``,
+        ``early_k``, ``longest_first`` or ``slot_lengths``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1422,6 +1719,22 @@ def paged_attention_pallas_gpu(
     persistent = bool(persistent)
     if producer and persistent:
         raise ValueError("producer=True and persistent=True cannot be combined")
+    balanced = bool(balanced)
+    if balanced:
+        clashes = dict(
+            producer=producer, persistent=persistent, l2_prefetch=l2_prefetch,
+            k_stages=k_stages, early_k=early_k, longest_first=longest_first,
+            slot_lengths=slot_lengths, swap_ab=None if swap_ab is None else not swap_ab,
+        )  # fmt: skip
+        bad = {k: v for k, v in clashes.items() if v not in (None, False, 0)}
+        if num_splits not in (None, 1):
+            bad["num_splits"] = num_splits
+        if bad:
+            raise ValueError(
+                f"balanced=True shares the tiles out itself, with swap_ab: it cannot take {bad} "
+                "(leave them at their defaults)"
+            )
+        num_splits, swap_ab = 1, True
     if num_splits is None:
         splits = default_num_splits(B, K, W * C, block_kv)
     else:
@@ -1466,8 +1779,8 @@ def paged_attention_pallas_gpu(
         )
     if num_ctas is not None:
         num_ctas = _int_knob("num_ctas", num_ctas)
-    if num_ctas is not None and (not persistent or num_ctas < 1):
-        raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True")
+    if num_ctas is not None and (not (persistent or balanced) or num_ctas < 1):
+        raise ValueError(f"{num_ctas=} must be >= 1 and needs persistent=True or balanced=True")
     if W == 0:  # no page to read: every length must be 0 (checked arguments, no launch)
         return jnp.zeros(q.shape, q.dtype)
     if persistent and num_ctas is None:
@@ -1475,7 +1788,16 @@ def paged_attention_pallas_gpu(
 
         ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
-    num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
+    if balanced and num_ctas is None:
+        from jpaged import _backend
+
+        num_ctas = _balanced_ctas_per_sm(H, block_kv, stages, qcols, B) * _backend.gpu_num_sms()
+    if balanced:
+        num_ctas = int(num_ctas)
+        if num_ctas > _MAX_BALANCED_CTAS:
+            raise ValueError(f"{num_ctas=} must be at most {_MAX_BALANCED_CTAS} with balanced=True")
+    else:
+        num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
     if longest_first is None:
         lf = default_longest_first(B, K, splits, W * C)
     else:
@@ -1520,6 +1842,7 @@ def paged_attention_pallas_gpu(
             else False
         ),
         profile_dir=str(profile_dir) if profile_dir else "",
+        balanced=balanced,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
