@@ -1221,10 +1221,15 @@ def _balanced_ctas_per_sm(head_dim: int, block_kv: int, stages: int, qcols: int,
     the ``swap_ab`` tiles and ring, the output and lse tiles, the lengths, and the merge
     buffers where they outgrow the ring they share."""
     ring = 2 * stages * block_kv * head_dim * 2
-    merge = _MERGE_BATCH * qcols * (head_dim * 2 + 4)
+    merge = _MERGE_BATCH * (qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4)
     smem = _smem_bytes(head_dim, block_kv, stages, qcols=qcols) + max(0, merge - ring)
     smem += qcols * head_dim * 2 + _ROWS * qcols * 4 + -(-B // 128) * 128 * 4
     return max(1, (228 * 1024) // (smem + 1024))
+
+
+def _lse_row_step(qcols: int) -> int:
+    """Rows of ``qcols`` f32 from one 128-byte boundary to the next (at least 1)."""
+    return max(1, 128 // (4 * qcols))
 
 
 def _stream_tiles(cfg: _Config, length):
@@ -1320,7 +1325,7 @@ def _balanced_body(
     refs = (q_ref, k_ref, v_ref, bt_ref)
     sem = None if cfg.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
 
-    def body(len_smem, q_smem, ring_merge, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, m_bar):
+    def body(q_smem, ring_merge, p_smem, o_smem, lse_smem, len_smem, q_bar, k_bar, v_bar, m_bar):
         (k_smem, v_smem), (mo_smem, ml_smem) = ring_merge
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
             total, chunk, b0, pre0 = _balanced_schedule(cfg, len_ref, len_smem, c)
@@ -1394,19 +1399,21 @@ def _balanced_body(
                 layout = plgpu.Layout.WG_STRIDED((R, H), vec_size=min(8, R * H // 128))
                 rows = plgpu.broadcasted_iota(jnp.int32, (R, H), 0, layout=layout)
 
+                step = _lse_row_step(R)
+
                 def load_piece(j, slot):  # piece -> merge buffer j
                     plgpu.copy_gmem_to_smem(part_o.at[slot], mo_smem.at[j], m_bar.at[j])
                     plgpu.copy_gmem_to_smem(
-                        part_lse.at[pl.ds(slot, 1)], ml_smem.at[pl.ds(j, 1)], m_bar.at[j]
+                        part_lse.at[pl.ds(slot, 1)], ml_smem.at[pl.ds(j * step, 1)], m_bar.at[j]
                     )
 
                 def combine(j, carry):  # the online log-sum-exp merge of piece j
                     m_run, s_run, acc = carry
                     plgpu.barrier_wait(m_bar.at[j])
                     o = plgpu.load(mo_smem.at[j], layout=layout).astype(jnp.float32)
-                    lse = (rows == 0).astype(jnp.float32) * ml_smem[j, 0]
+                    lse = (rows == 0).astype(jnp.float32) * ml_smem[j * step, 0]
                     for r in range(1, R):  # this piece's lse of query row r, on row r
-                        lse = lse + (rows == r).astype(jnp.float32) * ml_smem[j, r]
+                        lse = lse + (rows == r).astype(jnp.float32) * ml_smem[j * step, r]
                     m_new = jnp.maximum(m_run, lse)
                     ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                     alpha, w = jnp.exp2(m_run - ref), jnp.exp2(lse - ref)
@@ -1443,15 +1450,21 @@ def _balanced_body(
 
     q_scratch, ring_scratch, p_scratch, _ = _scratch(cfg)
     n_cp = cfg.copies_per_tile
-    merge_scratch = (plgpu.SMEM((NB, R, H), cfg.dtype), plgpu.SMEM((NB, R), jnp.float32))
+    # A piece's lse row lands 128-byte aligned, as a TMA copy into SMEM needs
+    # (``_lse_row_step``).
+    merge_scratch = (
+        plgpu.SMEM((NB, R, H), cfg.dtype),
+        plgpu.SMEM((NB * _lse_row_step(R), R), jnp.float32),
+    )
+    # The swizzled tiles first: nothing before them may shift them off a 1024-byte boundary.
     pl.run_scoped(
         body,
-        plgpu.SMEM((-(-B // 128) * 128,), jnp.int32),
         q_scratch,
         plgpu.RefUnion(ring_scratch, merge_scratch),  # the ring is idle once the walk is over
         p_scratch,
         plgpu.SMEM((R, H), cfg.dtype),
         plgpu.SMEM((_ROWS, R), jnp.float32),
+        plgpu.SMEM((-(-B // 128) * 128,), jnp.int32),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
