@@ -1217,13 +1217,15 @@ _MAX_BALANCED_CTAS = 65535
 
 
 def _balanced_ctas_per_sm(head_dim: int, block_kv: int, stages: int, qcols: int, B: int) -> int:
-    """CTAs of the balanced kernel resident on one SM by SMEM (228 KB, 1 KB reserved each):
-    the ``swap_ab`` tiles and ring, the output and lse tiles, the lengths, and the merge
-    buffers where they outgrow the ring they share."""
+    """CTAs of the balanced kernel resident on one SM by SMEM (228 KB, 1 KB reserved each),
+    as ``_balanced_body`` lays it out: the ring (or the merge buffers or tile counts sharing
+    it), Q and P (or the output and lse tiles sharing them), the lengths, 1 KB of barriers and
+    slack."""
+    Bp = -(-B // 128) * 128
     ring = 2 * stages * block_kv * head_dim * 2
     merge = _MERGE_BATCH * (qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4)
-    smem = _smem_bytes(head_dim, block_kv, stages, qcols=qcols) + max(0, merge - ring)
-    smem += qcols * head_dim * 2 + _ROWS * qcols * 4 + -(-B // 128) * 128 * 4
+    tiles = max(qcols * (head_dim + block_kv) * 2, qcols * head_dim * 2 + _ROWS * qcols * 4)
+    smem = max(ring, merge, Bp * 4) + tiles + Bp * 4 + 1024
     return max(1, (228 * 1024) // (smem + 1024))
 
 
@@ -1239,7 +1241,7 @@ def _stream_tiles(cfg: _Config, length):
     return jnp.maximum(_tile_span(cfg, length)[2], 1)
 
 
-def _balanced_schedule(cfg: _Config, len_ref, len_smem, c):
+def _balanced_schedule(cfg: _Config, len_ref, len_smem, tiles_smem, c):
     """Where CTA c's share of the balanced stream starts: (total, chunk, b0, pre0).
 
     The stream is every (sequence, KV head) pair's tiles one after the other, sequence-major
@@ -1256,7 +1258,7 @@ def _balanced_schedule(cfg: _Config, len_ref, len_smem, c):
     Bc = -(-B // 4) * 4  # lengths copied (padded to 16 bytes by the caller)
     layout = plgpu.Layout.WG_STRIDED((Bp,), vec_size=Bp // 128)
 
-    def count(tiles_smem, bar):
+    def count(bar):
         for off in range(0, Bc, _TMA_MAX_DIM):  # a TMA box spans at most 256 elements
             size = min(_TMA_MAX_DIM, Bc - off)
             plgpu.copy_gmem_to_smem(
@@ -1283,8 +1285,7 @@ def _balanced_schedule(cfg: _Config, len_ref, len_smem, c):
         pre0 = jnp.sum(jnp.where(seqs == b0, incl - tiles, 0))
         return total, chunk, b0, pre0
 
-    copies = -(-Bc // _TMA_MAX_DIM)
-    return pl.run_scoped(count, plgpu.SMEM((Bp,), jnp.int32), plgpu.Barrier(num_arrivals=copies))
+    return pl.run_scoped(count, plgpu.Barrier(num_arrivals=-(-Bc // _TMA_MAX_DIM)))
 
 
 def _gmem_proxy_fence():
@@ -1325,10 +1326,11 @@ def _balanced_body(
     refs = (q_ref, k_ref, v_ref, bt_ref)
     sem = None if cfg.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
 
-    def body(q_smem, ring_merge, p_smem, o_smem, lse_smem, len_smem, q_bar, k_bar, v_bar, m_bar):
-        (k_smem, v_smem), (mo_smem, ml_smem) = ring_merge
+    def body(ring_merge, tiles, len_smem, q_bar, k_bar, v_bar, m_bar):
+        (k_smem, v_smem), (mo_smem, ml_smem), (tiles_smem,) = ring_merge
+        (q_smem, p_smem), (o_smem, lse_smem) = tiles
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
-            total, chunk, b0, pre0 = _balanced_schedule(cfg, len_ref, len_smem, c)
+            total, chunk, b0, pre0 = _balanced_schedule(cfg, len_ref, len_smem, tiles_smem, c)
         r0 = c * chunk
         r1 = jnp.minimum(r0 + chunk, total)
         b0 = jnp.minimum(b0, B - 1)  # B: an empty share (r0 >= total), no segment
@@ -1456,15 +1458,18 @@ def _balanced_body(
         plgpu.SMEM((NB, R, H), cfg.dtype),
         plgpu.SMEM((NB * _lse_row_step(R), R), jnp.float32),
     )
-    # The swizzled tiles first: nothing before them may shift them off a 1024-byte boundary.
+    Bp = -(-B // 128) * 128
+    # Swizzled tiles on 1024-byte boundaries: the ring first (64 KB at H=128), then Q and P
+    # (sizes multiples of 1 KB), small buffers last. Two unions keep the kernel at three CTAs
+    # per SM (``_balanced_ctas_per_sm``): the ring with the schedule's tile counts (before the
+    # walk) and the merge buffers (after it), and Q and P with the output and lse tiles (a
+    # segment's stores complete before the next segment loads its Q).
+    out_tiles = (plgpu.SMEM((R, H), cfg.dtype), plgpu.SMEM((_ROWS, R), jnp.float32))
     pl.run_scoped(
         body,
-        q_scratch,
-        plgpu.RefUnion(ring_scratch, merge_scratch),  # the ring is idle once the walk is over
-        p_scratch,
-        plgpu.SMEM((R, H), cfg.dtype),
-        plgpu.SMEM((_ROWS, R), jnp.float32),
-        plgpu.SMEM((-(-B // 128) * 128,), jnp.int32),
+        plgpu.RefUnion(ring_scratch, merge_scratch, (plgpu.SMEM((Bp,), jnp.int32),)),
+        plgpu.RefUnion((q_scratch, p_scratch), out_tiles),
+        plgpu.SMEM((Bp,), jnp.int32),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
         plgpu.Barrier(num_arrivals=n_cp, num_barriers=cfg.num_stages),
