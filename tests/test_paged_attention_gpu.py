@@ -386,8 +386,8 @@ def test_interpret_through_public_dispatch():
         (2, 2, 64, 16, [0, 1, 15, 16, 17, 150, 300, 64], dict(num_ctas=5)),
         # Pairs of 15 tiles over shares of 6: 3 and 4 pieces; B % 4 != 0 (lengths padded).
         (2, 2, 64, 16, [40, 900, 3], dict(num_ctas=7)),
-        # One pair of 40 tiles in 10 pieces: two rounds of the merge's 8 buffers.
-        (1, 4, 64, 32, [2560], dict(num_ctas=12)),
+        # One pair of 40 tiles in 20 pieces: two rounds of the merge's 16 buffers.
+        (1, 4, 64, 32, [2560], dict(num_ctas=20)),
         # More CTAs than tiles (empty shares); soft cap and a window (tiles before it unread).
         (2, 1, 64, 8, [0, 1, 9, 150, 300], dict(num_ctas=16, soft_cap=20.0, window=100)),
         # Pages larger than the tile, 16 query columns (G=3), a window smaller than a tile.
@@ -397,7 +397,7 @@ def test_interpret_through_public_dispatch():
         # One CTA: every pair whole, nothing to merge; SMEM reuse across segments race-checked.
         (2, 2, 64, 16, [0, 1, 17, 300, 129], dict(num_ctas=1, races=True)),
     ],
-    ids=["ctas5", "3-4-pieces", "10-pieces", "empty-shares-cap-window", "C128-G3-window",
+    ids=["ctas5", "3-4-pieces", "20-pieces", "empty-shares-cap-window", "C128-G3-window",
          "H128-G8-bad-ids", "one-cta"],
 )  # fmt: skip
 def test_interpret_balanced_matches_reference(K, G, H, C, lengths, extra):
@@ -1015,7 +1015,7 @@ def test_gpu_producer_warpgroup(C, H, extra):
         ("edge", 32, 4, 128, dict(num_ctas=3)),
         ("edge", 16, 4, 128, dict(num_ctas=1, out_of_range_tail=True)),
         ("edge", 128, 4, 128, dict()),  # more CTAs than tiles: empty shares
-        ("long", 16, 4, 128, dict()),  # 32k: about 100 pieces a pair, 13 merge rounds
+        ("long", 16, 4, 128, dict()),  # 32k: about 100 pieces a pair, 7 merge rounds
         ("long", 16, 4, 128, dict(num_ctas=7)),
         ("one", 16, 4, 128, dict()),  # B=1, 8 KV heads at 32k
     ],

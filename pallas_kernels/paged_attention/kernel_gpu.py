@@ -1209,7 +1209,7 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
 _TMA_MAX_DIM = 256  # elements a TMA copy spans along one dimension, at most
 
 # Pieces whose partials one round of the balanced merge loads at once (``_balanced_body``).
-_MERGE_BATCH = 8
+_MERGE_BATCH = 16
 
 
 # The balanced grid's semaphores and partial slots scale with its CTAs: keep them bounded.
