@@ -64,6 +64,16 @@ over work units, its K/V ring running on from one unit into the next. It was cor
 the default in every row of the H200 quick table (sixth session): the two resident CTAs per SM
 already overlap one unit's start with the other's streaming.
 
+``balanced=True`` (opt-in, ``_balanced_body``, stream-K) gives ``num_ctas`` CTAs (default: as
+many as are resident, 3 per SM at head dims 64-128) equal shares of the stream of every
+(sequence, KV head) pair's tiles, whatever the lengths, so no drain of long units is left at the
+end. A pair cut by a share boundary is merged in the kernel by the CTA holding its last piece,
+which waits on a semaphore until the other pieces' partials are stored. Correct on the H200, but
+1.9-6.8% slower than the default in 7 of 9 quick rows and 13-31% at one or two sequences, tied
+or up to 2.3% faster at 4-16 sequences of 16k-32k (eleventh session, BENCHMARKS.md): the
+on-device schedule, a ring restart per segment and the merges at the end cost more than the
+drain they remove.
+
 ``producer=True`` (opt-in) specializes the warpgroups as JAX's FA3 example does: a second,
 40-register warpgroup reads the block table and issues every page copy, refilling a ring slot
 as soon as the computing warpgroup arrives on that slot's K-consumed (after ``Q K^T``) or
