@@ -9,6 +9,7 @@ randomly permuted tables and NaN-poisoned free pages and last-page tails.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -384,12 +385,15 @@ def test_interpret_through_public_dispatch():
     [
         # 28 stream tiles on 5 CTAs (6 each): pairs cut in two, whole pairs, an empty sequence.
         (2, 2, 64, 16, [0, 1, 15, 16, 17, 150, 300, 64], dict(num_ctas=5)),
-        # Pairs of 15 tiles over shares of 6: 3 and 4 pieces; B % 4 != 0 (lengths padded).
+        # Pairs of 15 tiles over shares of 5: 4 pieces each; B % 4 != 0 (lengths padded).
         (2, 2, 64, 16, [40, 900, 3], dict(num_ctas=7)),
         # One pair of 40 tiles in 20 pieces: two rounds of the merge's 16 buffers.
         (1, 4, 64, 32, [2560], dict(num_ctas=20)),
-        # More CTAs than tiles (empty shares); soft cap and a window (tiles before it unread).
-        (2, 1, 64, 8, [0, 1, 9, 150, 300], dict(num_ctas=16, soft_cap=20.0, window=100)),
+        # More CTAs than tiles (16 tiles, 24 empty shares); soft cap and a window (tiles
+        # before it unread).
+        (2, 1, 64, 8, [0, 1, 9, 150, 300], dict(num_ctas=40, soft_cap=20.0, window=100)),
+        # 24 query columns (G=24): lse rows 96 bytes apart in the merge's SMEM; cut pairs.
+        (1, 24, 64, 16, [300, 200], dict(num_ctas=3)),
         # Pages larger than the tile, 16 query columns (G=3), a window smaller than a tile.
         (2, 3, 64, 128, [0, 1, 300, 129, 64], dict(num_ctas=4, window=50)),
         # Head dim 128 at T=64, 8 heads a KV head, out-of-range ids in unused table entries.
@@ -397,7 +401,7 @@ def test_interpret_through_public_dispatch():
         # One CTA: every pair whole, nothing to merge; SMEM reuse across segments race-checked.
         (2, 2, 64, 16, [0, 1, 17, 300, 129], dict(num_ctas=1, races=True)),
     ],
-    ids=["ctas5", "3-4-pieces", "20-pieces", "empty-shares-cap-window", "C128-G3-window",
+    ids=["ctas5", "4-pieces", "20-pieces", "empty-shares-cap-window", "G24-cut", "C128-G3-window",
          "H128-G8-bad-ids", "one-cta"],
 )  # fmt: skip
 def test_interpret_balanced_matches_reference(K, G, H, C, lengths, extra):
@@ -487,6 +491,10 @@ _VARIANTS = [
     dict(balanced=True, N=48, K=8),  # G=6: 16 query columns
     dict(balanced=True, H=256, C=256),
     dict(balanced=True, B=300, num_ctas=1000),  # lengths in two TMA copies, 3 keys a thread
+    # 2560-token tables at 66 x 8 pairs: longest first would be on by default, and is off.
+    dict(balanced=True, B=66, W=160),
+    dict(balanced=True, N=192, K=8),  # G=24: 24 query columns, lse rows 96 bytes apart
+    dict(balanced=True, N=512, K=8, H=64),  # G=64: a merge round of fewer pieces (SMEM)
 ]
 
 
@@ -494,7 +502,7 @@ _VARIANTS = [
 def test_cross_lowers_for_cuda(variant):
     v = dict(variant)
     B, N, K = v.pop("B", 4), v.pop("N", 32), v.pop("K", 8)
-    H, C, W = v.pop("H", 128), v.pop("C", 16), 8
+    H, C, W = v.pop("H", 128), v.pop("C", 16), v.pop("W", 8)
     dtype, L = v.pop("dtype", jnp.bfloat16), v.pop("L", None)
     pool = (K, 40, C, H) if L is None else (L, K, 40, C, H)
     args = (
@@ -621,7 +629,9 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(balanced=True, num_splits=2), "cannot take {'num_splits': 2}"),
         (dict(balanced=True, producer=True), "cannot take {'producer': True}"),
         (dict(balanced=True, persistent=True), "cannot take {'persistent': True}"),
-        (dict(balanced=True, swap_ab=False), "cannot take {'swap_ab': True}"),
+        (dict(balanced=True, swap_ab=False), "cannot take {'swap_ab': False}"),
+        (dict(balanced=True, profile_dir="/tmp/p"), "cannot take {'profile_dir': '/tmp/p'}"),
+        (dict(balanced=True, num_splits=True), "num_splits=True must be an integer"),
         (dict(balanced=True, longest_first=True), "cannot take {'longest_first': True}"),
         (dict(balanced=True, l2_prefetch=1, early_k=True), "'l2_prefetch': 1, 'early_k': True"),
         (dict(balanced=True, num_ctas=0), "num_ctas=0"),
@@ -1011,7 +1021,8 @@ def test_gpu_producer_warpgroup(C, H, extra):
         ("many", 256, 4, 256, dict()),  # one CTA per SM by SMEM: 132
         ("many", 16, 1, 128, dict(dtype=jnp.float16)),
         ("many", 32, 8, 128, dict(soft_cap=30.0, window=700)),
-        ("edge", 16, 4, 128, dict(num_ctas=5, soft_cap=30.0, window=100)),
+        ("edge", 16, 4, 128, dict(num_ctas=5, soft_cap=30.0, window=100)),  # no pair cut
+        ("many", 16, 24, 128, dict()),  # 24 query columns: lse rows 96 bytes apart
         ("edge", 32, 4, 128, dict(num_ctas=3)),
         ("edge", 16, 4, 128, dict(num_ctas=1, out_of_range_tail=True)),
         ("edge", 128, 4, 128, dict()),  # more CTAs than tiles: empty shares
@@ -1036,3 +1047,18 @@ def test_gpu_balanced(lengths, C, G, H, extra):
     # Twice: the semaphores are back at zero after a call.
     for _ in range(2):
         _run_case(rng, lengths, K=K, G=G, H=H, C=C, balanced=True, **extra)
+
+
+def test_balanced_smem_overflow_is_a_clear_error():
+    # 24000 lengths at head dim 256: the lengths' SMEM (twice 94 KB) and the 128 KB ring.
+    B, K, H = 24000, 8, 256
+    args = (
+        jax.ShapeDtypeStruct((B, 8, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((K, 10, 16, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((K, 10, 16, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((B, 4), jnp.int32),
+        jax.ShapeDtypeStruct((B,), jnp.int32),
+    )
+    f = functools.partial(kernel_gpu.paged_attention_pallas_gpu, sm_scale=0.1, balanced=True)
+    with pytest.raises(ValueError, match=r"balanced=True needs \d+ bytes of SMEM"):
+        jax.eval_shape(f, *args)

@@ -69,10 +69,11 @@ many as are resident, 3 per SM at head dims 64-128) equal shares of the stream o
 (sequence, KV head) pair's tiles, whatever the lengths, so no drain of long units is left at the
 end. A pair cut by a share boundary is merged in the kernel by the CTA holding its last piece,
 which waits on a semaphore until the other pieces' partials are stored. Correct on the H200, but
-1.9-6.8% slower than the default in 7 of 9 quick rows and 13-31% at one or two sequences, tied
-or up to 2.3% faster at 4-16 sequences of 16k-32k (eleventh session, BENCHMARKS.md): the
-on-device schedule, a ring restart per segment and the merges at the end cost more than the
-drain they remove.
+slower than the default in 8 of the 9 quick rows (1.9-6.8%, 29.5% at one sequence; 1.4% faster
+at B=8 / 32k) and, over split-KV batches, 13-31% slower at one or two sequences, tied or up to
+2.3% faster at 4-16 sequences of 16k-32k (eleventh session, BENCHMARKS.md): the on-device
+schedule, a ring restart per segment and the merges at the end cost more than the drain they
+remove.
 
 ``producer=True`` (opt-in) specializes the warpgroups as JAX's FA3 example does: a second,
 40-register warpgroup reads the block table and issues every page copy, refilling a ring slot
@@ -1218,7 +1219,8 @@ def _persistent_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_re
 
 _TMA_MAX_DIM = 256  # elements a TMA copy spans along one dimension, at most
 
-# Pieces whose partials one round of the balanced merge loads at once (``_balanced_body``).
+# Pieces whose partials one round of the balanced merge loads at once (``_balanced_body``), at
+# most: fewer where 16 would not fit in the ring's SMEM, which the merge buffers share.
 _MERGE_BATCH = 16
 
 
@@ -1226,22 +1228,35 @@ _MERGE_BATCH = 16
 _MAX_BALANCED_CTAS = 65535
 
 
-def _balanced_ctas_per_sm(head_dim: int, block_kv: int, stages: int, qcols: int, B: int) -> int:
-    """CTAs of the balanced kernel resident on one SM by SMEM (228 KB, 1 KB reserved each),
-    as ``_balanced_body`` lays it out: the ring (or the merge buffers or tile counts sharing
-    it), Q and P (or the output and lse tiles sharing them), the lengths, 1 KB of barriers and
-    slack."""
+def _merge_batch(head_dim: int, block_kv: int, stages: int, qcols: int) -> int:
+    """Pieces a round of the balanced merge loads: ``_MERGE_BATCH``, or as many as fit in the
+    ring's SMEM (at least 1: the ring holds at least two 64-row tiles, a piece at most 64 rows)."""
+    ring = 2 * stages * block_kv * head_dim * 2
+    piece = qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4
+    return max(1, min(_MERGE_BATCH, ring // piece))
+
+
+def _balanced_smem_bytes(head_dim: int, block_kv: int, stages: int, qcols: int, B: int) -> int:
+    """SMEM of one balanced CTA as ``_balanced_body`` lays it out: the ring (shared with the
+    merge buffers and the tile counts, where they are smaller), Q and P (shared with the output
+    and lse tiles), the lengths, and 3 KB of barriers, alignment and Pallas's reduction
+    scratch."""
     Bp = -(-B // 128) * 128
     ring = 2 * stages * block_kv * head_dim * 2
-    merge = _MERGE_BATCH * (qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4)
     tiles = max(qcols * (head_dim + block_kv) * 2, qcols * head_dim * 2 + _ROWS * qcols * 4)
-    smem = max(ring, merge, Bp * 4) + tiles + Bp * 4 + 1024
+    return max(ring, Bp * 4) + tiles + Bp * 4 + 3 * 1024
+
+
+def _balanced_ctas_per_sm(head_dim: int, block_kv: int, stages: int, qcols: int, B: int) -> int:
+    """CTAs of the balanced kernel resident on one SM by SMEM (228 KB, 1 KB reserved each)."""
+    smem = _balanced_smem_bytes(head_dim, block_kv, stages, qcols, B)
     return max(1, (228 * 1024) // (smem + 1024))
 
 
 def _lse_row_step(qcols: int) -> int:
-    """Rows of ``qcols`` f32 from one 128-byte boundary to the next (at least 1)."""
-    return max(1, 128 // (4 * qcols))
+    """Rows of ``qcols`` f32 a piece's lse row is placed apart in SMEM: the fewest whose bytes
+    are a multiple of 128, so every piece's row starts 128-byte aligned (a TMA destination)."""
+    return 128 // math.gcd(128, 4 * qcols)
 
 
 def _stream_tiles(cfg: _Config, length):
@@ -1325,13 +1340,16 @@ def _balanced_body(
     output in ``q.dtype`` and base-2 lse) in the slot 2c (the share's first segment) or 2c + 1
     (its last), and the CTA holding the pair's last piece, c2, merges the pieces: the others
     signal c2's semaphore once their partial is stored, and c2, at the end of its share, waits
-    for them, loads the partials (``_MERGE_BATCH`` at a time) and writes the output. A CTA
-    waits only for CTAs of lower index, which start before it, so the grid cannot deadlock
-    however many CTAs are resident. The Mosaic GPU interpreter runs the CTAs one after the
+    for them, loads the partials (``_merge_batch`` at a time) and writes the output. A CTA
+    waits only for CTAs of lower index. By default every CTA is resident at once (``num_ctas``
+    from ``_balanced_ctas_per_sm``), so none waits for one that has not started. With more CTAs
+    than fit, it relies on the hardware starting CTAs in index order, as it does (CUDA does not
+    promise it). The Mosaic GPU interpreter runs the CTAs one after the
     other in index order, so it needs (and has) no semaphores.
     """
     B, N, K, G, P = cfg.num_seqs, cfg.num_q_heads, cfg.num_kv_heads, cfg.group, cfg.num_ctas
-    R, H, NB = cfg.q_rows, cfg.head_dim, _MERGE_BATCH
+    R, H = cfg.q_rows, cfg.head_dim
+    NB = _merge_batch(H, cfg.block_kv, cfg.num_stages, R)
     c = lax.axis_index("c")
     refs = (q_ref, k_ref, v_ref, bt_ref)
     sem = None if cfg.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
@@ -1662,8 +1680,9 @@ def paged_attention_pallas_gpu(
       persistent: one CTA per slot (2 per SM) loops over the work units, its K/V ring running
         on from one unit into the next (``_persistent_body``); split partials are stored in
         ``q.dtype``. Not with ``producer``.
-      num_ctas: the persistent grid (default: as many CTAs as fit at once, 2 per SM where the
-        SMEM allows, at most one per unit).
+      num_ctas: the grid of ``persistent`` (default: as many CTAs as fit at once, 2 per SM where
+        the SMEM allows, at most one per unit) or ``balanced`` (default: as many as fit at
+        once, ``_balanced_ctas_per_sm``; at most one per tile the block table can hold).
       l2_prefetch: also request the next ``l2_prefetch`` tiles (at most 16) past the SMEM ring
         from HBM into L2 (``cp.async.bulk.prefetch``), so more bytes are in flight than the
         ring holds at no SMEM cost. Not with ``producer`` or ``persistent``. Opt-in: 8-52%
@@ -1709,7 +1728,8 @@ def paged_attention_pallas_gpu(
         the CTA holding its last piece, which waits on a semaphore for the others' partials
         and merges them inside the kernel (no XLA epilogue). With ``swap_ab`` (on by default
         with it); not with splits, ``producer``, ``persistent``, ``l2_prefetch``, ``k_stages``,
-        ``early_k``, ``longest_first`` or ``slot_lengths``.
+        ``early_k``, ``longest_first``, ``slot_lengths`` or ``profile_dir``. Opt-in: slower than
+        the default in most rows on the H200 (module docstring).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1752,17 +1772,21 @@ def paged_attention_pallas_gpu(
         clashes = dict(
             producer=producer, persistent=persistent, l2_prefetch=l2_prefetch,
             k_stages=k_stages, early_k=early_k, longest_first=longest_first,
-            slot_lengths=slot_lengths, swap_ab=None if swap_ab is None else not swap_ab,
+            slot_lengths=slot_lengths, profile_dir=profile_dir,
         )  # fmt: skip
-        bad = {k: v for k, v in clashes.items() if v not in (None, False, 0)}
-        if num_splits not in (None, 1):
+        bad = {k: v for k, v in clashes.items() if v not in (None, False, 0, "")}
+        if swap_ab is not None and not swap_ab:
+            bad["swap_ab"] = swap_ab
+        if num_splits is not None and _int_knob("num_splits", num_splits) != 1:
             bad["num_splits"] = num_splits
         if bad:
             raise ValueError(
                 f"balanced=True shares the tiles out itself, with swap_ab: it cannot take {bad} "
                 "(leave them at their defaults)"
             )
-        num_splits, swap_ab = 1, True
+        # No order: every CTA's share is the same size. (profile_dir: a share's segments would
+        # overflow the profiler's fixed number of regions.)
+        num_splits, swap_ab, longest_first = 1, True, False
     if num_splits is None:
         splits = default_num_splits(B, K, W * C, block_kv)
     else:
@@ -1816,14 +1840,22 @@ def paged_attention_pallas_gpu(
 
         ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
-    if balanced and num_ctas is None:
-        from jpaged import _backend
-
-        num_ctas = _balanced_ctas_per_sm(H, block_kv, stages, qcols, B) * _backend.gpu_num_sms()
     if balanced:
-        num_ctas = int(num_ctas)
-        if num_ctas > _MAX_BALANCED_CTAS:
+        smem_bal = _balanced_smem_bytes(H, block_kv, stages, qcols, B)
+        if smem_bal > _SMEM_BYTES:
+            raise ValueError(
+                f"balanced=True needs {smem_bal} bytes of SMEM a CTA here (B={B} lengths, "
+                f"{qcols} query columns, head_dim={H}), over 227 KB: leave balanced off"
+            )
+        if num_ctas is None:
+            from jpaged import _backend
+
+            per_sm = _balanced_ctas_per_sm(H, block_kv, stages, qcols, B)
+            num_ctas = per_sm * _backend.gpu_num_sms()
+        elif num_ctas > _MAX_BALANCED_CTAS:
             raise ValueError(f"{num_ctas=} must be at most {_MAX_BALANCED_CTAS} with balanced=True")
+        # No more CTAs than the stream has tiles at most (the rest would only exit).
+        num_ctas = min(int(num_ctas), B * K * max(1, -(-W * C // block_kv)))
     else:
         num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
     if longest_first is None:
