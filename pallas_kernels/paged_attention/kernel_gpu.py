@@ -1228,10 +1228,15 @@ _MERGE_BATCH = 16
 _MAX_BALANCED_CTAS = 65535
 
 
+def _ring_bytes(head_dim: int, block_kv: int, stages: int) -> int:
+    """SMEM of the balanced kernel's K and V rings (``stages`` tiles each, 16-bit)."""
+    return 2 * stages * block_kv * head_dim * 2
+
+
 def _merge_batch(head_dim: int, block_kv: int, stages: int, qcols: int) -> int:
     """Pieces a round of the balanced merge loads: ``_MERGE_BATCH``, or as many as fit in the
     ring's SMEM (at least 1: the ring holds at least two 64-row tiles, a piece at most 64 rows)."""
-    ring = 2 * stages * block_kv * head_dim * 2
+    ring = _ring_bytes(head_dim, block_kv, stages)
     piece = qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4
     return max(1, min(_MERGE_BATCH, ring // piece))
 
@@ -1242,7 +1247,7 @@ def _balanced_smem_bytes(head_dim: int, block_kv: int, stages: int, qcols: int, 
     and lse tiles), the lengths, and 3 KB of barriers, alignment and Pallas's reduction
     scratch."""
     Bp = -(-B // 128) * 128
-    ring = 2 * stages * block_kv * head_dim * 2
+    ring = _ring_bytes(head_dim, block_kv, stages)
     tiles = max(qcols * (head_dim + block_kv) * 2, qcols * head_dim * 2 + _ROWS * qcols * 4)
     return max(ring, Bp * 4) + tiles + Bp * 4 + 3 * 1024
 
@@ -1357,6 +1362,10 @@ def _balanced_body(
     def body(ring_merge, tiles, len_smem, q_bar, k_bar, v_bar, m_bar):
         (k_smem, v_smem), (mo_smem, ml_smem), (tiles_smem,) = ring_merge
         (q_smem, p_smem), (o_smem, lse_smem) = tiles
+
+        def store_rows(qrow, qoff):  # a pair's G output rows (at qoff in o_smem) to the output
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], out_ref.at[pl.ds(qrow, G)])
+
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
             total, chunk, b0, pre0 = _balanced_schedule(cfg, len_ref, len_smem, tiles_smem, c)
         r0 = c * chunk
@@ -1386,10 +1395,7 @@ def _balanced_body(
                 o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)  # O^T stored as rows
                 plgpu.commit_smem()
 
-                @pl.when(whole)
-                def _():
-                    rows = pl.ds(unit.qoff, G)
-                    plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[pl.ds(unit.qrow, G)])
+                pl.when(whole)(lambda: store_rows(unit.qrow, unit.qoff))
 
                 @pl.when(~whole)
                 def _():
@@ -1474,8 +1480,7 @@ def _balanced_body(
                 o_smem[...] = merged.astype(cfg.dtype)
                 plgpu.commit_smem()
                 qrow = b0 * N + h0 * G
-                qoff = qrow - (qrow // 8) * 8
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(qoff, G)], out_ref.at[pl.ds(qrow, G)])
+                store_rows(qrow, qrow % 8)
                 plgpu.wait_smem_to_gmem(0)
 
     q_scratch, ring_scratch, p_scratch, _ = _scratch(cfg)
