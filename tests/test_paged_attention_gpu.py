@@ -259,6 +259,27 @@ def test_interpret_swap_ab_matches_reference(C, G, lengths, extra):
     _run_case(rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True, **extra)
 
 
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        (1, dict(out_of_range_tail=True)),  # one-row copies; unused table slots out of range
+        (2, dict(num_splits=2, swap_ab=False)),  # the 64-row tile, f32 partials
+        (4, dict(num_splits=3, soft_cap=20.0, window=37)),
+        (2, dict(num_stages=1, k_stages=2, early_k=True, longest_first=True, num_splits=2)),
+    ],
+    ids=["C1-bad-ids", "C2-split2-64-rows", "C4-split3-cap-window", "C2-k-ring-early-k"],
+)
+def test_interpret_small_pages_match_reference(C, extra):
+    # Pages below 8 tokens: each page's copy lands in the untiled staging ring (a TMA copy into
+    # the (8, 64)-tiled ring must start on an 8-row boundary) and each tile is re-laid into the
+    # tiled wgmma tiles before it is read; lengths 0, 1, C-1, C, C+1 and 150 (3 tiles of 64).
+    rng = np.random.default_rng(90 + C)
+    lengths = [0, 1, max(C - 1, 0), C, C + 1, 150]
+    _run_case(
+        rng, lengths, K=2, G=2, H=64, C=C, interpret=RACE_CHECKED, block_kv=64, **extra
+    )  # fmt: skip
+
+
 def test_swap_ab_default():
     # On at H = 64 / 128 and 8 query columns, with or without splits, where it was measured.
     assert kernel_gpu.default_swap_ab(1, 128, 8)
@@ -495,6 +516,20 @@ _VARIANTS = [
     dict(balanced=True, B=66, W=160),
     dict(balanced=True, N=192, K=8),  # G=24: 24 query columns, lse rows 96 bytes apart
     dict(balanced=True, N=512, K=8, H=64),  # G=64: a merge round of fewer pieces (SMEM)
+    # Pages below 8 tokens, by default copied by every thread (cp.async pieces into the ring)
+    dict(C=1, W=128),
+    dict(C=2, W=64, swap_ab=False),  # the 64-row tile (3 stages)
+    dict(C=4, W=32, num_splits=3, logits_soft_cap=30.0, sliding_window=100),
+    dict(C=1, W=256, H=64, K=4, dtype=jnp.float16, L=3),  # T=128: 16-row passes
+    dict(C=4, W=32, H=256, num_splits=2),  # 32 pieces a row: 4-row passes
+    dict(C=2, W=64, B=40, longest_first=True, N=64),  # G=8, the in-kernel order
+    # ... or by TMA into an untiled staging ring, re-laid into tiled tiles
+    dict(C=1, W=128, small_page_copy="tma"),  # 64 one-row copies per K and per V tile
+    dict(C=2, W=64, swap_ab=False, small_page_copy="tma"),
+    dict(C=1, W=256, H=64, K=4, dtype=jnp.float16, L=3, small_page_copy="tma"),  # T=128
+    dict(C=4, W=32, H=256, num_splits=2, small_page_copy="tma"),  # 1 stage (SMEM)
+    dict(C=2, W=64, B=40, longest_first=True, k_stages=3, early_k=True, small_page_copy="tma"),
+    dict(C=1, W=128, N=64, K=8, l2_prefetch=1, small_page_copy="tma"),  # G=8
 ]
 
 
@@ -536,7 +571,8 @@ def test_cross_lowers_for_cuda(variant):
     )
     assert ("stablehlo.sort" in text) == (lf and method == "sort"), (lf, method)
     assert (f"tensor<{B}x{B}xi1>" in text) == (lf and method == "rank"), (lf, method)
-    assert ("_ko_mosaic_gpu" in text) == (lf and method == "kernel"), (lf, method)
+    names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
+    assert any("_ko_" in name for name in names) == (lf and method == "kernel"), (lf, method)
     # The L2 prefetches are in the kernel exactly when asked for.
     assert ("cp.async.bulk.prefetch" in text) == bool(v.get("l2_prefetch"))
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else as default_swap_ab says.
@@ -546,13 +582,17 @@ def test_cross_lowers_for_cuda(variant):
         splits, H, kernel_gpu._qcols(B, N, K), bool(v.get("producer")), bool(v.get("persistent"))
     )
     swap = v.get("swap_ab", default_swap) or bool(v.get("balanced"))
-    names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
     assert names and all(("_sw" in name) == swap for name in names), names
     assert all(("_bal" in name) == bool(v.get("balanced")) for name in names), names
     # deferred_sum (name part _ds): with swap_ab only; by default at 8 query columns.
     qcols = kernel_gpu._qcols(B, N, K)
     deferred = swap and v.get("deferred_sum", kernel_gpu.default_deferred_sum(qcols))
     assert all(("_ds" in name) == bool(deferred) for name in names), names
+    # Pages below 8 tokens: per-thread cp.async pieces (_cpa) unless TMA is asked for (_stg).
+    copy = "" if C >= 8 else "_stg" if v.get("small_page_copy") == "tma" else "_cpa"
+    assert all(
+        ("_cpa" in name, "_stg" in name) == ("_cpa" in copy, "_stg" in copy) for name in names
+    )
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -572,7 +612,7 @@ def _shapes(dtype=jnp.bfloat16, N=32, K=8, C=16, H=128):
     "kw,match",
     [
         (dict(dtype=jnp.float32), "bfloat16"),
-        (dict(C=4), "page_size=4"),
+        (dict(C=3), "page_size=3"),
         (dict(C=24), "page_size=24"),
         (dict(H=96), "head_dim=96"),
         (dict(N=120, K=2), "group size G=60"),
@@ -583,7 +623,9 @@ def test_unsupported_reason_names_the_problem(kw, match):
     assert reason is not None and match in reason
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(C=8, H=64), dict(C=256, H=256, N=8, K=8)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(C=8, H=64), dict(C=256, H=256, N=8, K=8), dict(C=1), dict(C=2), dict(C=4)]
+)
 def test_unsupported_reason_accepts_supported(kw):
     assert kernel_gpu.unsupported_reason(*_shapes(**kw), check_backend=False) is None
 
@@ -636,11 +678,23 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(balanced=True, l2_prefetch=1, early_k=True), "'l2_prefetch': 1, 'early_k': True"),
         (dict(balanced=True, num_ctas=0), "num_ctas=0"),
         (dict(balanced=True, num_ctas=70000), "num_ctas=70000 must be at most 65535"),
+        # Pages below 8 tokens run only in the default kernel
+        (dict(C=4, producer=True), r"page_size=4 \(below 8\) runs only in the default kernel"),
+        (dict(C=2, persistent=True), "page_size=2 .* persistent=True"),
+        (dict(C=1, balanced=True), "page_size=1 .* balanced=True"),
+        (dict(C=1, num_stages=7), "num_stages=7 and k_stages=7 must be >= 1 and fit"),
+        (dict(C=1, num_stages=6, small_page_copy="tma"), "num_stages=6 and k_stages=6"),
+        (dict(C=1, small_page_copy="gather4"), "small_page_copy='gather4' must be one of"),
+        (dict(C=2, early_k=True), r"cannot take l2_prefetch=0, early_k=True"),
+        (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(small_page_copy=\"tma\" can\)"),
+        (dict(C=1, l2_prefetch=1), "cannot take l2_prefetch=1"),
+        (dict(C=1, small_page_copy="cp_async", interpret=True), "runs only on a GPU"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
     dtype = kw.pop("dtype", jnp.bfloat16)
-    q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes(dtype=dtype))
+    shapes = _shapes(dtype=dtype, **({"C": kw.pop("C")} if "C" in kw else {}))
+    q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in shapes)
     with pytest.raises(ValueError, match=match):
         kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
 
@@ -830,7 +884,7 @@ def test_default_tuning_from_static_shapes():
 
 GPU_PRODUCT = [
     (C, G, H, dtype)
-    for C in (8, 16, 32, 64, 128, 256)
+    for C in (1, 2, 4, 8, 16, 32, 64, 128, 256)
     for G in (1, 4, 8)
     for H in (64, 128, 256)
     for dtype in ("bfloat16", "float16")
@@ -929,6 +983,45 @@ def test_gpu_swap_ab_long_and_many(splits):
     _run_case(rng, [32768, 1, 20001], K=2, G=4, H=128, C=16, num_splits=splits, swap_ab=True)
     lengths = rng.integers(0, 3000, size=96)
     _run_case(rng, lengths, K=8, G=4, H=128, C=16, swap_ab=True)
+
+
+_SMALL_PAGE_CASES = [
+    (1, dict(lengths=[32768, 1, 20001])),  # 32k one-token pages, splits by default
+    (2, dict(lengths=[32768, 0, 3], num_splits=1)),
+    (4, dict(window=700, soft_cap=50.0, num_splits=3)),
+    (1, dict(swap_ab=False, num_splits=1, out_of_range_tail=True)),  # the 64-row tile
+    (2, dict(num_layers=2, layer=1, block_kv=128, G=8)),
+    (4, dict(num_stages=3, dtype="float16")),
+    (1, dict(H=64, G=1)),  # T=128
+    (4, dict(H=256, num_splits=2)),
+    (2, dict(sm_scale=-0.05, num_stages=1)),
+    (1, dict(lengths="many", longest_first=True)),  # 96 sequences, the in-kernel order
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,extra",
+    _SMALL_PAGE_CASES
+    + [(C, dict(e, small_page_copy="tma")) for C, e in _SMALL_PAGE_CASES]
+    + [
+        (4, dict(num_stages=2, k_stages=3, early_k=True, small_page_copy="tma")),
+        (2, dict(l2_prefetch=2, small_page_copy="tma")),
+    ],
+    ids=str,
+)
+def test_gpu_small_pages(C, extra):
+    # Pages of 1, 2 and 4 tokens: per-thread cp.async pieces into the tiled ring (default), or
+    # TMA into an untiled staging ring re-laid in SMEM (``_relayout``); NaN-poisoned free pages
+    # and tails, permuted tables.
+    rng = np.random.default_rng(C * 7 + len(extra))
+    extra = dict(extra)
+    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
+    H, G = extra.pop("H", 128), extra.pop("G", 4)
+    lengths = extra.pop("lengths", [0, 1, max(C - 1, 0), C, C + 1, 99, 1000, 2500])
+    if lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+    _run_case(rng, lengths, K=4, G=G, H=H, C=C, dtype=dtype, **extra)
 
 
 @pytest.mark.gpu

@@ -110,9 +110,11 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._split_merge import merge_splits
+from pallas_kernels.paged_attention import _cp_async
 
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
+_TILE_ROWS = 8  # rows of the (8, 64) SMEM tiling: a TMA copy into a tiled ref starts on one
 _LSE_COLS = 32  # lse rows are 32 f32 = 128 B: TMA needs 128-byte-aligned SMEM row slices
 _SMEM_BYTES = 227 * 1024
 _TWO_CTA_SMEM_BYTES = 113 * 1024  # two CTAs per SM (228 KB, 1 KB reserved per CTA)
@@ -157,6 +159,7 @@ class _Config:
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
     profile_dir: str = ""  # Mosaic GPU on-device profiler trace directory ("": off)
     balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
+    small_page_copy: str = "tma"  # pages below 8 tokens: "cp_async" (per thread) or "tma"
 
     @property
     def xla_order(self) -> bool:
@@ -175,6 +178,20 @@ class _Config:
     @property
     def rows_per_copy(self) -> int:
         return min(self.page_size, self.block_kv)
+
+    @property
+    def staged(self) -> bool:
+        """Pages below 8 tokens copied by TMA (``small_page_copy="tma"``): each page copy lands
+        in an untiled staging ring, and a tile is re-laid into the (8, 64)-tiled, swizzled
+        wgmma tiles before it is read (``_relayout``); a TMA copy into the tiled ring must start
+        on an 8-row boundary."""
+        return self.page_size < _TILE_ROWS and self.small_page_copy == "tma"
+
+    @property
+    def per_thread(self) -> bool:
+        """Pages below 8 tokens copied by every thread (``small_page_copy="cp_async"``): 16-byte
+        ``cp.async`` pieces straight into the tiled ring (``_cp_async``)."""
+        return self.page_size < _TILE_ROWS and self.small_page_copy == "cp_async"
 
     @property
     def qcols(self) -> int:
@@ -207,12 +224,15 @@ def _smem_bytes(
     split: bool = True,
     k_stages: int | None = None,
     qcols: int | None = None,
+    staged: bool = False,
 ) -> int:
     """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
-    ``qcols`` query rows instead of 64. Output tiles reuse the ring's SMEM (a later scope; the
-    split path's qcols x H partial and 64 x qcols f32 lse are far below the ring)."""
+    ``qcols`` query rows instead of 64; ``staged`` (pages below 8 tokens): the ring is the
+    untiled staging ring and one tiled K and one V tile come on top. Output tiles reuse the
+    ring's SMEM (a later scope; the split path's qcols x H partial and 64 x qcols f32 lse are
+    far below the ring)."""
     k_stages = num_stages if k_stages is None else k_stages
-    kv = (num_stages + k_stages) * block_kv * head_dim * itemsize
+    kv = (num_stages + k_stages + 2 * staged) * block_kv * head_dim * itemsize
     if qcols is not None:
         return qcols * (head_dim + block_kv) * itemsize + kv + 1024
     q = _ROWS * head_dim * itemsize
@@ -237,6 +257,7 @@ def default_num_stages(
     producer: bool = False,
     persistent: bool = False,
     qcols: int | None = None,
+    staged: bool = False,
 ) -> int:
     """Deepest ring that keeps two CTAs per SM (about 113 KB of SMEM each), at least 2.
 
@@ -250,6 +271,11 @@ def default_num_stages(
         while stages > 1 and _smem_bytes(head_dim, block_kv, stages, producer=True) > _SMEM_BYTES:
             stages -= 1
         return stages
+    if staged:
+        # Pages below 8 tokens: 2 staging stages and the two tiled tiles, about 100 KB at H=128
+        # (two CTAs per SM); 1 stage where 2 do not fit (H=256 with the 64-row tile).
+        smem = functools.partial(_smem_bytes, head_dim, block_kv, qcols=qcols, staged=True)
+        return 2 if smem(2) <= _SMEM_BYTES else 1
     if qcols is not None:
         # swap_ab: 2 stages (about 68 KB at H=128: three CTAs per SM by SMEM) beat 3 (two per
         # SM) in 8 of 9 quick rows on the H200 (eighth session, decode_quick_s8_swap.json).
@@ -366,6 +392,9 @@ _RANK_ORDER_MAX_SEQS = 1024
 _KERNEL_ORDER_MAX_SEQS = 256
 
 ORDER_METHODS = ("sort", "rank", "kernel")
+
+# How pages below 8 tokens reach the tiled SMEM ring (``small_page_copy``).
+SMALL_PAGE_COPIES = ("cp_async", "tma")
 
 
 def _kernel_order_reason(
@@ -541,10 +570,8 @@ def unsupported_reason(
     block_kv = default_block_kv(H) if block_kv is None else block_kv
     if H not in SUPPORTED_HEAD_DIMS:
         reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
-    if C < 8 or (block_kv % C and C % block_kv):
-        reasons.append(
-            f"page_size={C} must be >= 8 and divide or be a multiple of the tile {block_kv=}"
-        )
+    if C < 1 or (block_kv % C and C % block_kv):
+        reasons.append(f"page_size={C} must divide or be a multiple of the tile {block_kv=}")
     N = q.shape[1]
     K = k_pages.shape[-4]
     G = N // K if K else 0
@@ -654,9 +681,11 @@ def _lookup(cfg: _Config, bt_ref, unit: _Unit, i):
 
 
 def _page_row(cfg: _Config, unit: _Unit, i, j, page):
-    """First pool row of copy j of tile i of ``unit`` (``rows_per_copy`` rows of ``page``)."""
+    """First pool row of copy j of tile i of ``unit`` (``rows_per_copy`` rows of ``page``): a
+    multiple of the rows a copy moves (8 rows of the SMEM tiling, or a whole small page)."""
     tok = (unit.start + i) * cfg.block_kv + j * cfg.rows_per_copy
-    return pl.multiple_of(unit.head_base + page * cfg.page_size + tok % cfg.page_size, 8)
+    row = unit.head_base + page * cfg.page_size + tok % cfg.page_size
+    return pl.multiple_of(row, min(cfg.rows_per_copy, _TILE_ROWS))
 
 
 def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
@@ -707,34 +736,71 @@ def _sum_l(cfg: _Config, l):
     return l.sum(axis=0) if cfg.deferred_sum else l
 
 
+def _relayout(cfg: _Config, src, dst):
+    """Copies the untiled [T, H] staging tile ``src`` into the tiled, swizzled ``dst`` through
+    registers, in a layout of 16-byte vectors that reads and writes SMEM without bank conflicts
+    (a quarter warp moves one 128-byte row), then makes it visible to wgmma (``staged``)."""
+    layout = plgpu.Layout.SMEM_GMEM_COPY((cfg.block_kv, cfg.head_dim), cfg.dtype, 128)
+    dst[...] = plgpu.load(src, layout=layout)
+    plgpu.commit_smem()
+
+
 def _tile(
-    cfg: _Config, unit: _Unit, i, slot, carry, smem, *, v_slot=None, after_qk=None, before_p=None
+    cfg: _Config,
+    unit: _Unit,
+    i,
+    slot,
+    carry,
+    smem,
+    *,
+    v_slot=None,
+    after_qk=None,
+    before_p=None,
+    tiles=None,
 ):
     """Tile i of ``unit`` (K in ring slot ``slot``, V in ``v_slot``, default the same): Q K^T,
     online softmax, P @ V.
 
     ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
     scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
-    Returns the new (acc, m, l); P @ V has completed by then, so the slot's V is free.
+    ``tiles`` (``staged``): the tiled K and V tiles [1, T, H] that the ring's untiled slots are
+    re-laid into once they land; the products read those. Returns the new (acc, m, l); P @ V
+    has completed by then, so the slot's V is free.
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
     acc, m, l = carry
     tile_tok = (unit.start + i) * T
     v_slot = slot if v_slot is None else v_slot
+
+    def landed(bar, ring, at, tile, later_groups):
+        """Waits for the slot's copies; the tile the products read. ``per_thread``: a tile's
+        K and V are two cp.async groups, issued ``num_stages`` tiles ahead (``_attend``), so
+        ``later_groups`` (the other stream's and the later tiles') may still be in flight."""
+        if cfg.per_thread:
+            _cp_async.wait(later_groups)
+            return ring.at[at]
+        plgpu.barrier_wait(bar.at[at])
+        if tile is None:
+            return ring.at[at]
+        _relayout(cfg, ring.at[at], tile.at[0])
+        return tile.at[0]
+
+    k_tile, v_tile = (None, None) if tiles is None else tiles
+    later = 2 * cfg.num_stages - 1  # cp.async groups after this tile's K group
     # swap_ab: the scores' transpose K Q^T [T, qcols] (keys down, queries across), P^T stored
     # through a transposed view of P [qcols, T], and O^T = V^T P^T [H, qcols]: the wgmma M is
     # the keys / the head dim, and only N = qcols columns of queries are computed (8 for
     # G <= 4) where the default tile computes 64 query rows.
     swap = cfg.swap_ab
     keys = 0 if swap else 1  # the scores' key axis
-    plgpu.barrier_wait(k_bar.at[slot])
+    k_tile = landed(k_bar, k_smem, slot, k_tile, later)
 
     def qk(acc_ref):
         if swap:
-            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
         else:
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
         return acc_ref[...]
 
     sc_shape = (T, cfg.qcols) if swap else (_ROWS, T)
@@ -778,21 +844,20 @@ def _tile(
     else:
         p_smem[...] = p.astype(cfg.dtype)
     plgpu.commit_smem()
-    plgpu.barrier_wait(v_bar.at[v_slot])
+    v_tile = landed(v_bar, v_smem, v_slot, v_tile, later - 1)
 
     @pl.when(tile_tok + T > unit.length)
     def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
-        tile = v_smem.at[v_slot]
         rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA)
-        vals = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-        tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
+        vals = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+        v_tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
         plgpu.commit_smem()
 
     def pv(acc_ref):
         if swap:
-            plgpu.wgmma(acc_ref, v_smem.at[v_slot].transpose((1, 0)), p_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
         else:
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[v_slot])
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
         return acc_ref[...]
 
     o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
@@ -878,15 +943,22 @@ def _scratch(cfg: _Config):
             plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
             plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
         )
+    ring_tr = {} if cfg.staged else {"transforms": tr}  # staged: copies land untiled
     return (
         plgpu.SMEM((rows, H), dtype, transforms=tr),
         (
-            plgpu.SMEM((cfg.k_stages, T, H), dtype, transforms=tr),
-            plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+            plgpu.SMEM((cfg.k_stages, T, H), dtype, **ring_tr),
+            plgpu.SMEM((stages, T, H), dtype, **ring_tr),
         ),
         plgpu.SMEM((rows, T), dtype, transforms=tr),
         out,
     )
+
+
+def _staged_tiles(cfg: _Config):
+    """``staged``: the tiled K and V tiles [1, T, H] the products read (``_relayout``)."""
+    tile = plgpu.SMEM((1, cfg.block_kv, cfg.head_dim), cfg.dtype, transforms=_smem_transforms())
+    return tile, tile
 
 
 def _split_rest(cfg: _Config, rest):
@@ -953,9 +1025,10 @@ def _attend(
     k_bar,
     v_bar,
     consumed=None,
+    tiles=None,
 ):
     """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
-    (q_ref, k_ref, v_ref, bt_ref).
+    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles (``_tile``).
 
     Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
     and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
@@ -968,11 +1041,20 @@ def _attend(
     stages, k_stages, n = cfg.num_stages, cfg.k_stages, unit.n
     k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
     smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+
+    def per_thread_issue(i, slot, live):
+        _cp_async.issue(
+            cfg, bt_ref, k_ref, v_ref, k_smem, v_smem, unit, i, slot, live, _smem_transforms()
+        )
+
     with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
-        if consumed is None:
+        if cfg.per_thread:  # every thread copies pieces of the first tiles (cp.async)
+            for i in range(stages):
+                per_thread_issue(i, i, i < n)
+        elif consumed is None:
             # Every prologue lookup first (clamped, so in bounds even past n): the block-table
             # reads are in flight together rather than one tile's after the last one's issue.
             first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
@@ -991,6 +1073,10 @@ def _attend(
 
     def step(i, carry):
         slot = lax.rem(i, jnp.int32(stages))
+        if cfg.per_thread:  # the slot's next tile, two cp.async groups (committed even if none)
+            carry = _tile(cfg, unit, i, slot, carry, smem)
+            per_thread_issue(i + stages, slot, i + stages < n)
+            return carry
         if consumed is None:
             k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
             # The block-table reads are in flight during the tile.
@@ -1006,7 +1092,7 @@ def _attend(
 
             carry = _tile(
                 cfg, unit, i, k_slot, carry, smem, v_slot=slot,
-                after_qk=refill_k if cfg.early_k else None,
+                after_qk=refill_k if cfg.early_k else None, tiles=tiles,
             )  # fmt: skip
             if cfg.early_k:
                 streams = [v_stream]
@@ -1053,9 +1139,10 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
 
     if not cfg.producer:
         k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=k_stages)
+        tiles = _staged_tiles(cfg) if cfg.staged else ()
         acc, m, l = pl.run_scoped(
-            functools.partial(_attend, cfg, refs, unit),
-            q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier,
+            lambda *scratch: _attend(cfg, refs, unit, *scratch[:7], tiles=scratch[7:] or None),
+            q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier, *tiles,
         )  # fmt: skip
         with jax.named_scope("store"):
             out, lse = _finish(cfg, acc, m, l)
@@ -1585,6 +1672,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ko"  # the order counted in the kernel
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
+    if cfg.per_thread or cfg.staged:  # how pages below 8 tokens are copied
+        name += "_cpa" if cfg.per_thread else "_stg"
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -1652,6 +1741,7 @@ def paged_attention_pallas_gpu(
     deferred_sum: bool | None = None,
     profile_dir: str | None = None,
     balanced: bool = False,
+    small_page_copy: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1735,6 +1825,14 @@ def paged_attention_pallas_gpu(
         with it); not with splits, ``producer``, ``persistent``, ``l2_prefetch``, ``k_stages``,
         ``early_k``, ``longest_first``, ``slot_lengths`` or ``profile_dir``. Opt-in: slower than
         the default in most rows on the H200 (module docstring).
+      small_page_copy: how pages below 8 tokens (C = 1, 2, 4), which cannot be one TMA copy
+        into the tiled SMEM ring, are copied: ``"cp_async"`` (every thread copies 16-byte
+        pieces of the tile's rows straight to their swizzled places, ``_cp_async``; not with
+        ``l2_prefetch``, ``early_k`` or ``k_stages``) or ``"tma"`` (one TMA copy a page, into an
+        untiled staging ring, then re-laid in SMEM: ``_relayout``). Default (None): ``"cp_async"``
+        on a GPU, ``"tma"`` in the interpreter (which cannot run ``cp_async``'s inline code).
+        Ignored for pages of 8 tokens or more. Not with ``producer``, ``persistent`` or
+        ``balanced``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1773,6 +1871,22 @@ def paged_attention_pallas_gpu(
     if producer and persistent:
         raise ValueError("producer=True and persistent=True cannot be combined")
     balanced = bool(balanced)
+    small = C < _TILE_ROWS  # pages below 8 tokens: not one TMA copy into the tiled ring
+    if small and (producer or persistent or balanced):
+        raise ValueError(
+            f"page_size={C} (below {_TILE_ROWS}) runs only in the default kernel: it cannot take "
+            f"producer={producer}, persistent={persistent} or balanced={balanced}"
+        )
+    if small_page_copy is None:  # the interpreter cannot run cp.async (inline Mosaic GPU code)
+        small_page_copy = "tma" if interpret else "cp_async"
+    if small_page_copy not in SMALL_PAGE_COPIES:
+        raise ValueError(f"{small_page_copy=} must be one of {SMALL_PAGE_COPIES}")
+    if small and small_page_copy == "cp_async" and interpret:
+        raise ValueError(
+            'small_page_copy="cp_async" runs only on a GPU: the Mosaic GPU interpreter cannot '
+            'run its inline Mosaic GPU code (use small_page_copy="tma", the default there)'
+        )
+    staged = small and small_page_copy == "tma"  # land untiled, then re-laid (_relayout)
     if balanced:
         clashes = dict(
             producer=producer, persistent=persistent, l2_prefetch=l2_prefetch,
@@ -1809,7 +1923,7 @@ def paged_attention_pallas_gpu(
         )
     qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
     if num_stages is None:
-        stages = default_num_stages(H, block_kv, producer, persistent, qcols=qcols)
+        stages = default_num_stages(H, block_kv, producer, persistent, qcols=qcols, staged=staged)
     else:
         stages = _int_knob("num_stages", num_stages)
     k_stages = stages if k_stages is None else _int_knob("k_stages", k_stages)
@@ -1821,7 +1935,7 @@ def paged_attention_pallas_gpu(
         )
     smem = functools.partial(
         _smem_bytes, H, block_kv, producer=producer, persistent=persistent, split=splits > 1,
-        k_stages=k_stages, qcols=qcols,
+        k_stages=k_stages, qcols=qcols, staged=staged,
     )  # fmt: skip
     if stages < 1 or k_stages < 1 or smem(stages) > _SMEM_BYTES:
         raise ValueError(
@@ -1829,6 +1943,12 @@ def paged_attention_pallas_gpu(
             f"SMEM ({smem(stages)} bytes)"
         )
     l2_prefetch = _int_knob("l2_prefetch", l2_prefetch)
+    if small and small_page_copy == "cp_async" and (l2_prefetch or early_k or k_stages != stages):
+        raise ValueError(
+            f'small_page_copy="cp_async" (page_size={C}) keeps K and V in one ring of cp.async '
+            f"groups: it cannot take l2_prefetch={l2_prefetch}, early_k={early_k} or "
+            f'k_stages={k_stages} != num_stages={stages} (small_page_copy="tma" can)'
+        )
     if not 0 <= l2_prefetch <= _MAX_L2_PREFETCH or (l2_prefetch and (producer or persistent)):
         raise ValueError(
             f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
@@ -1908,6 +2028,7 @@ def paged_attention_pallas_gpu(
         ),
         profile_dir=str(profile_dir) if profile_dir else "",
         balanced=balanced,
+        small_page_copy=small_page_copy if small else "tma",
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
