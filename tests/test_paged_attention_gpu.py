@@ -524,12 +524,16 @@ _VARIANTS = [
     dict(C=4, W=32, H=256, num_splits=2),  # 32 pieces a row: 4-row passes
     dict(C=2, W=64, B=40, longest_first=True, N=64),  # G=8, the in-kernel order
     # ... or by TMA into an untiled staging ring, re-laid into tiled tiles
-    dict(C=1, W=128, small_page_copy="tma"),  # 64 one-row copies per K and per V tile
-    dict(C=2, W=64, swap_ab=False, small_page_copy="tma"),
-    dict(C=1, W=256, H=64, K=4, dtype=jnp.float16, L=3, small_page_copy="tma"),  # T=128
-    dict(C=4, W=32, H=256, num_splits=2, small_page_copy="tma"),  # 1 stage (SMEM)
-    dict(C=2, W=64, B=40, longest_first=True, k_stages=3, early_k=True, small_page_copy="tma"),
-    dict(C=1, W=128, N=64, K=8, l2_prefetch=1, small_page_copy="tma"),  # G=8
+    dict(C=1, W=128, page_copy="tma"),  # 64 one-row copies per K and per V tile
+    dict(C=2, W=64, swap_ab=False, page_copy="tma"),
+    dict(C=1, W=256, H=64, K=4, dtype=jnp.float16, L=3, page_copy="tma"),  # T=128
+    dict(C=4, W=32, H=256, num_splits=2, page_copy="tma"),  # 1 stage (SMEM)
+    dict(C=2, W=64, B=40, longest_first=True, k_stages=3, early_k=True, page_copy="tma"),
+    dict(C=1, W=128, N=64, K=8, l2_prefetch=1, page_copy="tma"),  # G=8
+    # Pages of 8+ tokens copied per thread too (opt-in)
+    dict(page_copy="cp_async"),
+    dict(C=128, page_copy="cp_async", num_splits=2, sliding_window=100),  # C > T
+    dict(C=8, H=64, K=4, page_copy="cp_async", swap_ab=False),
 ]
 
 
@@ -589,7 +593,8 @@ def test_cross_lowers_for_cuda(variant):
     deferred = swap and v.get("deferred_sum", kernel_gpu.default_deferred_sum(qcols))
     assert all(("_ds" in name) == bool(deferred) for name in names), names
     # Pages below 8 tokens: per-thread cp.async pieces (_cpa) unless TMA is asked for (_stg).
-    copy = "" if C >= 8 else "_stg" if v.get("small_page_copy") == "tma" else "_cpa"
+    page_copy = v.get("page_copy") or ("cp_async" if C < 8 else "tma")
+    copy = "_cpa" if page_copy == "cp_async" else "_stg" if C < 8 else ""
     assert all(
         ("_cpa" in name, "_stg" in name) == ("_cpa" in copy, "_stg" in copy) for name in names
     )
@@ -679,16 +684,17 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(balanced=True, num_ctas=0), "num_ctas=0"),
         (dict(balanced=True, num_ctas=70000), "num_ctas=70000 must be at most 65535"),
         # Pages below 8 tokens run only in the default kernel
-        (dict(C=4, producer=True), r"page_size=4 \(below 8\) runs only in the default kernel"),
+        (dict(C=4, producer=True), "page_size=4 with page_copy='cp_async' runs only in the"),
+        (dict(page_copy="cp_async", persistent=True), "page_size=16 with page_copy='cp_async'"),
         (dict(C=2, persistent=True), "page_size=2 .* persistent=True"),
         (dict(C=1, balanced=True), "page_size=1 .* balanced=True"),
         (dict(C=1, num_stages=7), "num_stages=7 and k_stages=7 must be >= 1 and fit"),
-        (dict(C=1, num_stages=6, small_page_copy="tma"), "num_stages=6 and k_stages=6"),
-        (dict(C=1, small_page_copy="gather4"), "small_page_copy='gather4' must be one of"),
+        (dict(C=1, num_stages=6, page_copy="tma"), "num_stages=6 and k_stages=6"),
+        (dict(C=1, page_copy="gather4"), "page_copy='gather4' must be one of"),
         (dict(C=2, early_k=True), r"cannot take l2_prefetch=0, early_k=True"),
-        (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(small_page_copy=\"tma\" can\)"),
+        (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(page_copy=\"tma\" can\)"),
         (dict(C=1, l2_prefetch=1), "cannot take l2_prefetch=1"),
-        (dict(C=1, small_page_copy="cp_async", interpret=True), "runs only on a GPU"),
+        (dict(C=1, page_copy="cp_async", interpret=True), "runs only on a GPU"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1003,10 +1009,15 @@ _SMALL_PAGE_CASES = [
 @pytest.mark.parametrize(
     "C,extra",
     _SMALL_PAGE_CASES
-    + [(C, dict(e, small_page_copy="tma")) for C, e in _SMALL_PAGE_CASES]
+    + [(C, dict(e, page_copy="tma")) for C, e in _SMALL_PAGE_CASES]
     + [
-        (4, dict(num_stages=2, k_stages=3, early_k=True, small_page_copy="tma")),
-        (2, dict(l2_prefetch=2, small_page_copy="tma")),
+        (4, dict(num_stages=2, k_stages=3, early_k=True, page_copy="tma")),
+        (2, dict(l2_prefetch=2, page_copy="tma")),
+        # Pages of 8+ tokens copied per thread too (opt-in)
+        (16, dict(page_copy="cp_async", lengths=[32768, 1, 20001])),
+        (8, dict(page_copy="cp_async", H=64, window=700, soft_cap=50.0)),
+        (128, dict(page_copy="cp_async", swap_ab=False, num_splits=3)),  # C > T
+        (256, dict(page_copy="cp_async", H=256, G=8)),
     ],
     ids=str,
 )

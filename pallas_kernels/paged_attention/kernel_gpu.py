@@ -159,7 +159,7 @@ class _Config:
     interpret: Any  # False, or the plgpu.InterpretGPUParams to interpret with
     profile_dir: str = ""  # Mosaic GPU on-device profiler trace directory ("": off)
     balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
-    small_page_copy: str = "tma"  # pages below 8 tokens: "cp_async" (per thread) or "tma"
+    page_copy: str = "tma"  # "cp_async" (per thread, the default below 8 tokens) or "tma"
 
     @property
     def xla_order(self) -> bool:
@@ -181,17 +181,17 @@ class _Config:
 
     @property
     def staged(self) -> bool:
-        """Pages below 8 tokens copied by TMA (``small_page_copy="tma"``): each page copy lands
+        """Pages below 8 tokens copied by TMA (``page_copy="tma"``): each page copy lands
         in an untiled staging ring, and a tile is re-laid into the (8, 64)-tiled, swizzled
         wgmma tiles before it is read (``_relayout``); a TMA copy into the tiled ring must start
         on an 8-row boundary."""
-        return self.page_size < _TILE_ROWS and self.small_page_copy == "tma"
+        return self.page_size < _TILE_ROWS and self.page_copy == "tma"
 
     @property
     def per_thread(self) -> bool:
-        """Pages below 8 tokens copied by every thread (``small_page_copy="cp_async"``): 16-byte
-        ``cp.async`` pieces straight into the tiled ring (``_cp_async``)."""
-        return self.page_size < _TILE_ROWS and self.small_page_copy == "cp_async"
+        """Pages copied by every thread (``page_copy="cp_async"``, the default below 8 tokens):
+        16-byte ``cp.async`` pieces straight into the tiled ring (``_cp_async``)."""
+        return self.page_copy == "cp_async"
 
     @property
     def qcols(self) -> int:
@@ -393,8 +393,8 @@ _KERNEL_ORDER_MAX_SEQS = 256
 
 ORDER_METHODS = ("sort", "rank", "kernel")
 
-# How pages below 8 tokens reach the tiled SMEM ring (``small_page_copy``).
-SMALL_PAGE_COPIES = ("cp_async", "tma")
+# How pages below 8 tokens reach the tiled SMEM ring (``page_copy``).
+PAGE_COPIES = ("cp_async", "tma")
 
 
 def _kernel_order_reason(
@@ -1672,7 +1672,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ko"  # the order counted in the kernel
     if cfg.l2_prefetch:
         name += f"_pf{cfg.l2_prefetch}"
-    if cfg.per_thread or cfg.staged:  # how pages below 8 tokens are copied
+    if cfg.per_thread or cfg.staged:  # pages copied by every thread, or by TMA to a staging ring
         name += "_cpa" if cfg.per_thread else "_stg"
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
@@ -1741,7 +1741,7 @@ def paged_attention_pallas_gpu(
     deferred_sum: bool | None = None,
     profile_dir: str | None = None,
     balanced: bool = False,
-    small_page_copy: str | None = None,
+    page_copy: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1825,7 +1825,7 @@ def paged_attention_pallas_gpu(
         with it); not with splits, ``producer``, ``persistent``, ``l2_prefetch``, ``k_stages``,
         ``early_k``, ``longest_first``, ``slot_lengths`` or ``profile_dir``. Opt-in: slower than
         the default in most rows on the H200 (module docstring).
-      small_page_copy: how pages below 8 tokens (C = 1, 2, 4), which cannot be one TMA copy
+      page_copy: how pages below 8 tokens (C = 1, 2, 4), which cannot be one TMA copy
         into the tiled SMEM ring, are copied: ``"cp_async"`` (every thread copies 16-byte
         pieces of the tile's rows straight to their swizzled places, ``_cp_async``; not with
         ``l2_prefetch``, ``early_k`` or ``k_stages``) or ``"tma"`` (one TMA copy a page, into an
@@ -1872,21 +1872,21 @@ def paged_attention_pallas_gpu(
         raise ValueError("producer=True and persistent=True cannot be combined")
     balanced = bool(balanced)
     small = C < _TILE_ROWS  # pages below 8 tokens: not one TMA copy into the tiled ring
-    if small and (producer or persistent or balanced):
+    if page_copy is None:  # the interpreter cannot run cp.async (inline Mosaic GPU code)
+        page_copy = "cp_async" if small and not interpret else "tma"
+    if page_copy not in PAGE_COPIES:
+        raise ValueError(f"{page_copy=} must be one of {PAGE_COPIES}")
+    if (small or page_copy == "cp_async") and (producer or persistent or balanced):
         raise ValueError(
-            f"page_size={C} (below {_TILE_ROWS}) runs only in the default kernel: it cannot take "
-            f"producer={producer}, persistent={persistent} or balanced={balanced}"
+            f"page_size={C} with page_copy={page_copy!r} runs only in the default kernel: it "
+            f"cannot take producer={producer}, persistent={persistent} or balanced={balanced}"
         )
-    if small_page_copy is None:  # the interpreter cannot run cp.async (inline Mosaic GPU code)
-        small_page_copy = "tma" if interpret else "cp_async"
-    if small_page_copy not in SMALL_PAGE_COPIES:
-        raise ValueError(f"{small_page_copy=} must be one of {SMALL_PAGE_COPIES}")
-    if small and small_page_copy == "cp_async" and interpret:
+    if page_copy == "cp_async" and interpret:
         raise ValueError(
-            'small_page_copy="cp_async" runs only on a GPU: the Mosaic GPU interpreter cannot '
-            'run its inline Mosaic GPU code (use small_page_copy="tma", the default there)'
+            'page_copy="cp_async" runs only on a GPU: the Mosaic GPU interpreter cannot '
+            'run its inline Mosaic GPU code (use page_copy="tma", the default there)'
         )
-    staged = small and small_page_copy == "tma"  # land untiled, then re-laid (_relayout)
+    staged = small and page_copy == "tma"  # land untiled, then re-laid (_relayout)
     if balanced:
         clashes = dict(
             producer=producer, persistent=persistent, l2_prefetch=l2_prefetch,
@@ -1943,11 +1943,11 @@ def paged_attention_pallas_gpu(
             f"SMEM ({smem(stages)} bytes)"
         )
     l2_prefetch = _int_knob("l2_prefetch", l2_prefetch)
-    if small and small_page_copy == "cp_async" and (l2_prefetch or early_k or k_stages != stages):
+    if page_copy == "cp_async" and (l2_prefetch or early_k or k_stages != stages):
         raise ValueError(
-            f'small_page_copy="cp_async" (page_size={C}) keeps K and V in one ring of cp.async '
+            f'page_copy="cp_async" (page_size={C}) keeps K and V in one ring of cp.async '
             f"groups: it cannot take l2_prefetch={l2_prefetch}, early_k={early_k} or "
-            f'k_stages={k_stages} != num_stages={stages} (small_page_copy="tma" can)'
+            f'k_stages={k_stages} != num_stages={stages} (page_copy="tma" can)'
         )
     if not 0 <= l2_prefetch <= _MAX_L2_PREFETCH or (l2_prefetch and (producer or persistent)):
         raise ValueError(
@@ -2028,7 +2028,7 @@ def paged_attention_pallas_gpu(
         ),
         profile_dir=str(profile_dir) if profile_dir else "",
         balanced=balanced,
-        small_page_copy=small_page_copy if small else "tma",
+        page_copy=page_copy,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
