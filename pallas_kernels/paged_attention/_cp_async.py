@@ -50,17 +50,11 @@ def _scalar(x) -> ir.Value:
     return x.registers.flat[0]
 
 
-def swizzled_offset(row, piece, row_bytes: int):
+def _swizzled_offset(row: ir.Value, piece: ir.Value, row_bytes: int) -> ir.Value:
     """Byte offset of 16-byte piece ``piece`` of ``row`` in a tile of ``row_bytes``-byte rows
     with Mosaic GPU's (8, 128 bytes) tiling and 128-byte swizzle: tile (row // 8, piece // 8)
-    of 1024 bytes, line row % 8, and the piece's place in the line XORed with row % 8.
-
-    Works on Python ints (the tests' model of the layout) and on i32 ``ir.Value``s alike."""
+    of 1024 bytes, line row % 8, and the piece's place in the line XORed with row % 8."""
     per_line, col_tiles = _SWIZZLE // PIECE, row_bytes // _SWIZZLE
-    if isinstance(row, int) and isinstance(piece, int):
-        line = row % _LINES
-        tile = row // _LINES * col_tiles + piece // per_line
-        return tile * _LINES * _SWIZZLE + line * _SWIZZLE + ((piece % per_line) ^ line) * PIECE
     tile = arith.addi(
         arith.muli(arith.divui(row, _i32(_LINES)), _i32(col_tiles)),
         arith.divui(piece, _i32(per_line)),
@@ -69,12 +63,6 @@ def swizzled_offset(row, piece, row_bytes: int):
     swizzled = arith.xori(arith.remui(piece, _i32(per_line)), line)
     off = arith.addi(arith.muli(tile, _i32(_LINES * _SWIZZLE)), arith.muli(line, _i32(_SWIZZLE)))
     return arith.addi(off, arith.muli(swizzled, _i32(PIECE)))
-
-
-def fits(head_dim: int, block_kv: int, itemsize: int) -> bool:
-    """Whether a warpgroup's 16-byte pieces cover a [T, H] tile in whole passes of rows."""
-    pieces = head_dim * itemsize // PIECE
-    return pieces <= THREADS and THREADS % pieces == 0 and block_kv % (THREADS // pieces) == 0
 
 
 @functools.cache
@@ -117,7 +105,7 @@ def _issue_fn(page_size: int, block_kv: int, head_dim: int, itemsize: int, tr):
                 arith.muli(_i64(pool_row), _i64(row_bytes)),
                 _i64(arith.muli(piece, _i32(PIECE))),
             )
-            dst = arith.addi(slot_off, _i64(swizzled_offset(row, piece, row_bytes)))
+            dst = arith.addi(slot_off, _i64(_swizzled_offset(row, piece, row_bytes)))
             offsets.append((src, dst))
         is_live = arith.cmpi(arith.CmpIPredicate.ne, live, _i32(0))
         for src_ptr, ring_ptr in zip(src_ptrs, ring_ptrs, strict=True):

@@ -85,12 +85,21 @@ slower than the default in every row of the quick decode table (first run, 4 sta
 launches it at 232 registers a thread (ncu), so one CTA, and one computing warpgroup, per SM
 where the default (177 registers, 128 threads) runs two.
 
+Pages of 1, 2 and 4 tokens cannot be one TMA copy into the (8, 64)-tiled SMEM ring (a TMA slice
+of it must start on an 8-row boundary). By default every thread then copies 16-byte pieces of the
+tile's rows with ``cp.async`` straight to their swizzled places (``page_copy="cp_async"``,
+``_cp_async``): on the H200 (twelfth session) pages of 1-4 tokens ran at 4.01-4.15 TB/s at
+B=128 / 2k, where pages of 16 ran at 4.17-4.19 (the page-size sweep 1-256: 4.08-4.23). The
+other way, one TMA copy a page into an untiled staging ring and a re-layout in SMEM
+(``page_copy="tma"``, ``_relayout``), is what the interpreter runs (it cannot run inline Mosaic
+GPU code); on the H200 it issued one copy a row from one thread, about 80 cycles each: 1.51 TB/s
+at one-token pages, 3.21 at four. ``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied
+with or up to 2.6% slower than TMA in the quick table.
+
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper (sm90: the kernel is built on wgmma; Blackwell would need tcgen05), f32, page
-sizes below 8 or neither dividing nor divided by the tile (64 tokens; 128 at H=64), head dims
-other than 64/128/256, groups G > 56 unless a multiple of 8 up to 64. Pages below 8 tokens fall
-back because a TMA row slice of the (8, 64)-tiled SMEM ring must start on an 8-row boundary;
-a per-row gather was not built.
+sizes neither dividing nor divided by the tile (64 tokens; 128 at H=64), head dims other than
+64/128/256, groups G > 56 unless a multiple of 8 up to 64.
 """
 
 from __future__ import annotations
@@ -393,7 +402,8 @@ _KERNEL_ORDER_MAX_SEQS = 256
 
 ORDER_METHODS = ("sort", "rank", "kernel")
 
-# How pages below 8 tokens reach the tiled SMEM ring (``page_copy``).
+# How pages reach the tiled SMEM ring (``page_copy``): copied by every thread in 16-byte
+# pieces (the default below 8 tokens), or by TMA a page (into a staging ring below 8 tokens).
 PAGE_COPIES = ("cp_async", "tma")
 
 
@@ -1825,14 +1835,14 @@ def paged_attention_pallas_gpu(
         with it); not with splits, ``producer``, ``persistent``, ``l2_prefetch``, ``k_stages``,
         ``early_k``, ``longest_first``, ``slot_lengths`` or ``profile_dir``. Opt-in: slower than
         the default in most rows on the H200 (module docstring).
-      page_copy: how pages below 8 tokens (C = 1, 2, 4), which cannot be one TMA copy
-        into the tiled SMEM ring, are copied: ``"cp_async"`` (every thread copies 16-byte
-        pieces of the tile's rows straight to their swizzled places, ``_cp_async``; not with
-        ``l2_prefetch``, ``early_k`` or ``k_stages``) or ``"tma"`` (one TMA copy a page, into an
-        untiled staging ring, then re-laid in SMEM: ``_relayout``). Default (None): ``"cp_async"``
-        on a GPU, ``"tma"`` in the interpreter (which cannot run ``cp_async``'s inline code).
-        Ignored for pages of 8 tokens or more. Not with ``producer``, ``persistent`` or
-        ``balanced``.
+      page_copy: how pages reach the tiled SMEM ring: ``"cp_async"`` (every thread copies
+        16-byte pieces of the tile's rows straight to their swizzled places, ``_cp_async``; not
+        with ``l2_prefetch``, ``early_k`` or ``k_stages``, ``producer``, ``persistent`` or
+        ``balanced``; GPU only) or ``"tma"`` (one TMA copy a page; pages of 1, 2 and 4 tokens,
+        which cannot be one TMA copy into the tiled ring, go to an untiled staging ring and are
+        re-laid in SMEM, ``_relayout``). Default (None): ``"cp_async"`` for pages below 8 tokens
+        on a GPU (4.0-4.15 TB/s at B=128 / 2k on the H200, where ``"tma"`` ran 1.5-3.2), else
+        ``"tma"`` (in the interpreter, which cannot run inline Mosaic GPU code, always).
 
     Returns:
       [B, N, H] in ``q.dtype``.
