@@ -518,7 +518,7 @@ _VARIANTS = [
     dict(balanced=True, N=512, K=8, H=64),  # G=64: a merge round of fewer pieces (SMEM)
     # Pages below 8 tokens, by default copied by every thread (cp.async pieces into the ring)
     dict(C=1, W=128),
-    dict(C=2, W=64, swap_ab=False),  # the 64-row tile (3 stages)
+    dict(C=2, W=64, swap_ab=False),  # the 64-row tile
     dict(C=4, W=32, num_splits=3, logits_soft_cap=30.0, sliding_window=100),
     dict(C=1, W=256, H=64, K=4, dtype=jnp.float16, L=3),  # T=128: 16-row passes
     dict(C=4, W=32, H=256, num_splits=2),  # 32 pieces a row: 4-row passes
@@ -598,6 +598,9 @@ def test_cross_lowers_for_cuda(variant):
     assert all(
         ("_cpa" in name, "_stg" in name) == ("_cpa" in copy, "_stg" in copy) for name in names
     )
+    # ... and the per-thread copies are in the kernel exactly then.
+    assert ("nvvm.cp.async.shared.global" in text) == (copy == "_cpa")
+    assert ("nvvm.cp.async.wait.group" in text) == (copy == "_cpa")
 
 
 # --------------------------------------------------------------------------- CPU: checks

@@ -9,7 +9,8 @@ Here every thread of the warpgroup copies 16-byte pieces of a tile's rows with `
 thread t takes piece ``t % (H / 8)`` of rows ``t // (H / 8) + r * 128 / (H / 8)``, reading each
 row's page from the block table itself. A tile's K copies are one ``cp.async`` group and its V
 copies the next; ``wait(pending)`` (``cp.async.wait_group``) and ``plgpu.commit_smem`` (a proxy
-fence and a warpgroup barrier) make a group visible to wgmma.
+fence and a warpgroup barrier) make a group visible to wgmma. A warpgroup barrier before the
+copies keeps them from overwriting a slot that another warp's wgmma still reads.
 
 Mosaic GPU's interpreter cannot run inline Mosaic GPU code, so interpreted kernels copy small
 pages by TMA into an untiled staging ring instead (``kernel_gpu._relayout``); this path is
@@ -66,7 +67,7 @@ def _swizzled_offset(row: ir.Value, piece: ir.Value, row_bytes: int) -> ir.Value
 
 
 @functools.cache
-def _issue_fn(page_size: int, block_kv: int, head_dim: int, itemsize: int, tr):
+def _issue_fn(page_size: int, num_pages: int, block_kv: int, head_dim: int, itemsize: int, tr):
     pieces = head_dim * itemsize // PIECE  # 16-byte pieces of a row
     rows_per_pass = THREADS // pieces
     row_bytes = head_dim * itemsize
@@ -99,6 +100,10 @@ def _issue_fn(page_size: int, block_kv: int, head_dim: int, itemsize: int, tr):
             tok = arith.addi(tile_tok, row)
             entry = arith.minsi(arith.divsi(tok, _i32(page_size)), last_page)
             page = memref.load(bt, [_index(b), _index(entry)])
+            # An id out of [0, P) reads a page of this pool, never out of bounds (TMA would
+            # zero-fill; a cp.async out of bounds faults). The row arithmetic is
+            # ``kernel_gpu._lookup`` and ``_page_row``'s for TMA copies, with this clamp.
+            page = arith.maxsi(arith.minsi(page, _i32(num_pages - 1)), _i32(0))
             in_page = arith.remsi(tok, _i32(page_size))
             pool_row = arith.addi(head_base, arith.addi(arith.muli(page, _i32(page_size)), in_page))
             src = arith.addi(
@@ -107,6 +112,10 @@ def _issue_fn(page_size: int, block_kv: int, head_dim: int, itemsize: int, tr):
             )
             dst = arith.addi(slot_off, _i64(_swizzled_offset(row, piece, row_bytes)))
             offsets.append((src, dst))
+        # The slot's last P @ V may still be read by another warp's wgmma: every warp has
+        # waited for its own before any thread overwrites the slot (TMA copies get the same
+        # barrier from Pallas). Placed after the table reads, whose latency it overlaps.
+        mgpu_utils.warpgroup_barrier()
         is_live = arith.cmpi(arith.CmpIPredicate.ne, live, _i32(0))
         for src_ptr, ring_ptr in zip(src_ptrs, ring_ptrs, strict=True):
             with mgpu_utils.when(is_live):
@@ -126,7 +135,10 @@ def _issue_fn(page_size: int, block_kv: int, head_dim: int, itemsize: int, tr):
 def issue(cfg, bt_ref, k_ref, v_ref, k_ring, v_ring, unit, i, slot, live, transforms):
     """K, then V, of tile i of ``unit`` into ring slot ``slot`` (when ``live``): two cp.async
     groups, committed by every thread whether or not the tile is live."""
-    fn = _issue_fn(cfg.page_size, cfg.block_kv, cfg.head_dim, cfg.dtype.itemsize, tuple(transforms))
+    fn = _issue_fn(
+        cfg.page_size, cfg.num_pages, cfg.block_kv, cfg.head_dim, cfg.dtype.itemsize,
+        tuple(transforms),
+    )  # fmt: skip
     scalars = (live, unit.b, (unit.start + i) * cfg.block_kv, unit.last_page, unit.head_base, slot)
     fn(bt_ref, (k_ref, v_ref), (k_ring, v_ring), *(jnp.asarray(x, jnp.int32) for x in scalars))
 
@@ -143,7 +155,7 @@ def _wait_fn(pending: int):
 
 
 def wait(pending: int) -> None:
-    """Waits until at most ``pending`` of this thread's cp.async groups are in flight, then
-    makes every thread's landed copies visible to wgmma (a proxy fence, a warpgroup barrier)."""
+    """Waits until at most ``pending`` of this thread's cp.async groups are in flight. The
+    landed copies reach wgmma after a proxy fence and a warpgroup barrier (``commit_smem``),
+    which the caller runs (with SMEM writes of its own that need one too)."""
     _wait_fn(pending)()
-    plgpu.commit_smem()

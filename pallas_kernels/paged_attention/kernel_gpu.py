@@ -92,8 +92,8 @@ tile's rows with ``cp.async`` straight to their swizzled places (``page_copy="cp
 B=128 / 2k, where pages of 16 ran at 4.17-4.19 (the page-size sweep 1-256: 4.08-4.23). The
 other way, one TMA copy a page into an untiled staging ring and a re-layout in SMEM
 (``page_copy="tma"``, ``_relayout``), is what the interpreter runs (it cannot run inline Mosaic
-GPU code); on the H200 it issued one copy a row from one thread, about 80 cycles each: 1.51 TB/s
-at one-token pages, 3.21 at four. ``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied
+GPU code); on the H200 its copies, one a page (a row at one-token pages) issued by one thread,
+cost about 80 cycles each: 1.51 TB/s at one-token pages, 3.21 at four. ``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied
 with or up to 2.6% slower than TMA in the quick table.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
@@ -236,8 +236,8 @@ def _smem_bytes(
     staged: bool = False,
 ) -> int:
     """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
-    ``qcols`` query rows instead of 64; ``staged`` (pages below 8 tokens): the ring is the
-    untiled staging ring and one tiled K and one V tile come on top. Output tiles reuse the
+    ``qcols`` query rows instead of 64; ``staged`` (pages below 8 tokens by TMA): the ring is
+    the untiled staging ring and one tiled K and one V tile come on top. Output tiles reuse the
     ring's SMEM (a later scope; the split path's qcols x H partial and 64 x qcols f32 lse are
     far below the ring)."""
     k_stages = num_stages if k_stages is None else k_stages
@@ -281,8 +281,9 @@ def default_num_stages(
             stages -= 1
         return stages
     if staged:
-        # Pages below 8 tokens: 2 staging stages and the two tiled tiles, about 100 KB at H=128
-        # (two CTAs per SM); 1 stage where 2 do not fit (H=256 with the 64-row tile).
+        # Pages below 8 tokens by TMA: 2 staging stages and the two tiled tiles, 99 KB at H=128
+        # with swap_ab (two CTAs per SM), 121 KB with the 64-row tile (one); 1 stage where 2 do
+        # not fit (H=256 with the 64-row tile).
         smem = functools.partial(_smem_bytes, head_dim, block_kv, qcols=qcols, staged=True)
         return 2 if smem(2) <= _SMEM_BYTES else 1
     if qcols is not None:
@@ -788,7 +789,9 @@ def _tile(
         K and V are two cp.async groups, issued ``num_stages`` tiles ahead (``_attend``), so
         ``later_groups`` (the other stream's and the later tiles') may still be in flight."""
         if cfg.per_thread:
-            _cp_async.wait(later_groups)
+            if later_groups is not None:  # (V's group was waited for with P's store)
+                _cp_async.wait(later_groups)
+                plgpu.commit_smem()
             return ring.at[at]
         plgpu.barrier_wait(bar.at[at])
         if tile is None:
@@ -853,8 +856,10 @@ def _tile(
         p_smem.transpose((1, 0))[...] = p.astype(cfg.dtype)
     else:
         p_smem[...] = p.astype(cfg.dtype)
+    if cfg.per_thread:  # V's cp.async group, made visible by P's fence and barrier
+        _cp_async.wait(later - 1)
     plgpu.commit_smem()
-    v_tile = landed(v_bar, v_smem, v_slot, v_tile, later - 1)
+    v_tile = landed(v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
 
     @pl.when(tile_tok + T > unit.length)
     def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
@@ -966,7 +971,10 @@ def _scratch(cfg: _Config):
 
 
 def _staged_tiles(cfg: _Config):
-    """``staged``: the tiled K and V tiles [1, T, H] the products read (``_relayout``)."""
+    """``staged``: the tiled K and V tiles [1, T, H] the products read (``_relayout``). One
+    shared tile would need a warpgroup barrier between a tile's P @ V and the next tile's K
+    re-layout (a warp may finish its wgmma before another); with two, the P store's barrier
+    separates every tile's last read from the next write."""
     tile = plgpu.SMEM((1, cfg.block_kv, cfg.head_dim), cfg.dtype, transforms=_smem_transforms())
     return tile, tile
 
@@ -1084,6 +1092,7 @@ def _attend(
     def step(i, carry):
         slot = lax.rem(i, jnp.int32(stages))
         if cfg.per_thread:  # the slot's next tile, two cp.async groups (committed even if none)
+            assert consumed is None, "page_copy='cp_async' has no producer warpgroup"
             carry = _tile(cfg, unit, i, slot, carry, smem)
             per_thread_issue(i + stages, slot, i + stages < n)
             return carry
@@ -1771,7 +1780,8 @@ def paged_attention_pallas_gpu(
       block_kv: tokens per K/V tile T, 64 or 128 (default ``default_block_kv(H)``).
       num_stages: depth of the TMA ring (default ``default_num_stages``: 2 with ``swap_ab``
         (three CTAs per SM by SMEM at H=128), else the deepest that keeps 2 CTAs per SM; with
-        ``producer``, 4 where it fits in 227 KB).
+        ``producer``, 4 where it fits in 227 KB; pages below 8 tokens by TMA (a staging ring),
+        2, or 1 where 2 do not fit).
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device order); default
         ``default_longest_first``: on when the grid is more than one wave of CTAs and a unit
