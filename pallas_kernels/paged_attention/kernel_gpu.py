@@ -86,15 +86,16 @@ launches it at 232 registers a thread (ncu), so one CTA, and one computing warpg
 where the default (177 registers, 128 threads) runs two.
 
 Pages of 1, 2 and 4 tokens cannot be one TMA copy into the (8, 64)-tiled SMEM ring (a TMA slice
-of it must start on an 8-row boundary). By default every thread then copies 16-byte pieces of the
-tile's rows with ``cp.async`` straight to their swizzled places (``page_copy="cp_async"``,
-``_cp_async``): on the H200 (twelfth session) pages of 1-4 tokens ran at 4.01-4.15 TB/s at
-B=128 / 2k, where pages of 16 ran at 4.17-4.19 (the page-size sweep 1-256: 4.08-4.23). The
-other way, one TMA copy a page into an untiled staging ring and a re-layout in SMEM
-(``page_copy="tma"``, ``_relayout``), is what the interpreter runs (it cannot run inline Mosaic
-GPU code); on the H200 its copies, one a page (a row at one-token pages) issued by one thread,
-cost about 80 cycles each: 1.51 TB/s at one-token pages, 3.21 at four. ``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied
-with or up to 2.6% slower than TMA in the quick table.
+of it must start on an 8-row boundary). By default every thread then copies 16-byte pieces of
+the tile's rows with ``cp.async`` straight to their swizzled places (``page_copy="cp_async"``,
+``_cp_async``): on the H200 (twelfth session) pages of 1-4 tokens ran at 4.01-4.20 TB/s at
+B=128 / 2k, as fast as pages of 16 in the same calls (4.17-4.19; the page-size sweep 1-256:
+4.08-4.23). The other way, one TMA copy a page into an untiled staging ring and a re-layout in
+SMEM (``page_copy="tma"``, ``_relayout``), is what the interpreter runs (it cannot run inline
+Mosaic GPU code); on the H200 its copies, one a page (a row at one-token pages) issued by one
+thread, cost about 80 cycles each: 1.51 TB/s at one-token pages, 3.21 at four.
+``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied with TMA or up to 2.6% slower
+in the quick table.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper (sm90: the kernel is built on wgmma; Blackwell would need tcgen05), f32, page
