@@ -9,6 +9,7 @@ randomly permuted tables and NaN-poisoned free pages and last-page tails.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -51,19 +52,20 @@ def _run_case(
         jnp.asarray(rng.standard_normal((len(lengths), K * G, H)), dtype).astype(jnp.float32)
     )
     scale = 1.0 / math.sqrt(H) if sm_scale is None else sm_scale
-    out = kernel_gpu.paged_attention_pallas_gpu(
-        jnp.asarray(q, dtype),
-        kv.k_pages,
-        kv.v_pages,
-        kv.block_tables,
-        kv.lengths,
-        sm_scale=scale,
-        logits_soft_cap=soft_cap,
-        sliding_window=window,
-        layer=layer,
-        interpret=interpret,
-        **tuning,
-    )
+    with _merge_handover_ordered():
+        out = kernel_gpu.paged_attention_pallas_gpu(
+            jnp.asarray(q, dtype),
+            kv.k_pages,
+            kv.v_pages,
+            kv.block_tables,
+            kv.lengths,
+            sm_scale=scale,
+            logits_soft_cap=soft_cap,
+            sliding_window=window,
+            layer=layer,
+            interpret=interpret,
+            **tuning,
+        )
     assert out.shape == q.shape and out.dtype == jnp.dtype(dtype)
     k_dense = kv.k_dense if num_layers is None else kv.k_dense[int(layer)]
     v_dense = kv.v_dense if num_layers is None else kv.v_dense[int(layer)]
@@ -86,6 +88,34 @@ def _run_case(
 # The interpreter's race detector sees SMEM written while a TMA copy still reads it (e.g. the
 # persistent kernel's P / output tiles without their read waits), which values alone miss.
 RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
+
+
+@contextlib.contextmanager
+def _merge_handover_ordered():
+    """The in-kernel split merge's loads of other CTAs' partials are ordered on hardware by
+    an acquire-release counter (``_merge_gpu.arrive``), which the interpreter does not run (it
+    runs the grid in order, so the last split merges): its race detector would report each
+    partial the merging CTA loads. Those reads, and only those, skip the check; every SMEM
+    access, and every other GMEM one, is still checked."""
+    from jax._src import source_info_util  # private, as below: jax 0.11.2's detector
+    from jax._src.pallas.mosaic_gpu.interpret import race_detection_state as races
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+
+    gmem = shared_memory.get_memory_space_idx(plgpu.GMEM)
+    cls = races.GPURaceDetectionState
+    check_read = cls.check_read
+
+    def checked(self, thread, clock, buffer_key, rnge, source_info=None):
+        frame = "" if source_info is None else source_info_util.summarize(source_info)
+        if "(_merge_split.<locals>.load_piece)" in frame and buffer_key.memory_space_id == gmem:
+            return None
+        return check_read(self, thread, clock, buffer_key, rnge, source_info)
+
+    cls.check_read = checked
+    try:
+        yield
+    finally:
+        cls.check_read = check_read
 
 
 def _assert_no_races():
@@ -278,6 +308,58 @@ def test_interpret_small_pages_match_reference(C, extra):
     _run_case(
         rng, lengths, K=2, G=2, H=64, C=C, interpret=RACE_CHECKED, block_kv=64, **extra
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "C,G,lengths,extra",
+    [
+        (16, 2, [0, 1, 15, 16, 17, 150], dict(num_splits=2)),
+        # Splits past a sequence's end (no tile: lse -inf), soft cap and window.
+        (8, 4, [0, 1, 9, 150, 300], dict(num_splits=5, soft_cap=20.0, window=100)),
+        # 18 splits: two merge rounds (16 pieces, then 2), in a 5-D pool.
+        (16, 1, [1200, 0, 65], dict(num_splits=18, num_layers=2, layer=jnp.int32(1))),
+        (16, 3, [5, 200, 0, 64], dict(num_splits=3, longest_first=True)),  # 16 query columns
+        (4, 2, [0, 3, 5, 150], dict(num_splits=2)),  # pages below 8 tokens (staging ring)
+    ],
+    ids=["C16-G2-split2", "C8-G4-split5-cap-window", "C16-G1-split18-layer", "C16-G3-split3",
+         "C4-G2-split2"],
+)  # fmt: skip
+def test_interpret_kernel_merge_matches_reference(C, G, lengths, extra):
+    # split_merge="kernel" (the default with splits and swap_ab): the pair's last split CTA
+    # merges the partials in the kernel (the interpreter runs the grid in order: the last
+    # split); race-checked but for the handover of the partials (``_merge_handover_ordered``).
+    rng = np.random.default_rng(70 + C + G)
+    _run_case(
+        rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
+        split_merge="kernel", block_kv=64, **extra,
+    )  # fmt: skip
+
+
+def test_kernel_merge_default_and_lowering():
+    # The default with splits and swap_ab; "xla" otherwise. Lowered: the arrival atomics are
+    # in the kernel exactly when it merges, and no XLA merge follows it then.
+    assert kernel_gpu.default_split_merge(4, True) == "kernel"
+    assert kernel_gpu.default_split_merge(1, True) == "xla"
+    assert kernel_gpu.default_split_merge(4, False) == "xla"
+    assert kernel_gpu.default_split_merge(4, True, producer=True) == "xla"
+    assert kernel_gpu.default_split_merge(4, True, persistent=True) == "xla"
+    args = (
+        jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 8), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    for merge in (None, "kernel", "xla"):
+        f = functools.partial(
+            kernel_gpu.paged_attention_pallas_gpu, sm_scale=0.1, num_splits=3, split_merge=merge
+        )
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        in_kernel = merge != "xla"
+        assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel, merge
+        assert ("_km_mosaic_gpu" in text) == in_kernel, merge
+        # The XLA merge: a max over the splits of the lse, then exp2 and the weighted sum.
+        assert ("stablehlo.exponential" in text) != in_kernel, merge
 
 
 def test_swap_ab_default():
@@ -534,6 +616,9 @@ _VARIANTS = [
     dict(page_copy="cp_async"),
     dict(C=128, page_copy="cp_async", num_splits=2, sliding_window=100),  # C > T
     dict(C=8, H=64, K=4, page_copy="cp_async", swap_ab=False),
+    # Split partials merged by XLA instead of the kernel's last split CTA
+    dict(num_splits=3, split_merge="xla"),
+    dict(num_splits=40, B=1, H=64, C=8, K=4),  # 40 splits: merge rounds of 16, 16 and 8
 ]
 
 
@@ -601,6 +686,13 @@ def test_cross_lowers_for_cuda(variant):
     # ... and the per-thread copies are in the kernel exactly then.
     assert ("nvvm.cp.async.shared.global" in text) == (copy == "_cpa")
     assert ("nvvm.cp.async.wait.group" in text) == (copy == "_cpa")
+    # Splits with swap_ab merge in the kernel by default (arrival atomics, name part _km).
+    merge = v.get("split_merge") or kernel_gpu.default_split_merge(
+        splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
+    )
+    in_kernel = merge == "kernel" and splits > 1 and not v.get("balanced")
+    assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel
+    assert all(("_km" in name) == in_kernel for name in names), names
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -694,6 +786,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(C=1, num_stages=7), "num_stages=7 and k_stages=7 must be >= 1 and fit"),
         (dict(C=1, num_stages=6, page_copy="tma"), "num_stages=6 and k_stages=6"),
         (dict(C=1, page_copy="gather4"), "page_copy='gather4' must be one of"),
+        (dict(split_merge="host"), "split_merge='host' must be one of"),
+        (dict(split_merge="kernel", num_splits=2, swap_ab=False), 'split_merge="kernel" merges'),
         (dict(C=2, early_k=True), r"cannot take l2_prefetch=0, early_k=True"),
         (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(page_copy=\"tma\" can\)"),
         (dict(C=1, l2_prefetch=1), "cannot take l2_prefetch=1"),
@@ -1036,6 +1130,34 @@ def test_gpu_small_pages(C, extra):
     if lengths == "many":
         lengths = rng.integers(0, 3000, size=96)
     _run_case(rng, lengths, K=4, G=G, H=H, C=C, dtype=dtype, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["kernel", "xla"])
+@pytest.mark.parametrize(
+    "lengths,extra",
+    [
+        ([32768], dict(K=8)),  # one sequence: 32 splits by default, merge rounds of 16
+        ([32768, 1, 20001], dict(num_splits=64)),  # 64 splits (4 rounds), most of them empty
+        ("many", dict(num_splits=3)),  # 96 x 4 pairs of 3 splits: 1152 CTAs, several waves
+        ([0, 1, 15, 16, 17, 99, 1000, 2500], dict(G=1, H=64, dtype="float16", num_splits=5)),
+        ([0, 1, 17, 5000, 2500], dict(window=700, soft_cap=50.0, num_splits=4, G=8)),
+        ([0, 1, 3, 4, 5, 3000], dict(C=1, num_splits=4)),  # one-token pages (cp.async)
+        ([9000, 1, 300], dict(num_layers=2, layer=1, num_splits=7, longest_first=True)),
+    ],
+    ids=str,
+)
+def test_gpu_split_merge(lengths, extra, merge):
+    # Split partials merged by the last split CTA of each pair (arrival counters, acquire-
+    # release) or by XLA; each case twice, so the counters are back at zero for the next call.
+    rng = np.random.default_rng(len(extra) + len(lengths))
+    extra = dict(extra)
+    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
+    K, G, H, C = extra.pop("K", 4), extra.pop("G", 4), extra.pop("H", 128), extra.pop("C", 16)
+    if lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+    for _ in range(2):
+        _run_case(rng, lengths, K=K, G=G, H=H, C=C, dtype=dtype, split_merge=merge, **extra)
 
 
 @pytest.mark.gpu

@@ -116,11 +116,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._split_merge import merge_splits
-from pallas_kernels.paged_attention import _cp_async
+from pallas_kernels.paged_attention import _cp_async, _merge_gpu
 
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
@@ -170,6 +169,7 @@ class _Config:
     profile_dir: str = ""  # Mosaic GPU on-device profiler trace directory ("": off)
     balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
     page_copy: str = "tma"  # "cp_async" (per thread, the default below 8 tokens) or "tma"
+    kernel_merge: bool = False  # splits merged by the last CTA of each pair (``_merge_split``)
 
     @property
     def xla_order(self) -> bool:
@@ -314,6 +314,15 @@ def default_swap_ab(
     return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 
+def default_split_merge(
+    num_splits: int, swap_ab: bool, producer: bool = False, persistent: bool = False
+) -> str:
+    """``"kernel"`` (the last split CTA of a pair merges, ``_merge_split``) wherever it runs:
+    with splits, ``swap_ab`` and neither ``producer`` nor ``persistent``; else ``"xla"``."""
+    ok = num_splits > 1 and swap_ab and not (producer or persistent)
+    return "kernel" if ok else "xla"
+
+
 def default_deferred_sum(qcols: int = 8) -> bool:
     """``swap_ab`` tiles defer the softmax sum to the end (``deferred_sum``) at 8 query
     columns, the shape it was timed at; with 16-64 columns the [T, qcols] sums would hold
@@ -407,6 +416,10 @@ ORDER_METHODS = ("sort", "rank", "kernel")
 # How pages reach the tiled SMEM ring (``page_copy``): copied by every thread in 16-byte
 # pieces (the default below 8 tokens), or by TMA a page (into a staging ring below 8 tokens).
 PAGE_COPIES = ("cp_async", "tma")
+
+# How split partials are merged (``split_merge``): by the last split CTA of each pair, or by an
+# XLA epilogue.
+SPLIT_MERGES = ("kernel", "xla")
 
 
 def _kernel_order_reason(
@@ -980,6 +993,56 @@ def _staged_tiles(cfg: _Config):
     return tile, tile
 
 
+def _merge_rounds(cfg: _Config) -> int:
+    """Pieces a round of the in-kernel split merge loads (``_merge_split``)."""
+    return min(cfg.num_splits, _merge_batch(cfg.head_dim, cfg.block_kv, cfg.num_stages, cfg.q_rows))
+
+
+def _merge_scratch(cfg: _Config):
+    """SMEM of ``_merge_split``: a round's partial rows and lse rows, their barriers and the
+    arrival flag (after the loop: it reuses the ring's SMEM)."""
+    NB, R = _merge_rounds(cfg), cfg.q_rows
+    return (
+        plgpu.SMEM((NB, R, cfg.head_dim), cfg.dtype),
+        plgpu.SMEM((NB * _lse_row_step(R), R), jnp.float32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=NB),
+        plgpu.SMEM((1,), jnp.int32),
+    )
+
+
+def _merge_split(cfg: _Config, unit: _Unit, counters, out_ref, parts, o_smem, merge_smem):
+    """``split_merge="kernel"`` (``swap_ab``): after this CTA's partial is stored, the last of
+    the pair's ``num_splits`` CTAs to arrive (``_merge_gpu.arrive``) loads every split's G
+    partial rows and lse row, merges them (``_merge_gpu.merge``) and stores the G output rows;
+    the others exit. No CTA waits for another."""
+    mo_smem, ml_smem, m_bar, flag = merge_smem
+    o_part, lse_part = parts
+    S, G, R, H = cfg.num_splits, cfg.group, cfg.q_rows, cfg.head_dim
+    pair = unit.b * cfg.num_kv_heads + unit.h
+    last = _merge_gpu.arrive(
+        counters, flag, pair, S, split=unit.s, interpret=bool(cfg.interpret)
+    )  # fmt: skip
+    step = _lse_row_step(R)
+    rows = pl.ds(unit.qoff, G)
+
+    def load_piece(j, k):  # split k's G rows, at their place in the qcols-row block
+        plgpu.copy_gmem_to_smem(o_part.at[k, pl.ds(unit.qrow, G)], mo_smem.at[j, rows], m_bar.at[j])
+        plgpu.copy_gmem_to_smem(
+            lse_part.at[k, pl.ds(pair, 1)], ml_smem.at[pl.ds(j * step, 1)], m_bar.at[j]
+        )
+
+    @pl.when(last)
+    def _():
+        merged = _merge_gpu.merge(
+            S, load_piece, mo_smem, ml_smem, m_bar, rows=R, head_dim=H,
+            batch=_merge_rounds(cfg), lse_step=step,
+        )  # fmt: skip
+        o_smem[...] = merged.astype(cfg.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[pl.ds(unit.qrow, G)])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _split_rest(cfg: _Config, rest):
     if cfg.xla_order:
         order_ref, *outs = rest
@@ -1141,6 +1204,9 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     """Body of one CTA: (sequence slot b, split s, KV head h)."""
     order_ref, outs = _split_rest(cfg, rest)
     stages, k_stages, n_cp = cfg.num_stages, cfg.k_stages, cfg.copies_per_tile
+    counters = None  # the pairs' arrival counters of the in-kernel merge
+    if cfg.kernel_merge and not cfg.interpret:
+        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((cfg.num_seqs * cfg.num_kv_heads,)))
     b_slot = lax.axis_index("b")
     seq = None
     if cfg.longest_first and not cfg.xla_order:
@@ -1167,9 +1233,18 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         with jax.named_scope("store"):
             out, lse = _finish(cfg, acc, m, l)
             # A second scope: stack-allocated, it reuses the ring's SMEM.
-            pl.run_scoped(
-                lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch
-            )
+            if not cfg.kernel_merge:
+                pl.run_scoped(
+                    lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch
+                )
+                return
+            final_ref, *parts = outs
+
+            def store_and_merge(out_smem, merge_smem):
+                _store(cfg, unit, parts, out_smem, out, lse)
+                _merge_split(cfg, unit, counters, final_ref, parts, out_smem[0], merge_smem)
+
+            pl.run_scoped(store_and_merge, out_scratch, _merge_scratch(cfg))
         return
 
     def warp_specialized(q_smem, ring, p_smem, q_bar, k_bar, v_bar, k_consumed, v_consumed):
@@ -1425,19 +1500,6 @@ def _balanced_schedule(cfg: _Config, len_ref, len_smem, tiles_smem, c):
     return pl.run_scoped(count, plgpu.Barrier(num_arrivals=-(-Bc // _TMA_MAX_DIM)))
 
 
-def _gmem_proxy_fence():
-    """``fence.proxy.async.global``: orders this thread's TMA (async proxy) accesses to global
-    memory with its generic ones, the semaphore's release and acquire: a partial's TMA store
-    before the signal that it is there, and the merger's TMA loads after its wait."""
-
-    @plgpu.inline_mgpu()
-    def fence(ctx):
-        del ctx
-        mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-    fence()
-
-
 def _balanced_body(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, out_ref, part_o, part_lse
 ):
@@ -1517,7 +1579,7 @@ def _balanced_body(
 
                     @pl.when(~whole & (p_end > r1))  # a piece of a pair the next CTAs finish
                     def _():
-                        _gmem_proxy_fence()
+                        _merge_gpu.gmem_proxy_fence()
                         pl.semaphore_signal(sem.at[(p_end - 1) // chunk])
 
             wrap = h + 1 == K
@@ -1537,53 +1599,21 @@ def _balanced_body(
                 pieces = c - c1 + 1
                 if sem is not None:
                     plgpu.semaphore_wait(sem.at[c], pieces - 1)
-                    _gmem_proxy_fence()
+                    _merge_gpu.gmem_proxy_fence()
                 first_slot = 2 * c1 + (p0 != c1 * chunk).astype(jnp.int32)
-                layout = plgpu.Layout.WG_STRIDED((R, H), vec_size=min(8, R * H // 128))
-                rows = plgpu.broadcasted_iota(jnp.int32, (R, H), 0, layout=layout)
-
                 step = _lse_row_step(R)
 
-                def load_piece(j, slot):  # piece -> merge buffer j
+                def load_piece(j, k):  # piece k -> merge buffer j
+                    slot = jnp.where(k == 0, first_slot, 2 * (c1 + k))
                     plgpu.copy_gmem_to_smem(part_o.at[slot], mo_smem.at[j], m_bar.at[j])
                     plgpu.copy_gmem_to_smem(
                         part_lse.at[pl.ds(slot, 1)], ml_smem.at[pl.ds(j * step, 1)], m_bar.at[j]
                     )
 
-                def combine(j, carry):  # the online log-sum-exp merge of piece j
-                    m_run, s_run, acc = carry
-                    plgpu.barrier_wait(m_bar.at[j])
-                    o = plgpu.load(mo_smem.at[j], layout=layout).astype(jnp.float32)
-                    lse = (rows == 0).astype(jnp.float32) * ml_smem[j * step, 0]
-                    for r in range(1, R):  # this piece's lse of query row r, on row r
-                        lse = lse + (rows == r).astype(jnp.float32) * ml_smem[j * step, r]
-                    m_new = jnp.maximum(m_run, lse)
-                    ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    alpha, w = jnp.exp2(m_run - ref), jnp.exp2(lse - ref)
-                    return m_new, s_run * alpha + w, acc * alpha + o * w
-
-                def merge_batch(g, carry):
-                    for j in range(NB):
-                        k = g * NB + j
-                        slot = jnp.where(k == 0, first_slot, 2 * (c1 + k))
-
-                        pl.when(k < pieces)(functools.partial(load_piece, j, slot))
-
-                    for j in range(NB):
-                        carry = lax.cond(
-                            g * NB + j < pieces,  # buffers past the last piece are never read
-                            functools.partial(combine, j),
-                            lambda carry: carry,
-                            carry,
-                        )
-                    return carry
-
-                init = tuple(
-                    plgpu.layout_cast(jnp.full((R, H), v, jnp.float32), layout)
-                    for v in (-jnp.inf, 0.0, 0.0)
-                )
-                _, s_run, acc = lax.fori_loop(0, (pieces + NB - 1) // NB, merge_batch, init)
-                merged = acc / jnp.where(s_run == 0.0, 1.0, s_run)
+                merged = _merge_gpu.merge(
+                    pieces, load_piece, mo_smem, ml_smem, m_bar, rows=R, head_dim=H, batch=NB,
+                    lse_step=step,
+                )  # fmt: skip
                 o_smem[...] = merged.astype(cfg.dtype)
                 plgpu.commit_smem()
                 qrow = b0 * N + h0 * G
@@ -1673,6 +1703,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
             jax.ShapeDtypeStruct((S, B * K, cfg.qcols), jnp.float32),
         )
+        if cfg.kernel_merge:  # the output first, merged by each pair's last CTA
+            out_type = (jax.ShapeDtypeStruct((B * N, H), cfg.dtype), *out_type)
     else:
         out_type = (
             jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
@@ -1694,6 +1726,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += f"_pf{cfg.l2_prefetch}"
     if cfg.per_thread or cfg.staged:  # pages copied by every thread, or by TMA to a staging ring
         name += "_cpa" if cfg.per_thread else "_stg"
+    if cfg.kernel_merge:
+        name += "_km"  # splits merged in the kernel
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -1722,7 +1756,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         **({"num_threads": 2, "thread_name": "wg"} if cfg.producer else {}),
     )
     out = kernel(*args)
-    if cfg.balanced:
+    if cfg.balanced or cfg.kernel_merge:
         return out[0].reshape(B, N, H)
     if S == 1:
         return out.reshape(B, N, H)
@@ -1762,6 +1796,7 @@ def paged_attention_pallas_gpu(
     profile_dir: str | None = None,
     balanced: bool = False,
     page_copy: str | None = None,
+    split_merge: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -1854,6 +1889,11 @@ def paged_attention_pallas_gpu(
         re-laid in SMEM, ``_relayout``). Default (None): ``"cp_async"`` for pages below 8 tokens
         on a GPU (4.0-4.15 TB/s at B=128 / 2k on the H200, where ``"tma"`` ran 1.5-3.2), else
         ``"tma"`` (in the interpreter, which cannot run inline Mosaic GPU code, always).
+      split_merge: how split partials are merged: ``"kernel"`` (the last of a pair's split
+        CTAs to finish merges them and writes the output, ``_merge_split``: no XLA kernel after
+        the launch; with ``swap_ab``, not with ``producer`` or ``persistent``) or ``"xla"`` (a
+        small XLA epilogue, ``_split_merge.merge_splits``). Ignored without splits. Default
+        (None): ``default_split_merge``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -1942,6 +1982,18 @@ def paged_attention_pallas_gpu(
             "swap_ab=True needs producer=False and persistent=False (got "
             f"producer={producer}, persistent={persistent})"
         )
+    if split_merge is not None and split_merge not in SPLIT_MERGES:
+        raise ValueError(f"{split_merge=} must be one of {SPLIT_MERGES}")
+    merge_ok = swap_ab and not (producer or persistent)
+    if split_merge == "kernel" and splits > 1 and not merge_ok:
+        raise ValueError(
+            'split_merge="kernel" merges swap_ab partials: it needs swap_ab=True, '
+            f"producer=False and persistent=False (got swap_ab={swap_ab}, producer={producer}, "
+            f'persistent={persistent}); use split_merge="xla"'
+        )
+    if split_merge is None:
+        split_merge = default_split_merge(splits, swap_ab, producer, persistent)
+    kernel_merge = splits > 1 and split_merge == "kernel"
     qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
     if num_stages is None:
         stages = default_num_stages(H, block_kv, producer, persistent, qcols=qcols, staged=staged)
@@ -2050,6 +2102,7 @@ def paged_attention_pallas_gpu(
         profile_dir=str(profile_dir) if profile_dir else "",
         balanced=balanced,
         page_copy=page_copy,
+        kernel_merge=kernel_merge,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
