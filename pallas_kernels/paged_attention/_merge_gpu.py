@@ -128,9 +128,12 @@ def merge(
         m_run, s_run, acc = carry
         plgpu.barrier_wait(m_bar.at[j])
         o = plgpu.load(mo_smem.at[j], layout=layout).astype(jnp.float32)
-        lse = (row_ids == 0).astype(jnp.float32) * ml_smem[j * lse_step, 0]
-        for r in range(1, R):  # this piece's lse of query row r, on row r
-            lse = lse + (row_ids == r).astype(jnp.float32) * ml_smem[j * lse_step, r]
+        # This piece's lse of query row r, on row r: selected, not multiplied by a 0/1 mask
+        # (0 * -inf, a piece that saw no key, is NaN; XLA on CPU simplifies the product to a
+        # select, Mosaic GPU does not).
+        lse = jnp.where(row_ids == 0, ml_smem[j * lse_step, 0], 0.0)
+        for r in range(1, R):
+            lse = jnp.where(row_ids == r, ml_smem[j * lse_step, r], lse)
         m_new = jnp.maximum(m_run, lse)
         ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha, w = jnp.exp2(m_run - ref), jnp.exp2(lse - ref)
