@@ -339,6 +339,8 @@ def test_kernel_merge_default_and_lowering():
     # The default with splits and swap_ab; "xla" otherwise. Lowered: the arrival atomics are
     # in the kernel exactly when it merges, and no XLA merge follows it then.
     assert kernel_gpu.default_split_merge(4, True) == "kernel"
+    assert kernel_gpu.default_split_merge(16, True) == "kernel"
+    assert kernel_gpu.default_split_merge(17, True) == "xla"  # slower at 32 on the H200
     assert kernel_gpu.default_split_merge(1, True) == "xla"
     assert kernel_gpu.default_split_merge(4, False) == "xla"
     assert kernel_gpu.default_split_merge(4, True, producer=True) == "xla"
@@ -618,7 +620,8 @@ _VARIANTS = [
     dict(C=8, H=64, K=4, page_copy="cp_async", swap_ab=False),
     # Split partials merged by XLA instead of the kernel's last split CTA
     dict(num_splits=3, split_merge="xla"),
-    dict(num_splits=40, B=1, H=64, C=8, K=4),  # 40 splits: merge rounds of 16, 16 and 8
+    dict(num_splits=40, B=1, H=64, C=8, K=4),  # XLA by default past 16 splits
+    dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="kernel"),  # rounds of 16, 16, 8
 ]
 
 
@@ -933,6 +936,8 @@ def test_default_tuning_from_static_shapes():
     # Many programs: no split. Few programs, long context: split, bounded by tiles per split.
     assert kernel_gpu.default_num_splits(128, 8, 3072, 64) == 1
     assert kernel_gpu.default_num_splits(1, 8, 49152, 64) == 32  # one sequence: one wave
+    assert kernel_gpu.default_num_splits(2, 8, 49152, 64) == 16  # two: one wave too
+    assert kernel_gpu.default_num_splits(4, 8, 49152, 64) == 16  # four: two waves
     assert kernel_gpu.default_num_splits(1, 32, 49152, 64) == 8
     assert kernel_gpu.default_num_splits(1, 2, 49152, 64) == 64  # capped
     assert kernel_gpu.default_num_splits(8, 8, 1024, 64) == 4

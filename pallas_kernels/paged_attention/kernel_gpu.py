@@ -317,9 +317,17 @@ def default_swap_ab(
 def default_split_merge(
     num_splits: int, swap_ab: bool, producer: bool = False, persistent: bool = False
 ) -> str:
-    """``"kernel"`` (the last split CTA of a pair merges, ``_merge_split``) wherever it runs:
-    with splits, ``swap_ab`` and neither ``producer`` nor ``persistent``; else ``"xla"``."""
-    ok = num_splits > 1 and swap_ab and not (producer or persistent)
+    """``"kernel"`` (the last split CTA of a pair merges, ``_merge_split``) at 2 to
+    ``_KERNEL_MERGE_MAX_SPLITS`` splits with ``swap_ab`` and neither ``producer`` nor
+    ``persistent``; else ``"xla"``.
+
+    H200, thirteenth session (BENCHMARKS.md): at 4-16 splits the kernel time (CUPTI) tied the
+    XLA merge's attention and merge kernels (-1.4% to +1.9%), and chained in one program (no
+    host dispatch) it was faster or tied in 6 of 7 batches (the XLA merge's two kernels are gone,
+    and their launch gaps); at 32 splits the last CTA's merge of two rounds of 16 pieces made
+    the kernel 13-14% slower (B=1 and B=2 at 32k: 54.3 vs 48.6 us, 55.7 vs 49.7).
+    """
+    ok = 1 < num_splits <= _KERNEL_MERGE_MAX_SPLITS and swap_ab and not (producer or persistent)
     return "kernel" if ok else "xla"
 
 
@@ -418,8 +426,9 @@ ORDER_METHODS = ("sort", "rank", "kernel")
 PAGE_COPIES = ("cp_async", "tma")
 
 # How split partials are merged (``split_merge``): by the last split CTA of each pair, or by an
-# XLA epilogue.
+# XLA epilogue; in the kernel by default up to this many splits (``default_split_merge``).
 SPLIT_MERGES = ("kernel", "xla")
+_KERNEL_MERGE_MAX_SPLITS = 16
 
 
 def _kernel_order_reason(
@@ -532,15 +541,17 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
       (2k tokens at T=64), else none: a wave of whole sequences is balanced badly (lengths
       vary) only when they are long enough for splits to pay for the merge;
     - fewer: enough for ~512 CTAs (two waves: sequences of different lengths split into
-      units of different sizes, which the second wave evens out), but ~256 (one wave) for a
-      single sequence, whose units are all the same size; >= 4 tiles per split; at most 64.
+      units of different sizes, which the second wave evens out), but ~256 (one wave) for one
+      or two sequences; >= 4 tiles per split; at most 64.
 
     H200, sixth session (BENCHMARKS.md), with the grid longest first over every CTA: no split
     beat 2 at B=64 / 4k and at head dim 64, and 4 at B=32 / 2k (two runs); 4 splits beat none
     at B=32 / 8k (3.81 vs 3.36 TB/s) and B=8, 32 KV heads / 8k (3.91 vs 3.77); 8 tie 16 at
     B=8 / 32k (4 and 32 were slower). Seventh session, B=1: one wave beat two in all three
     cases (CUPTI 44.9 vs 49.2 us at 8 KV heads / 32k; 94.3 vs 99.6 at 32 / 32k; 48.8 vs 53.8 at
-    32 / 8k).
+    32 / 8k). Thirteenth session, B=2 / 32k at 8 KV heads: 16 splits (one wave) beat 32 in both
+    runs, with either merge (CUPTI 46.8-47.7 us merged in the kernel, 48.4-49.1 by XLA, against
+    49.6-49.7 at 32 splits merged by XLA).
     """
     programs = num_seqs * num_kv_heads
     max_tiles = -(-max_tokens // block_kv)
@@ -548,7 +559,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
         return 1
     if programs >= 256:
         return max(1, min(-(-1024 // programs), max_tiles // 32))
-    target = 256 if num_seqs == 1 else 512
+    target = 256 if num_seqs <= 2 else 512
     return max(1, min(-(-target // programs), max_tiles // 4, 64))
 
 
