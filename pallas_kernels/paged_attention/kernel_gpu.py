@@ -26,8 +26,13 @@ warpgroup's four warps (the max, through SMEM) instead of two, and a lone CTA st
 instead of 36 on the H200 (tenth session).
 
 Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequence, KV head)
-programs are fewer than about one wave; each writes its normalised partial output (``q.dtype`` with
-``swap_ab``, else f32) and base-2 log-sum-exp and a small XLA epilogue merges them. The split count is chosen from static shapes
+programs are fewer than about one wave; each writes its normalised partial output (``q.dtype``
+with ``swap_ab``, else f32) and base-2 log-sum-exp. At 2-16 splits with ``swap_ab`` the last
+split CTA of each pair to finish merges them in the kernel (``split_merge="kernel"``,
+``_merge_split``: each CTA stores its partial and bumps the pair's arrival counter with an
+acquire-release atomic; the one that sees the others all there loads the partials, merges and
+stores; no CTA waits for another); otherwise a small XLA epilogue merges them (``"xla"``;
+``default_split_merge`` has the H200 figures). The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe). The grid is (sequence, split, KV head) with the
 heads innermost and, past one wave of CTAs where a unit can exceed 2048 tokens, sequences
 longest first: the hardware hands CTAs out in grid order as slots free up, so the last wave
@@ -321,11 +326,13 @@ def default_split_merge(
     ``_KERNEL_MERGE_MAX_SPLITS`` splits with ``swap_ab`` and neither ``producer`` nor
     ``persistent``; else ``"xla"``.
 
-    H200, thirteenth session (BENCHMARKS.md): at 4-16 splits the kernel time (CUPTI) tied the
-    XLA merge's attention and merge kernels (-1.4% to +1.9%), and chained in one program (no
-    host dispatch) it was faster or tied in 6 of 7 batches (the XLA merge's two kernels are gone,
-    and their launch gaps); at 32 splits the last CTA's merge of two rounds of 16 pieces made
-    the kernel 13-14% slower (B=1 and B=2 at 32k: 54.3 vs 48.6 us, 55.7 vs 49.7).
+    H200, thirteenth session (BENCHMARKS.md, ``decode_cases_s13_merge*.json``): at the default
+    4-16 splits of six batches the kernel's CUPTI time tied the XLA path's attention and merge
+    kernels (-1.2% to +1.8%), and 50 calls chained in one program (no host dispatch; the
+    merge's two XLA kernels and their launch gaps gone) were faster or tied in all five batches
+    timed so (1-13%, where the same configuration varied up to 10% between runs); at 32 splits
+    the last CTA's merge, two rounds of 16 pieces after the slowest split, made the kernel
+    12-14% slower (B=1 and B=2 at 32k: 54.4 vs 47.6 us, 55.9 vs 49.6).
     """
     ok = 1 < num_splits <= _KERNEL_MERGE_MAX_SPLITS and swap_ab and not (producer or persistent)
     return "kernel" if ok else "xla"
