@@ -455,7 +455,10 @@ def test_kernel_order_is_the_sorted_order(B, block_kv):
 def test_interpret_plain_order_indices(monkeypatch, persistent, slot_lengths):
     # Past 2**16 sequences the order holds plain indices; shrink the bound to exercise that
     # decode branch on a small batch.
-    monkeypatch.setattr(kernel_gpu, "_ORDER_BITS", 2)
+    from pallas_kernels.paged_attention import _gpu_config, _gpu_tile
+
+    for module in (kernel_gpu, _gpu_config, _gpu_tile):  # each reads its own import of it
+        monkeypatch.setattr(module, "_ORDER_BITS", 2)
     assert not kernel_gpu._packed_order(6)
     rng = np.random.default_rng(60 + persistent)
     extra = dict(persistent=True, num_ctas=3) if persistent else {}

@@ -1,0 +1,514 @@
+"""Per-tile device code of the Mosaic GPU decode kernel (``kernel_gpu``): a work unit's tiles,
+their page copies (TMA, or ``_cp_async``), Q K^T, the online softmax, P @ V, and the store of
+the result (``_attend``, ``_finish``, ``_store``)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.paged_attention import _cp_async
+from pallas_kernels.paged_attention._gpu_config import (
+    _LOG2E,
+    _LSE_COLS,
+    _ORDER_BITS,
+    _ROWS,
+    _TILE_ROWS,
+    _Config,
+    _packed_order,
+)
+
+
+def _smem_transforms():
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+class _Unit(NamedTuple):
+    """One (sequence, split, KV head) work unit: traced scalars."""
+
+    b: Any  # the sequence (after the longest-first permutation)
+    length: Any
+    lo: Any  # first visible key (sliding window)
+    start: Any  # first K/V tile of this split
+    n: Any  # tiles of this split (0: nothing to read; the output is zeros)
+    last_page: Any  # the last block-table entry a lookup may read
+    head_base: Any  # row of the KV head's page 0 in the flattened pool
+    qrow: Any  # first query row of the unit's G heads
+    s: Any  # the split
+    valid: Any  # False for the padding units of a persistent CTA's last round
+    h: Any  # the KV head
+
+    @property
+    def qrow8(self):
+        return pl.multiple_of((self.qrow // 8) * 8, 8)
+
+    @property
+    def qoff(self):
+        return self.qrow - self.qrow8
+
+    def where(self, pred, other: _Unit) -> _Unit:
+        return _Unit(*(jnp.where(pred, a, b) for a, b in zip(self, other, strict=True)))
+
+
+def _tile_span(cfg: _Config, length):
+    """(first visible key, first tile, tiles) of a sequence of ``length`` >= 0 keys: the tiles
+    that hold its visible keys (all of them, or the sliding window's)."""
+    T = cfg.block_kv
+    lo = jnp.maximum(length - cfg.sliding_window, 0) if cfg.sliding_window else length * 0
+    t_lo = lo // T
+    return lo, t_lo, (length + T - 1) // T - t_lo
+
+
+def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None) -> _Unit:
+    """The unit of grid slot (``b_slot``, ``s``, ``h``); ``seq``: its (sequence, length), as
+    ``_kernel_order`` found them."""
+    S = cfg.num_splits
+    if seq is not None:
+        b = seq[0]
+    elif order_ref is None:
+        b = b_slot
+    elif _packed_order(cfg.num_seqs):  # packed keys (``_longest_first_order``)
+        b = order_ref[b_slot] & ((1 << _ORDER_BITS) - 1)
+    else:
+        b = order_ref[b_slot]
+    # With ``slot_lengths`` the lengths come in slot order: read at once, not after the order.
+    # Lengths < 0 (invalid) count as 0, so no tile index and no table lookup goes negative.
+    if seq is not None:
+        length = seq[1]
+    else:
+        length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
+    length = jnp.maximum(length, 0)
+    lo, t_lo, tiles = _tile_span(cfg, length)
+    t_hi = t_lo + tiles
+    per_split = (tiles + S - 1) // S
+    start = t_lo + s * per_split
+    n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
+    n = jnp.where(valid, n, 0)
+    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s, valid)
+
+
+def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0, valid=True) -> _Unit:
+    """The unit reading tiles [start, start + n) of KV head h of sequence b (``length`` >= 0
+    keys, the first visible one ``lo``)."""
+    C = cfg.page_size
+    return _Unit(
+        b=b,
+        length=length,
+        lo=lo,
+        start=start,
+        n=n,
+        last_page=jnp.maximum((length + C - 1) // C - 1, 0),
+        head_base=base_ref[0] + h * (cfg.num_pages * C),
+        qrow=b * cfg.num_q_heads + h * cfg.group,
+        s=jnp.asarray(s, jnp.int32),
+        valid=jnp.asarray(valid, jnp.bool_),
+        h=jnp.asarray(h, jnp.int32),
+    )
+
+
+def _lookup(cfg: _Config, bt_ref, unit: _Unit, i):
+    """Block-table entries of tile i of ``unit`` (clamped: never past the last page)."""
+    tile_tok = (unit.start + i) * cfg.block_kv
+    C, r = cfg.page_size, cfg.rows_per_copy
+    return [
+        bt_ref[unit.b, jnp.minimum((tile_tok + j * r) // C, unit.last_page)]
+        for j in range(cfg.copies_per_tile)
+    ]
+
+
+def _page_row(cfg: _Config, unit: _Unit, i, j, page):
+    """First pool row of copy j of tile i of ``unit`` (``rows_per_copy`` rows of ``page``): a
+    multiple of the rows a copy moves (8 rows of the SMEM tiling, or a whole small page)."""
+    tok = (unit.start + i) * cfg.block_kv + j * cfg.rows_per_copy
+    row = unit.head_base + page * cfg.page_size + tok % cfg.page_size
+    return pl.multiple_of(row, min(cfg.rows_per_copy, _TILE_ROWS))
+
+
+def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
+    """Page copies of tile i of ``unit`` into ring slot ``slot``: for each page, one copy per
+    ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
+    r = cfg.rows_per_copy
+    for j, page in enumerate(pages):
+        row = _page_row(cfg, unit, i, j, page)
+        for src, ring, bar in streams:
+            plgpu.copy_gmem_to_smem(
+                src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
+            )
+
+
+def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
+    """L2 prefetches (``cp.async.bulk.prefetch``) of tile i's pages of each of ``srcs``: the
+    bytes are requested from HBM now and land in L2, not in SMEM, so more of the stream is in
+    flight than the SMEM ring holds. A no-op in the interpreter."""
+    r = cfg.rows_per_copy
+    for j, page in enumerate(pages):
+        row = _page_row(cfg, unit, i, j, page)
+        for src in srcs:
+            plgpu.async_prefetch(src.at[pl.ds(row, r)])
+
+
+def _init_carry(cfg: _Config):
+    """(acc, m, l): acc [64, H] with m, l per row; ``swap_ab``: acc^T [H, qcols], m, l per
+    column, and with ``deferred_sum`` l [T, qcols] in the scores' layout (``_sum_l``)."""
+    H = cfg.head_dim
+    if cfg.swap_ab:
+        shape, vec, axis = (H, cfg.qcols), cfg.qcols, 0
+    else:
+        shape, vec, axis = (_ROWS, H), _ROWS, 1
+    acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    vec_layout = plgpu.Layout.WGMMA.reduce(axis)
+    m = plgpu.layout_cast(jnp.full((vec,), -jnp.inf, jnp.float32), vec_layout)
+    if cfg.deferred_sum:
+        l = plgpu.layout_cast(jnp.zeros((cfg.block_kv, cfg.qcols), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+        l = plgpu.layout_cast(jnp.zeros((vec,), jnp.float32), vec_layout)
+    return acc, m, l
+
+
+def _sum_l(cfg: _Config, l):
+    """The softmax denominators per query: with ``deferred_sum`` the per-key partial sums
+    [T, qcols] are reduced over the keys here, once, instead of once a tile (a reduction across
+    the warpgroup's four warps, through SMEM, in every tile's critical path)."""
+    return l.sum(axis=0) if cfg.deferred_sum else l
+
+
+def _relayout(cfg: _Config, src, dst):
+    """Copies the untiled [T, H] staging tile ``src`` into the tiled, swizzled ``dst`` through
+    registers, in a layout of 16-byte vectors that reads and writes SMEM without bank conflicts
+    (a quarter warp moves one 128-byte row), then makes it visible to wgmma (``staged``)."""
+    layout = plgpu.Layout.SMEM_GMEM_COPY((cfg.block_kv, cfg.head_dim), cfg.dtype, 128)
+    dst[...] = plgpu.load(src, layout=layout)
+    plgpu.commit_smem()
+
+
+def _tile(
+    cfg: _Config,
+    unit: _Unit,
+    i,
+    slot,
+    carry,
+    smem,
+    *,
+    v_slot=None,
+    after_qk=None,
+    before_p=None,
+    tiles=None,
+):
+    """Tile i of ``unit`` (K in ring slot ``slot``, V in ``v_slot``, default the same): Q K^T,
+    online softmax, P @ V.
+
+    ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
+    scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
+    ``tiles`` (``staged``): the tiled K and V tiles [1, T, H] that the ring's untiled slots are
+    re-laid into once they land; the products read those. Returns the new (acc, m, l); P @ V
+    has completed by then, so the slot's V is free.
+    """
+    T, H = cfg.block_kv, cfg.head_dim
+    q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
+    acc, m, l = carry
+    tile_tok = (unit.start + i) * T
+    v_slot = slot if v_slot is None else v_slot
+
+    def landed(bar, ring, at, tile, later_groups):
+        """Waits for the slot's copies; the tile the products read. ``per_thread``: a tile's
+        K and V are two cp.async groups, issued ``num_stages`` tiles ahead (``_attend``), so
+        ``later_groups`` (the other stream's and the later tiles') may still be in flight."""
+        if cfg.per_thread:
+            if later_groups is not None:  # (V's group was waited for with P's store)
+                _cp_async.wait(later_groups)
+                plgpu.commit_smem()
+            return ring.at[at]
+        plgpu.barrier_wait(bar.at[at])
+        if tile is None:
+            return ring.at[at]
+        _relayout(cfg, ring.at[at], tile.at[0])
+        return tile.at[0]
+
+    k_tile, v_tile = (None, None) if tiles is None else tiles
+    later = 2 * cfg.num_stages - 1  # cp.async groups after this tile's K group
+    # swap_ab: the scores' transpose K Q^T [T, qcols] (keys down, queries across), P^T stored
+    # through a transposed view of P [qcols, T], and O^T = V^T P^T [H, qcols]: the wgmma M is
+    # the keys / the head dim, and only N = qcols columns of queries are computed (8 for
+    # G <= 4) where the default tile computes 64 query rows.
+    swap = cfg.swap_ab
+    keys = 0 if swap else 1  # the scores' key axis
+    k_tile = landed(k_bar, k_smem, slot, k_tile, later)
+
+    def qk(acc_ref):
+        if swap:
+            plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+
+    sc_shape = (T, cfg.qcols) if swap else (_ROWS, T)
+    sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
+    if after_qk is not None:
+        after_qk()
+    scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
+    fold = not cfg.logits_soft_cap and scale > 0  # scale applied inside exp2, not per score
+    if cfg.logits_soft_cap:
+        cap = cfg.logits_soft_cap
+        sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+    elif not fold:
+        sc = sc * scale
+
+    def mask(sc):
+        key = tile_tok + plgpu.broadcasted_iota(
+            jnp.int32, sc_shape, keys, layout=plgpu.Layout.WGMMA
+        )
+        return jnp.where((key < unit.length) & (key >= unit.lo), sc, -jnp.inf)
+
+    # Only a tile holding the sequence end or the window start has keys to hide: the others
+    # skip the per-score iota, compares and select (a uniform branch).
+    partial = (tile_tok + T > unit.length) | (tile_tok < unit.lo)
+    sc = lax.cond(partial, mask, lambda sc: sc, sc)
+    queries = [1 - keys]  # where a per-query vector broadcasts to
+    if fold:  # max(s) * scale = max(s * scale) for scale > 0; exp2(s * scale - m) per score
+        m_new = jnp.maximum(m, sc.max(axis=keys) * scale)
+        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, queries))
+    else:
+        m_new = jnp.maximum(m, sc.max(axis=keys))
+        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, queries))
+    alpha = jnp.exp2(m - m_new)
+    if cfg.deferred_sum:  # l [T, qcols]: no reduction across the warps in the loop
+        l = l * lax.broadcast_in_dim(alpha, sc.shape, queries) + p
+    else:
+        l = l * alpha + p.sum(axis=keys)
+    if before_p is not None:
+        before_p()
+    if swap:
+        p_smem.transpose((1, 0))[...] = p.astype(cfg.dtype)
+    else:
+        p_smem[...] = p.astype(cfg.dtype)
+    if cfg.per_thread:  # V's cp.async group, made visible by P's fence and barrier
+        _cp_async.wait(later - 1)
+    plgpu.commit_smem()
+    v_tile = landed(v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
+
+    @pl.when(tile_tok + T > unit.length)
+    def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+        rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA)
+        vals = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+        v_tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
+        plgpu.commit_smem()
+
+    def pv(acc_ref):
+        if swap:
+            plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
+        return acc_ref[...]
+
+    o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
+    return acc, m_new, l
+
+
+def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
+    """The normalised output (rows that saw no key give zeros) and, split (or ``with_lse``),
+    its base-2 log-sum-exp."""
+    l = _sum_l(cfg, l)
+    empty = l == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1] if cfg.swap_ab else [0])
+    if not (cfg.num_splits > 1 if with_lse is None else with_lse):
+        return out, None
+    return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True):
+    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
+    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
+    partial, and the lse row of its ``qcols`` columns to the (sequence, KV head) slot). ``wait=False``
+    leaves the copies in flight (the persistent loop waits for their SMEM reads before it
+    writes the tiles again)."""
+    G = cfg.group
+    rows = pl.ds(unit.qoff, G)
+    if not wait:  # the previous unit's copies may still read these tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if cfg.swap_ab and cfg.num_splits == 1:  # out is O^T [H, qcols]: stored transposed
+        (o_ref,), (o_smem,) = outs, out_smem
+        o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
+    elif cfg.swap_ab:
+        # The partial O^T goes out as its G rows in q.dtype through a transposed view, as
+        # without splits (Mosaic GPU cannot store f32 through a transposed view). The lse row
+        # of the qcols columns goes to the (sequence, KV head) slot b * K + h, and the merge
+        # picks the G real columns (``_swapped_lse``).
+        (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
+        cta = unit.b * cfg.num_kv_heads + unit.h
+        o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
+        lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, 1)], lse_ref.at[unit.s, pl.ds(cta, 1)])
+    elif cfg.num_splits == 1:
+        (o_ref,), (o_smem,) = outs, out_smem
+        o_smem[...] = out.astype(cfg.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
+    else:
+        (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
+        o_smem[...] = out.astype(o_smem.dtype)
+        lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[unit.s, pl.ds(unit.qrow, G)])
+    if wait:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _partial_dtype(cfg: _Config):
+    """Split partials: f32, or ``q.dtype`` as FlashInfer's and vLLM's merged states are stored:
+    in the persistent kernel, whose output tiles have their own SMEM (f32 would not leave room
+    for two CTAs per SM), and with ``swap_ab``, whose O^T leaves through a transposed view
+    (Mosaic GPU stores only 16-bit types that way)."""
+    return cfg.dtype if cfg.persistent or cfg.swap_ab else jnp.float32
+
+
+def _scratch(cfg: _Config):
+    """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
+    T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
+    tr = _smem_transforms()
+    rows = cfg.q_rows  # with swap_ab, Q^T and P^T are wgmma B operands (transposed views)
+    # Output tiles, untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
+    if cfg.num_splits == 1:
+        out = (plgpu.SMEM((rows, H), dtype),)
+    elif cfg.swap_ab:  # the partial's rows (stored through O^T's transposed view), lse row
+        out = (plgpu.SMEM((rows, H), _partial_dtype(cfg)), plgpu.SMEM((_ROWS, rows), jnp.float32))
+    else:
+        out = (
+            plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
+            plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
+        )
+    ring_tr = {} if cfg.staged else {"transforms": tr}  # staged: copies land untiled
+    return (
+        plgpu.SMEM((rows, H), dtype, transforms=tr),
+        (
+            plgpu.SMEM((cfg.k_stages, T, H), dtype, **ring_tr),
+            plgpu.SMEM((stages, T, H), dtype, **ring_tr),
+        ),
+        plgpu.SMEM((rows, T), dtype, transforms=tr),
+        out,
+    )
+
+
+def _staged_tiles(cfg: _Config):
+    """``staged``: the tiled K and V tiles [1, T, H] the products read (``_relayout``). One
+    shared tile would need a warpgroup barrier between a tile's P @ V and the next tile's K
+    re-layout (a warp may finish its wgmma before another); with two, the P store's barrier
+    separates every tile's last read from the next write."""
+    tile = plgpu.SMEM((1, cfg.block_kv, cfg.head_dim), cfg.dtype, transforms=_smem_transforms())
+    return tile, tile
+
+
+def _attend(
+    cfg: _Config,
+    refs,
+    unit: _Unit,
+    q_smem,
+    k_smem,
+    v_smem,
+    p_smem,
+    q_bar,
+    k_bar,
+    v_bar,
+    consumed=None,
+    tiles=None,
+):
+    """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
+    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles (``_tile``).
+
+    Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
+    and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
+    (``early_k``) or P @ V has read its slot, and V of tile i + stages once P @ V has. With
+    ``consumed`` (the K- and V-consumed barriers of the producer variant) it issues none
+    and arrives on them as soon as the slot's K (after Q K^T) or V (after P @ V) is no
+    longer read.
+    """
+    q_ref, k_ref, v_ref, bt_ref = refs
+    stages, k_stages, n = cfg.num_stages, cfg.k_stages, unit.n
+    k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
+    smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+
+    def per_thread_issue(i, slot, live):
+        _cp_async.issue(
+            cfg, bt_ref, k_ref, v_ref, k_smem, v_smem, unit, i, slot, live, _smem_transforms()
+        )
+
+    with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
+        ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
+        ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
+        if cfg.per_thread:  # every thread copies pieces of the first tiles (cp.async)
+            for i in range(stages):
+                per_thread_issue(i, i, i < n)
+        elif consumed is None:
+            # Every prologue lookup first (clamped, so in bounds even past n): the block-table
+            # reads are in flight together rather than one tile's after the last one's issue.
+            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
+            for i in range(ring):
+                streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
+                pl.when(i < n)(
+                    lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
+                )
+            for i in range(ring, ahead):
+                pl.when(i < n)(
+                    lambda i=i: _prefetch(
+                        cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
+                    )
+                )
+        plgpu.barrier_wait(q_bar)
+
+    def step(i, carry):
+        slot = lax.rem(i, jnp.int32(stages))
+        if cfg.per_thread:  # the slot's next tile, two cp.async groups (committed even if none)
+            assert consumed is None, "page_copy='cp_async' has no producer warpgroup"
+            carry = _tile(cfg, unit, i, slot, carry, smem)
+            per_thread_issue(i + stages, slot, i + stages < n)
+            return carry
+        if consumed is None:
+            k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
+            # The block-table reads are in flight during the tile.
+            next_v = _lookup(cfg, bt_ref, unit, i + stages)
+            next_k = next_v if k_stages == stages else _lookup(cfg, bt_ref, unit, i + k_stages)
+            if cfg.l2_prefetch:
+                far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
+
+            def refill_k():
+                pl.when(i + k_stages < n)(
+                    lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
+                )
+
+            carry = _tile(
+                cfg, unit, i, k_slot, carry, smem, v_slot=slot,
+                after_qk=refill_k if cfg.early_k else None, tiles=tiles,
+            )  # fmt: skip
+            if cfg.early_k:
+                streams = [v_stream]
+            elif k_stages == stages:
+                streams = [k_stream, v_stream]
+            else:
+                refill_k()
+                streams = [v_stream]
+            pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_v, streams))
+            if cfg.l2_prefetch:
+                pl.when(i + ahead < n)(
+                    lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
+                )
+            return carry
+        # reading the scores waited for the wgmma: K is free
+        after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
+        carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=after_qk)
+        plgpu.barrier_arrive(consumed[1].at[slot])
+        return carry
+
+    with jax.named_scope("loop"):
+        return lax.fori_loop(0, n, step, _init_carry(cfg))
