@@ -320,9 +320,10 @@ def test_interpret_small_pages_match_reference(C, extra):
         (16, 1, [1200, 0, 65], dict(num_splits=18, num_layers=2, layer=jnp.int32(1))),
         (16, 3, [5, 200, 0, 64], dict(num_splits=3, longest_first=True)),  # 16 query columns
         (4, 2, [0, 3, 5, 150], dict(num_splits=2)),  # pages below 8 tokens (staging ring)
+        (16, 2, [300, 0, 17, 150], dict(num_splits=3, heads_inner=False)),  # (head, split, seq)
     ],
     ids=["C16-G2-split2", "C8-G4-split5-cap-window", "C16-G1-split18-layer", "C16-G3-split3",
-         "C4-G2-split2"],
+         "C4-G2-split2", "C16-G2-split3-heads-outer"],
 )  # fmt: skip
 def test_interpret_kernel_merge_matches_reference(C, G, lengths, extra):
     # split_merge="kernel" (the default with splits and swap_ab): the pair's last split CTA
@@ -362,6 +363,30 @@ def test_kernel_merge_default_and_lowering():
         assert ("_km_mosaic_gpu" in text) == in_kernel, merge
         # The XLA merge: a max over the splits of the lse, then exp2 and the weighted sum.
         assert ("stablehlo.exponential" in text) != in_kernel, merge
+
+
+@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("G", [4, 16])
+def test_split_merge_fits_in_the_loops_smem(monkeypatch, H, stages, G):
+    # The merge's scope (output and lse tiles, merge buffers, barriers) never needs more SMEM
+    # than the loop's scope it follows, so merging in the kernel costs no occupancy.
+    seen = []
+    monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
+    q = jnp.zeros((4, 8 * G, H), jnp.bfloat16)
+    pages = jnp.zeros((8, 40, 16, H), jnp.bfloat16)
+    bt, ln = jnp.zeros((4, 8), jnp.int32), jnp.ones((4,), jnp.int32)
+    kernel_gpu.paged_attention_pallas_gpu(
+        q, pages, pages, bt, ln, sm_scale=0.1, num_splits=40, num_stages=stages,
+        swap_ab=True, split_merge="kernel",
+    )  # fmt: skip
+    (cfg,) = seen
+    assert cfg.kernel_merge
+    R = cfg.q_rows
+    loop = kernel_gpu._smem_bytes(H, cfg.block_kv, stages, qcols=R)
+    nb = kernel_gpu._split_merge_batch(cfg)
+    merge = R * H * 2 + 64 * R * 4 + 1024 + nb * kernel_gpu._merge_piece_bytes(H, R)
+    assert 1 <= nb <= 16 and merge <= loop, (nb, merge, loop)
 
 
 def test_swap_ab_default():
@@ -698,6 +723,9 @@ def test_cross_lowers_for_cuda(variant):
     )
     in_kernel = merge == "kernel" and splits > 1 and not v.get("balanced")
     assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel
+    assert ("st.relaxed.gpu.global.u32" in text) == in_kernel  # the counter's reset
+    if in_kernel:  # the async-proxy fences around the arrival (the balanced kernel has them too)
+        assert "fence.proxy.async.global" in text
     assert all(("_km" in name) == in_kernel for name in names), names
 
 
@@ -1152,12 +1180,14 @@ def test_gpu_small_pages(C, extra):
         ([0, 1, 17, 5000, 2500], dict(window=700, soft_cap=50.0, num_splits=4, G=8)),
         ([0, 1, 3, 4, 5, 3000], dict(C=1, num_splits=4)),  # one-token pages (cp.async)
         ([9000, 1, 300], dict(num_layers=2, layer=1, num_splits=7, longest_first=True)),
+        ([9000, 0, 3000, 64], dict(num_splits=6, heads_inner=False)),  # grid (head, split, seq)
     ],
     ids=str,
 )
 def test_gpu_split_merge(lengths, extra, merge):
     # Split partials merged by the last split CTA of each pair (arrival counters, acquire-
-    # release) or by XLA; each case twice, so the counters are back at zero for the next call.
+    # release) or by XLA; each case twice (JAX zeroes the counters before every launch; the
+    # kernel resets each one it finished too).
     rng = np.random.default_rng(len(extra) + len(lengths))
     extra = dict(extra)
     dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))

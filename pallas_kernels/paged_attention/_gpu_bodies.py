@@ -16,8 +16,8 @@ from pallas_kernels.paged_attention._gpu_config import (
     _ROWS,
     _Config,
     _lse_row_step,
-    _merge_batch,
     _packed_key,
+    _split_merge_batch,
 )
 from pallas_kernels.paged_attention._gpu_tile import (
     _attend,
@@ -34,15 +34,10 @@ from pallas_kernels.paged_attention._gpu_tile import (
 )
 
 
-def _merge_rounds(cfg: _Config) -> int:
-    """Pieces a round of the in-kernel split merge loads (``_merge_split``)."""
-    return min(cfg.num_splits, _merge_batch(cfg.head_dim, cfg.block_kv, cfg.num_stages, cfg.q_rows))
-
-
 def _merge_scratch(cfg: _Config):
     """SMEM of ``_merge_split``: a round's partial rows and lse rows, their barriers and the
     arrival flag (after the loop: it reuses the ring's SMEM)."""
-    NB, R = _merge_rounds(cfg), cfg.q_rows
+    NB, R = _split_merge_batch(cfg), cfg.q_rows
     return (
         plgpu.SMEM((NB, R, cfg.head_dim), cfg.dtype),
         plgpu.SMEM((NB * _lse_row_step(R), R), jnp.float32),
@@ -76,7 +71,7 @@ def _merge_split(cfg: _Config, unit: _Unit, counters, out_ref, parts, o_smem, me
     def _():
         merged = _merge_gpu.merge(
             S, load_piece, mo_smem, ml_smem, m_bar, rows=R, head_dim=H,
-            batch=_merge_rounds(cfg), lse_step=step,
+            batch=_split_merge_batch(cfg), lse_step=step,
         )  # fmt: skip
         o_smem[...] = merged.astype(cfg.dtype)
         plgpu.commit_smem()

@@ -132,7 +132,8 @@ def _smem_bytes(
     ``qcols`` query rows instead of 64; ``staged`` (pages below 8 tokens by TMA): the ring is
     the untiled staging ring and one tiled K and one V tile come on top. Output tiles reuse the
     ring's SMEM (a later scope; the split path's qcols x H partial and 64 x qcols f32 lse are
-    far below the ring)."""
+    far below the ring; the in-kernel merge's buffers are sized to stay within this total,
+    ``_split_merge_batch``)."""
     k_stages = num_stages if k_stages is None else k_stages
     kv = (num_stages + k_stages + 2 * staged) * block_kv * head_dim * itemsize
     if qcols is not None:
@@ -215,7 +216,7 @@ def default_split_merge(
 
     H200, thirteenth session (BENCHMARKS.md, ``decode_cases_s13_merge*.json``): at the default
     4-16 splits of six batches the kernel's CUPTI time tied the XLA path's attention and merge
-    kernels (-1.2% to +1.8%), and 50 calls chained in one program (no host dispatch; the
+    kernels (-3.1% to +1.8% over two runs), and 50 calls chained in one program (no host dispatch; the
     merge's two XLA kernels and their launch gaps gone) were faster or tied in all five batches
     timed so (1-13%, where the same configuration varied up to 10% between runs); at 32 splits
     the last CTA's merge, two rounds of 16 pieces after the slowest split, made the kernel
@@ -443,9 +444,9 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
     at B=32 / 8k (3.81 vs 3.36 TB/s) and B=8, 32 KV heads / 8k (3.91 vs 3.77); 8 tie 16 at
     B=8 / 32k (4 and 32 were slower). Seventh session, B=1: one wave beat two in all three
     cases (CUPTI 44.9 vs 49.2 us at 8 KV heads / 32k; 94.3 vs 99.6 at 32 / 32k; 48.8 vs 53.8 at
-    32 / 8k). Thirteenth session, B=2 / 32k at 8 KV heads: 16 splits (one wave) beat 32 in both
-    runs, with either merge (CUPTI 46.8-47.7 us merged in the kernel, 48.4-49.1 by XLA, against
-    49.6-49.7 at 32 splits merged by XLA).
+    32 / 8k). Thirteenth session, B=2 / 32k at 8 KV heads: 16 splits (one wave) beat 32 in all
+    three runs (CUPTI 46.8-47.7 us merged in the kernel and 48.4-49.1 by XLA, against 49.6-49.7
+    at 32 splits merged by XLA; 83.9 against 88.6 on other random lengths).
     """
     programs = num_seqs * num_kv_heads
     max_tiles = -(-max_tokens // block_kv)
@@ -529,12 +530,32 @@ def _ring_bytes(head_dim: int, block_kv: int, stages: int) -> int:
     return 2 * stages * block_kv * head_dim * 2
 
 
+def _merge_piece_bytes(head_dim: int, qcols: int) -> int:
+    """SMEM of one merge piece: its qcols x H rows (16-bit) and its lse row, 128-byte aligned."""
+    return qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4
+
+
 def _merge_batch(head_dim: int, block_kv: int, stages: int, qcols: int) -> int:
     """Pieces a round of the balanced merge loads: ``_MERGE_BATCH``, or as many as fit in the
-    ring's SMEM (at least 1: the ring holds at least two 64-row tiles, a piece at most 64 rows)."""
+    ring's SMEM, which its buffers share (a ``RefUnion``; at least 1: the ring holds at least
+    two 64-row tiles, a piece at most 64 rows)."""
     ring = _ring_bytes(head_dim, block_kv, stages)
-    piece = qcols * head_dim * 2 + _lse_row_step(qcols) * qcols * 4
-    return max(1, min(_MERGE_BATCH, ring // piece))
+    return max(1, min(_MERGE_BATCH, ring // _merge_piece_bytes(head_dim, qcols)))
+
+
+def _split_merge_batch(cfg: _Config) -> int:
+    """Pieces a round of the in-kernel split merge loads (``_gpu_bodies._merge_split``): at most
+    ``_MERGE_BATCH`` and the splits, and as many as keep its scope (after the loop: the output
+    and lse tiles, the merge buffers and 1 KB of barriers and alignment) within the SMEM of
+    the loop's scope (``_smem_bytes``), so merging never costs occupancy; at least 1."""
+    R, H = cfg.q_rows, cfg.head_dim
+    loop = _smem_bytes(
+        H, cfg.block_kv, cfg.num_stages, cfg.dtype.itemsize, k_stages=cfg.k_stages, qcols=R,
+        staged=cfg.staged,
+    )  # fmt: skip
+    tiles = R * H * cfg.dtype.itemsize + _ROWS * R * 4 + 1024
+    fit = (loop - tiles) // _merge_piece_bytes(H, R)
+    return max(1, min(_MERGE_BATCH, cfg.num_splits, fit))
 
 
 def _lse_row_step(qcols: int) -> int:
