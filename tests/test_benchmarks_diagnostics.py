@@ -201,3 +201,26 @@ def test_decode_timeline_one_wave_and_no_order_region():
     assert tl._fit_ghz(ctas) == 1.75
     s = tl.summarize(ctas, 2.0)
     assert "order_median_us" not in s and s["first_wave_ctas"] == 3
+
+
+def test_decode_attention_measure_flags_bad_outputs(capsys):
+    # Every timed output is checked: non-finite values are counted and a warning printed (the
+    # reference is the untimed XLA call when --skip-xla drops its timing).
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import decode_attention
+
+    ns = types.SimpleNamespace(calls=2, rounds=1, loop=False)
+    res: dict = {}
+    f = jax.jit(lambda x: x / x)
+    x = jnp.array([1.0, 0.0, 2.0], jnp.float32)
+    decode_attention._measure("bad", lambda: (f, (x,)), 12, ns, res, ref=np.ones(3))
+    assert res["bad"]["nonfinite"] == 1
+    assert "WARNING bad: 1 non-finite" in capsys.readouterr().out
+    decode_attention._measure("good", lambda: (f, (x + 1.0,)), 12, ns, res, ref=np.ones(3))
+    assert res["good"]["nonfinite"] == 0 and res["good"]["max_abs_err_vs_xla"] == 0.0
