@@ -7,26 +7,14 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import lowered_ir
-
-from pallas_kernels.paged_attention import kernel_gpu
+import test_paged_attention_gpu
 
 
 def _texts(**kw):
-    args = (
-        jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((4, 8), jnp.int32),
-        jax.ShapeDtypeStruct((4,), jnp.int32),
-    )
-
-    def f(q, k, v, bt, ln):
-        return kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.125, **kw)
-
+    f, args = test_paged_attention_gpu.variant_call(kw)[:2]
     return lowered_ir._kernel_texts(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)))
 
 

@@ -653,8 +653,10 @@ _VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("variant", _VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v))
-def test_cross_lowers_for_cuda(variant):
+def variant_call(variant):
+    """(f, argument shapes, tuning knobs, B, N, K, H, C, W) of a cross-lowering variant: its
+    shape keys (B, N, K, H, C, W, dtype, L) with their defaults, the rest passed as knobs. Also
+    used by ``tools/lowered_ir.py``."""
     v = dict(variant)
     B, N, K = v.pop("B", 4), v.pop("N", 32), v.pop("K", 8)
     H, C, W = v.pop("H", 128), v.pop("C", 16), v.pop("W", 8)
@@ -674,6 +676,16 @@ def test_cross_lowers_for_cuda(variant):
             q, k, vp, bt, ln, sm_scale=0.125, layer=None if L is None else layer, **v
         )
 
+    return f, args, v, B, N, K, H, C, W
+
+
+def variant_id(variant) -> str:
+    return "-".join(f"{k}{variant[k]}" for k in variant)
+
+
+@pytest.mark.parametrize("variant", _VARIANTS, ids=variant_id)
+def test_cross_lowers_for_cuda(variant):
+    f, args, v, B, N, K, H, C, W = variant_call(variant)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text.lower()

@@ -62,35 +62,14 @@ def _kernel_texts(lowered) -> tuple[str, list[str]]:
 
 def fingerprints() -> dict[str, dict]:
     import jax
-    import jax.numpy as jnp
 
     sys.path.insert(0, str(ROOT / "tests"))
-    import test_paged_attention_gpu as t  # the cross-lowering variants
-
-    from pallas_kernels.paged_attention import kernel_gpu
+    import test_paged_attention_gpu as t  # the cross-lowering variants and their calls
 
     out = {}
     for variant in t._VARIANTS:
-        name = "-".join(f"{k}{variant[k]}" for k in variant)
-        v = dict(variant)
-        B, N, K = v.pop("B", 4), v.pop("N", 32), v.pop("K", 8)
-        H, C, W = v.pop("H", 128), v.pop("C", 16), v.pop("W", 8)
-        dtype, L = v.pop("dtype", jnp.bfloat16), v.pop("L", None)
-        pool = (K, 40, C, H) if L is None else (L, K, 40, C, H)
-        args = (
-            jax.ShapeDtypeStruct((B, N, H), dtype),
-            jax.ShapeDtypeStruct(pool, dtype),
-            jax.ShapeDtypeStruct(pool, dtype),
-            jax.ShapeDtypeStruct((B, W), jnp.int32),
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        )
-
-        def f(q, k, vp, bt, ln, layer, v=v, L=L):
-            return kernel_gpu.paged_attention_pallas_gpu(
-                q, k, vp, bt, ln, sm_scale=0.125, layer=None if L is None else layer, **v
-            )
-
+        name = t.variant_id(variant)
+        f, args = t.variant_call(variant)[:2]
         try:
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             program, kernels = _kernel_texts(lowered)
