@@ -106,8 +106,12 @@ def _merge_handover_ordered():
     check_read = cls.check_read
 
     def checked(self, thread, clock, buffer_key, rnge, source_info=None):
-        frame = "" if source_info is None else source_info_util.summarize(source_info)
-        if "(_merge_split.<locals>.load_piece)" in frame and buffer_key.memory_space_id == gmem:
+        # The frame is looked up only for GMEM reads (summarize walks the traceback).
+        if (
+            buffer_key.memory_space_id == gmem
+            and source_info is not None
+            and "(_merge_split.<locals>.load_piece)" in source_info_util.summarize(source_info)
+        ):
             return None
         return check_read(self, thread, clock, buffer_key, rnge, source_info)
 
