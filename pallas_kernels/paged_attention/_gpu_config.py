@@ -13,6 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _gpu_checks
+
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
 _TILE_ROWS = 8  # rows of the (8, 64) SMEM tiling: a TMA copy into a tiled ref starts on one
@@ -24,8 +26,8 @@ _TWO_CTA_SMEM_BYTES = 113 * 1024  # two CTAs per SM (228 KB, 1 KB reserved per C
 # one such CTA per SM whatever its SMEM.
 _COMPUTE_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = _gpu_checks.SUPPORTED_DTYPES
+SUPPORTED_HEAD_DIMS = _gpu_checks.SUPPORTED_HEAD_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,25 +484,9 @@ def unsupported_reason(
       check_backend: also require a Hopper (sm90) GPU as the default backend.
     """
     del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
-    reasons = []
-    if check_backend:
-        from jpaged import _backend
-
-        cc = _backend.gpu_compute_capability()
-        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
-            reasons.append(
-                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
-            )
-    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
-        reasons.append(
-            f"q/k_pages/v_pages dtypes ({q.dtype}, {k_pages.dtype}, {v_pages.dtype}) must all be "
-            "bfloat16 or all float16"
-        )
+    reasons = _gpu_checks.device_and_dtype_reasons(q, k_pages, v_pages, check_backend=check_backend)
     *_, C, H = k_pages.shape
     block_kv = default_block_kv(H) if block_kv is None else block_kv
-    if H not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
     if C < 1 or (block_kv % C and C % block_kv):
         reasons.append(f"page_size={C} must divide or be a multiple of the tile {block_kv=}")
     N = q.shape[1]
@@ -508,9 +494,7 @@ def unsupported_reason(
     G = N // K if K else 0
     if G > _ROWS or (G % 8 and G > _ROWS - 7):
         reasons.append(f"group size G={G} must be <= 56 (or a multiple of 8 up to 64)")
-    rows = math.prod(k_pages.shape[:-1])
-    if rows >= 2**31:
-        reasons.append(f"the pool has {rows} rows; the kernel indexes rows with int32")
+    reasons += _gpu_checks.pool_rows_reasons(k_pages)
     return "; ".join(reasons) if reasons else None
 
 

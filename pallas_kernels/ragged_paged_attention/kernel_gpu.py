@@ -68,14 +68,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _gpu_checks
 from pallas_kernels._split_merge import merge_splits
 from pallas_kernels.ragged_paged_attention import schedule, tuning_gpu
 
 _ROWS = tuning_gpu.ROWS
 _LSE_COLS = 32  # split partial LSE rows are 32 f32 = 128 B: TMA's SMEM row-slice alignment
 _LOG2E = math.log2(math.e)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = _gpu_checks.SUPPORTED_DTYPES
+SUPPORTED_HEAD_DIMS = _gpu_checks.SUPPORTED_HEAD_DIMS
 # setmaxnreg split of a warp-specialized CTA: the producer warpgroup needs few registers; the
 # compute warpgroups take the rest of the 64K (1 or 2 of them + the producer, 128 threads each).
 _PRODUCER_REGISTERS = 40
@@ -161,24 +162,8 @@ def unsupported_reason(
     """
     del sm_scale, causal, logits_soft_cap, sliding_window, layer
     del block_tables, kv_lens, cu_q_lens, num_seqs
-    reasons = []
-    if check_backend:
-        from jpaged import _backend
-
-        cc = _backend.gpu_compute_capability()
-        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
-            reasons.append(
-                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
-            )
-    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
-        reasons.append(
-            f"q/k_pages/v_pages dtypes ({q.dtype}, {k_pages.dtype}, {v_pages.dtype}) must all be "
-            "bfloat16 or all float16"
-        )
+    reasons = _gpu_checks.device_and_dtype_reasons(q, k_pages, v_pages, check_backend=check_backend)
     *_, C, H = k_pages.shape
-    if H not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
     T = (
         tuning_gpu.default_block_kv(H, tuning_gpu.default_fa3(False), page_size=C)
         if block_kv is None
@@ -194,9 +179,7 @@ def unsupported_reason(
     G = N // K if K else 0
     if not 1 <= G <= _ROWS:
         reasons.append(f"group size G={G} must be in [1, {_ROWS}]")
-    rows = math.prod(k_pages.shape[:-1])
-    if rows >= 2**31:
-        reasons.append(f"the pool has {rows} rows; the kernel indexes rows with int32")
+    reasons += _gpu_checks.pool_rows_reasons(k_pages)
     return "; ".join(reasons) if reasons else None
 
 

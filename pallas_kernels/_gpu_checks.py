@@ -1,0 +1,44 @@
+"""Argument checks shared by the Mosaic GPU kernels' ``unsupported_reason`` (decode and ragged):
+the GPU, the dtypes, the head dim and the pool's row count. Each returns the reasons it finds,
+in the order the messages list them."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def device_and_dtype_reasons(q, k_pages, v_pages, *, check_backend: bool) -> list[str]:
+    """A Hopper GPU (with ``check_backend``), one 16-bit dtype for q and the pools, and a
+    supported head dim."""
+    reasons = []
+    if check_backend:
+        from jpaged import _backend
+
+        cc = _backend.gpu_compute_capability()
+        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
+            reasons.append(
+                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
+            )
+    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        reasons.append(
+            f"q/k_pages/v_pages dtypes ({q.dtype}, {k_pages.dtype}, {v_pages.dtype}) must all be "
+            "bfloat16 or all float16"
+        )
+    H = k_pages.shape[-1]
+    if H not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim={H} must be one of {SUPPORTED_HEAD_DIMS}")
+    return reasons
+
+
+def pool_rows_reasons(k_pages) -> list[str]:
+    """The kernels index the flattened pool's rows with int32."""
+    rows = math.prod(k_pages.shape[:-1])
+    if rows >= 2**31:
+        return [f"the pool has {rows} rows; the kernel indexes rows with int32"]
+    return []
