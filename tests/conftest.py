@@ -5,10 +5,14 @@ Strict dtype promotion everywhere (no silent f32 upcasts); warnings are errors
 is present.
 """
 
+import _fast_lowering
 import jax
 import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Cross-lowering for CUDA spends half its time naming layout-inference variables: an
+# output-identical shortcut (tests/_fast_lowering.py; checked in tests/test_lowered_ir.py).
+_fast_lowering.install()
 
 
 def _backend() -> str:

@@ -6,6 +6,7 @@ import hashlib
 import sys
 from pathlib import Path
 
+import _fast_lowering
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -26,3 +27,26 @@ def test_fingerprints_are_stable_and_tell_kernels_apart():
     _, other = _texts(num_splits=1, num_stages=1)
     digest = lambda s: hashlib.sha256(s.encode()).hexdigest()  # noqa: E731
     assert digest(other[0]) != digest(kernels[0])
+
+
+def test_fast_layout_names_match_the_original(monkeypatch):
+    """``_fast_lowering``'s variable names are the original's, call by call, and the lowered
+    kernels are the same with it and without it (a variant with splits, a window and a soft
+    cap: loops and branches whose regions the original printed)."""
+    from jax.experimental.mosaic.gpu import layout_inference as li
+
+    variant = dict(num_splits=3, logits_soft_cap=30.0, sliding_window=100, C=8)
+    names = []
+
+    def checked(site):
+        fast, original = _fast_lowering.fast_str(site), _fast_lowering.original_str(site)
+        assert fast == original
+        names.append(fast)
+        return fast
+
+    monkeypatch.setattr(li.ValueSite, "__str__", checked)
+    patched = _texts(**variant)
+    # ... among them results of loops and branches (ops with regions)
+    assert len(names) > 100 and any(" = scf." in n for n in names), names
+    monkeypatch.setattr(li.ValueSite, "__str__", _fast_lowering.original_str)
+    assert _texts(**variant) == patched
