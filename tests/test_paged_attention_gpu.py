@@ -990,9 +990,17 @@ def test_default_tuning_from_static_shapes():
     assert kernel_gpu.default_num_splits(8, 8, 1024, 64) == 4
     assert kernel_gpu.default_num_splits(1, 1, 64, 64) == 1
     assert kernel_gpu.default_num_splits(8, 8, 49152, 64) == 8  # ~512 CTAs
-    # About one wave of programs: split only long sequences (>= 32 tiles a split).
-    assert kernel_gpu.default_num_splits(32, 8, 3072, 64) == 1
+    # About one wave of programs: split only long sequences (>= 32 tiles a split, 2 splits from
+    # 48-tile tables), and those splits run longest first.
+    assert kernel_gpu.default_num_splits(32, 8, 2048, 64) == 1
+    assert kernel_gpu.default_num_splits(32, 8, 3008, 64) == 1  # 47 tiles
+    assert kernel_gpu.default_num_splits(32, 8, 3072, 64) == 2
+    assert kernel_gpu.default_num_splits(48, 8, 3072, 64) == 2
+    assert kernel_gpu.default_num_splits(32, 8, 6144, 64) == 3
     assert kernel_gpu.default_num_splits(32, 8, 12288, 64) == 4
+    assert kernel_gpu.default_longest_first(32, 8, 2, 3072)
+    assert kernel_gpu.default_longest_first(48, 8, 2, 3072)
+    assert kernel_gpu.default_longest_first(32, 8, 3, 6144)
     assert kernel_gpu.default_num_splits(64, 8, 6144, 64) == 1  # two waves: never
     # Longest first once the grid is more than one wave (2 x 132 CTAs), never for B = 1.
     assert kernel_gpu.default_longest_first(128, 8, 1)

@@ -248,6 +248,13 @@ def default_deferred_sum(qcols: int = 8) -> bool:
 _WAVE_CTAS = 2 * 132
 
 
+# (Sequence, KV head) pairs of about one wave of CTAs (132 SMs x 2-3): from here to twice this,
+# splits depend on the table's reach (``default_num_splits``); past it, none.
+_ONE_WAVE_PROGRAMS = 256
+# About one wave of pairs: tables of this many tiles or more (3k tokens at T=64) get 2+ splits.
+_ONE_WAVE_SPLIT_MIN_TILES = 48
+
+
 # Longest first pays only where a unit (a sequence's split) can be long: below this many
 # tokens per unit (table width x page size / splits) the order costs more than the tail saves.
 _LONGEST_FIRST_MIN_TOKENS = 2048
@@ -275,9 +282,17 @@ def default_longest_first(
     B=8 / 8k at 32 KV heads: 1.2-1.4% on CUPTI, ``decode_cases_s9_swap_splits.json``) and
     lost at B=8 / 32k with 8 splits (6k-token units; 0.9-1.7% on CUPTI in two calls), where
     it stays on.
+
+    About one wave of (sequence, KV head) pairs (256-511) split by ``default_num_splits``: on,
+    whatever the units' tokens. H200, fourteenth session (``decode_cases_s14_rule.json``,
+    CUPTI us, in the kernel order, split partials merged in the kernel): B=32 / 4k at 3 splits
+    130.6 with the order against 135.4 without it; B=32 / 2k at 2 splits 71.2 and 71.6 against
+    72.3 and 73.8 unsplit (two calls), B=48 / 2k 102.3 against 106.9.
     """
     if num_seqs <= 1 or num_seqs * num_kv_heads * num_splits <= _WAVE_CTAS:
         return False
+    if num_splits > 1 and _ONE_WAVE_PROGRAMS <= num_seqs * num_kv_heads < 2 * _ONE_WAVE_PROGRAMS:
+        return True  # a wave of pairs split into two or three waves (default_num_splits)
     return max_tokens is None or max_tokens > _LONGEST_FIRST_MIN_TOKENS * num_splits
 
 
@@ -435,8 +450,10 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
 
     - >= 512 programs (two waves of 2 x 132 CTAs): none;
     - 256-511 (about one wave): enough splits for ~1024 CTAs if each keeps >= 32 tiles
-      (2k tokens at T=64), else none: a wave of whole sequences is balanced badly (lengths
-      vary) only when they are long enough for splits to pay for the merge;
+      (2k tokens at T=64), at least 2 where the table reaches 48 tiles (3k tokens), else
+      none: a wave of whole sequences is balanced badly (lengths vary) only when they are long
+      enough for splits to pay for the merge; such splits run longest first
+      (``default_longest_first``);
     - fewer: enough for ~512 CTAs (two waves: sequences of different lengths split into
       units of different sizes, which the second wave evens out), but ~256 (one wave) for one
       or two sequences; >= 4 tiles per split; at most 64.
@@ -448,14 +465,23 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
     cases (CUPTI 44.9 vs 49.2 us at 8 KV heads / 32k; 94.3 vs 99.6 at 32 / 32k; 48.8 vs 53.8 at
     32 / 8k). Thirteenth session, B=2 / 32k at 8 KV heads: 16 splits (one wave) beat 32 in all
     three runs (CUPTI 46.8-47.7 us merged in the kernel and 48.4-49.1 by XLA, against 49.6-49.7
-    at 32 splits merged by XLA; 83.9 against 88.6 on other random lengths).
+    at 32 splits merged by XLA; 83.9 against 88.6 on other random lengths). Fourteenth session
+    (one wave, splits merged in the kernel, longest first; ``decode_cases_s14_onewave.json``,
+    ``decode_cases_s14_rule.json``, CUPTI us): 2 splits beat none at B=32 / 2k (71.6 vs 73.8,
+    71.2 vs 72.3) and B=48 / 2k (102.3 vs 106.9), within 1% of 3; 3 splits at B=32 / 4k 130.6
+    vs 135.4 unordered; at 1k-token sequences (32-tile tables) every split lost (B=32 / 1k
+    40.7-42.6 vs 38.6, B=40 / 1k 49.7-51.7 vs 48.9), as at head dim 64 (B=128 / 2k, 512 pairs:
+    74.3-85.0 vs 69.2); B=12 / 2k at 32 KV heads (G = 1) lost 1.0% at 2 splits, within noise.
     """
     programs = num_seqs * num_kv_heads
     max_tiles = -(-max_tokens // block_kv)
-    if programs >= 512:
+    if programs >= 2 * _ONE_WAVE_PROGRAMS:
         return 1
-    if programs >= 256:
-        return max(1, min(-(-1024 // programs), max_tiles // 32))
+    if programs >= _ONE_WAVE_PROGRAMS:
+        long_units = max_tiles // 32
+        if max_tiles >= _ONE_WAVE_SPLIT_MIN_TILES:
+            long_units = max(long_units, 2)
+        return max(1, min(-(-1024 // programs), long_units))
     target = 256 if num_seqs <= 2 else 512
     return max(1, min(-(-target // programs), max_tiles // 4, 64))
 

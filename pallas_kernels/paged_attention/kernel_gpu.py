@@ -387,7 +387,8 @@ def paged_attention_pallas_gpu(
       num_splits: split-KV factor (default from static shapes, ``default_num_splits``).
       longest_first: schedule sequences longest first (an on-device order); default
         ``default_longest_first``: on when the grid is more than one wave of CTAs and a unit
-        can hold more than 2048 tokens (``block_tables`` width x page size / splits).
+        can hold more than 2048 tokens (``block_tables`` width x page size / splits), or when
+        about one wave of (sequence, KV head) pairs (256-511) is split.
       producer: warp specialization: a second warpgroup issues the K/V page copies and the
         computing one never waits on the block table or the TMA issue (opt-in: slower than
         the default on the H200, see the module docstring).
