@@ -24,6 +24,9 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a GPU backend (run with `pytest -m gpu` on a GPU)")
     skip_tpu = pytest.mark.skip(reason="needs a TPU backend (run with `pytest -m tpu` on a TPU)")
     for item in items:
+        # A module's SLOW_CASES (test ids) are slow: left out of `make test`, run by test-all.
+        if item.name in getattr(item.module, "SLOW_CASES", ()):
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and backend != "tpu":

@@ -90,6 +90,80 @@ def _run_case(
 RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
 
 
+# Cases ``make test`` (CPU CI) leaves out and ``make test-all`` runs (``tests/conftest.py``
+# marks them slow by these ids): extra cases of the opt-in paths (the balanced, persistent and
+# producer kernels, K rings, L2 prefetches, the heads-outer grid, the TMA staging ring of small
+# pages, per-thread copies of 8+ token pages) beyond one or two each, and boundaries that other
+# cases repeat. Every default path keeps all its cases; the GPU suite runs every case.
+SLOW_CASES = {
+    *(
+        f"test_interpret_matches_reference[{i}]"
+        for i in (
+            "C16-split2-longest-first-heads-outer", "C16-T64-st2-l2-prefetch3-bad-ids",
+            "C16-T64-st1-early-k", "C16-T64-st1-k2-early-k-split2",
+        )
+    ),
+    *(
+        f"test_interpret_persistent_matches_reference[{i}]"
+        for i in (
+            "ctas3", "split3-st3", "longest", "partial-prefetch", "C128-T64-window",
+            "split2-st4-bad-ids", "st1-split2-cap-window",
+        )
+    ),
+    *(
+        f"test_interpret_producer_matches_reference[{i}]"
+        for i in ("C16-T64-st2", "C128-T128-default-stages-layer")
+    ),
+    *(
+        f"test_interpret_k_ring_matches_reference[{i}]"
+        for i in ("st1-k3", "st3-k2-early", "st2-k3-early-prefetch-window")
+    ),
+    "test_interpret_small_pages_match_reference[C2-split2-64-rows]",
+    "test_interpret_small_pages_match_reference[C2-k-ring-early-k]",
+    "test_kernel_order_is_the_sorted_order[12-128]",
+    "test_kernel_order_is_the_sorted_order[128-64]",
+    "test_interpret_plain_order_indices[False-True]",
+    "test_interpret_plain_order_indices[True-False]",
+    "test_interpret_plain_order_indices[True-True]",
+    "test_interpret_kernel_order_window_splits_heads_outer",
+    *(
+        f"test_interpret_balanced_matches_reference[{i}]"
+        for i in (
+            "4-pieces", "20-pieces", "empty-shares-cap-window", "G24-cut", "C128-G3-window",
+            "H128-G8-bad-ids",
+        )
+    ),
+    *(
+        f"test_cross_lowers_for_cuda[{i}]"
+        for i in (
+            "balancedTrue-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3",
+            "balancedTrue-B7-N2-K2-H64",
+            "balancedTrue-logits_soft_cap30.0-sliding_window100-C128",
+            "balancedTrue-N48-K8",
+            "balancedTrue-H256-C256",
+            "balancedTrue-B300-num_ctas1000",
+            "balancedTrue-B66-W160",
+            "balancedTrue-N512-K8-H64",
+            "C1-W256-H64-K4-dtype<class 'jax.numpy.float16'>-L3-page_copytma",
+            "C1-W128-N64-K8-l2_prefetch1-page_copytma",
+            "C2-W64-B40-longest_firstTrue-k_stages3-early_kTrue-page_copytma",
+            "persistentTrue-num_splits4-logits_soft_cap30.0-sliding_window100-C64",
+            "persistentTrue-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3-num_ctas5",
+            "persistentTrue-H256-C256-num_splits2",
+            "persistentTrue-num_splits2-C8",
+            "producerTrue-num_stages6",
+            "producerTrue-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3",
+            "producerTrue-H256-C256-num_splits2-logits_soft_cap30.0-sliding_window100",
+            "producerTrue-N64-K8-C32-num_stages1-longest_firstFalse",
+            "k_stages3-early_kTrue",
+            "H64-C8-K4-k_stages3-early_kTrue-L3",
+            "H256-C256-num_splits2-k_stages3-early_kTrue",
+            "C8-H64-K4-page_copycp_async-swap_abFalse",
+        )
+    ),
+}  # fmt: skip
+
+
 @contextlib.contextmanager
 def _merge_handover_ordered():
     """The in-kernel split merge's loads of other CTAs' partials are ordered on hardware by
@@ -1227,6 +1301,21 @@ def test_gpu_many_sequences_default_tuning():
     # 96 sequences of up to 3000 tokens: longest first, counted in each CTA (order "kernel").
     rng = np.random.default_rng(11)
     lengths = rng.integers(0, 3000, size=96)
+    _run_case(rng, lengths, K=8, G=4, H=128, C=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [32, 48])
+def test_gpu_one_wave_default_tuning(B):
+    # About one wave of (sequence, KV head) pairs with 48+ tile tables: by default 2 splits,
+    # longest first (counted in each CTA), merged in the kernel; lengths 0, 1, C-1, C, C+1.
+    rng = np.random.default_rng(12 + B)
+    lengths = rng.integers(1000, 3072, size=B)
+    lengths[:6] = [0, 1, 15, 16, 17, 3072]
+    width = 3072 // 16  # make_paged_kv's table: as wide as the longest sequence needs
+    assert kernel_gpu.default_num_splits(B, 8, width * 16, 64) == 2
+    assert kernel_gpu.default_longest_first(B, 8, 2, width * 16)
+    assert kernel_gpu.default_split_merge(2, True) == "kernel"
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
 
 
