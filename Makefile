@@ -24,11 +24,13 @@ demo: $(VENV)/.installed
 # every case.
 CPU_XLA_FLAGS := --xla_backend_optimization_level=0
 
+CPU_PYTEST = XLA_FLAGS="$(CPU_XLA_FLAGS) $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 -q
+
 test: $(VENV)/.installed
-	XLA_FLAGS="$(CPU_XLA_FLAGS) $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 -q -m "not slow"
+	$(CPU_PYTEST) -m "not slow"
 
 test-all: $(VENV)/.installed
-	XLA_FLAGS="$(CPU_XLA_FLAGS) $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 -q
+	$(CPU_PYTEST)
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m gpu -q

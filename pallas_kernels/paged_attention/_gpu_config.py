@@ -251,6 +251,14 @@ _WAVE_CTAS = 2 * 132
 # (Sequence, KV head) pairs of about one wave of CTAs (132 SMs x 2-3): from here to twice this,
 # splits depend on the table's reach (``default_num_splits``); past it, none.
 _ONE_WAVE_PROGRAMS = 256
+
+
+def _one_wave_of_pairs(programs: int) -> bool:
+    """About one wave of (sequence, KV head) pairs: the regime where ``default_num_splits``
+    splits by the table's reach and ``default_longest_first`` orders any split."""
+    return _ONE_WAVE_PROGRAMS <= programs < 2 * _ONE_WAVE_PROGRAMS
+
+
 # About one wave of pairs: tables of this many tiles or more (3k tokens at T=64) get 2+ splits.
 _ONE_WAVE_SPLIT_MIN_TILES = 48
 
@@ -291,7 +299,7 @@ def default_longest_first(
     """
     if num_seqs <= 1 or num_seqs * num_kv_heads * num_splits <= _WAVE_CTAS:
         return False
-    if num_splits > 1 and _ONE_WAVE_PROGRAMS <= num_seqs * num_kv_heads < 2 * _ONE_WAVE_PROGRAMS:
+    if num_splits > 1 and _one_wave_of_pairs(num_seqs * num_kv_heads):
         return True  # a wave of pairs split into two or three waves (default_num_splits)
     return max_tokens is None or max_tokens > _LONGEST_FIRST_MIN_TOKENS * num_splits
 
@@ -477,7 +485,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
     max_tiles = -(-max_tokens // block_kv)
     if programs >= 2 * _ONE_WAVE_PROGRAMS:
         return 1
-    if programs >= _ONE_WAVE_PROGRAMS:
+    if _one_wave_of_pairs(programs):
         long_units = max_tiles // 32
         if max_tiles >= _ONE_WAVE_SPLIT_MIN_TILES:
             long_units = max(long_units, 2)
