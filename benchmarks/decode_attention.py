@@ -302,10 +302,11 @@ def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
         # What one call launches (order, kernel, merge) and what each costs, CUPTI.
         res["pallas_gpu"]["kernels_us"] = _timing.cupti_kernels_us(ours[0], *ours[1])
     for S in ns.splits:
-        _measure(f"pallas_gpu_S{S}", lambda S=S: _ours(inp, case, num_splits=S), nbytes, ns, res)
-    for spec in ns.variants:  # "num_stages=3,num_splits=4"
+        f = lambda S=S: _ours(inp, case, num_splits=S)  # noqa: E731
+        _measure(f"pallas_gpu_S{S}", f, nbytes, ns, res, ref)
+    for spec in ns.variants:  # "num_stages=3,num_splits=4": checked against XLA too
         kw = _parse_kwargs(spec)
-        _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res)
+        _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res, ref)
     for spec in ns.ragged_variants:  # "default" or "paired=0,block_kv=64"
         kw = {} if spec == "default" else _parse_kwargs(spec)
         name = f"pallas_gpu_ragged_{spec}"

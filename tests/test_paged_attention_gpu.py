@@ -228,6 +228,8 @@ def _assert_no_races():
         # A negative scale keeps the scale out of exp2 (max(s) * scale != max(s * scale))
         (16, 2, {"sm_scale": -0.2, "block_kv": 64}),
         (16, 3, {"deferred_sum": False, "soft_cap": 20.0, "window": 37}),  # a sum every tile
+        # No automatic barriers (the interpreter runs the kernel's own as no-ops)
+        (16, 2, {"auto_barriers": False, "longest_first": True, "out_of_range_tail": True}),
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -244,6 +246,7 @@ def _assert_no_races():
         "C8-T64-st2-k3-bad-ids",
         "C16-T64-split2-negative-scale",
         "C16-split3-sum-per-tile-cap-window",
+        "C16-split2-no-auto-barriers",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -728,6 +731,11 @@ _VARIANTS = [
     dict(num_splits=3, split_merge="xla"),
     dict(num_splits=40, B=1, H=64, C=8, K=4),  # XLA by default past 16 splits
     dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="kernel"),  # rounds of 16, 16, 8
+    # Without Pallas's automatic warpgroup barriers (the kernel's own, by hand)
+    dict(auto_barriers=False),
+    dict(auto_barriers=False, B=40, num_splits=3, longest_first=True, sliding_window=100),
+    dict(auto_barriers=False, C=8, H=64, K=4, early_k=True, k_stages=3, swap_ab=False),  # T=128
+    dict(auto_barriers=False, C=1, W=128),  # per-thread cp.async copies
 ]
 
 
@@ -916,6 +924,9 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(page_copy=\"tma\" can\)"),
         (dict(C=1, l2_prefetch=1), "cannot take l2_prefetch=1"),
         (dict(C=1, page_copy="cp_async", interpret=True), "runs only on a GPU"),
+        (dict(auto_barriers=False, producer=True), "auto_barriers=False places its barriers"),
+        (dict(auto_barriers=False, balanced=True), "cannot take producer=False, persisten"),
+        (dict(C=4, auto_barriers=False, page_copy="tma"), "pages of 4 tokens with page_copy"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1317,6 +1328,38 @@ def test_gpu_one_wave_default_tuning(B):
     assert kernel_gpu.default_longest_first(B, 8, 2, width * 16)
     assert kernel_gpu.default_split_merge(2, True) == "kernel"
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        (16, dict()),
+        (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
+        (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
+        (64, dict(window=700, soft_cap=50.0, num_splits=3)),
+        (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
+        (256, dict(H=256, G=8, num_splits=2)),
+        (128, dict(swap_ab=False, num_splits=3, split_merge="xla")),  # the 64-row tile, C > T
+        (16, dict(early_k=True, k_stages=3, out_of_range_tail=True)),
+        (32, dict(num_layers=2, layer=1, dtype="float16", G=6)),  # 16 query columns
+        (2, dict(lengths=[32768, 0, 3], num_splits=1)),  # per-thread cp.async copies
+    ],
+    ids=str,
+)
+def test_gpu_no_auto_barriers(C, extra):
+    # auto_barriers=False: no barrier before each page copy or around each SMEM store, only the
+    # kernel's own (a tile's slot refilled after every warp's P @ V; the output tiles, which
+    # reuse the ring; Q after the order's SMEM). Each case twice, NaN-poisoned free pages.
+    rng = np.random.default_rng(C + len(extra))
+    extra = dict(extra)
+    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
+    H, G = extra.pop("H", 128), extra.pop("G", 4)
+    lengths = extra.pop("lengths", [0, 1, max(C - 1, 0), C, C + 1, 99, 1000, 2500])
+    if lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, G=G, H=H, C=C, dtype=dtype, auto_barriers=False, **extra)
 
 
 @pytest.mark.gpu

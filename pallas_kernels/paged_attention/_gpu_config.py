@@ -64,6 +64,9 @@ class _Config:
     balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
     page_copy: str = "tma"  # "cp_async" (per thread, the default below 8 tokens) or "tma"
     kernel_merge: bool = False  # splits merged by the last CTA of each pair (``_merge_split``)
+    # Pallas's automatic warpgroup barriers around every SMEM store and before every copy; off:
+    # the few the kernel needs are placed by hand (``_gpu_tile.wg_barrier``).
+    auto_barriers: bool = True
 
     @property
     def xla_order(self) -> bool:

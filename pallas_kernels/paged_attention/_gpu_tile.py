@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import _cp_async
@@ -22,6 +23,26 @@ from pallas_kernels.paged_attention._gpu_config import (
     _Config,
     _packed_order,
 )
+
+
+def _wg_barrier_fn():
+    @plgpu.inline_mgpu()
+    def barrier(ctx):
+        del ctx
+        mgpu_utils.warpgroup_barrier()
+
+    return barrier
+
+
+def wg_barrier(cfg: _Config) -> None:
+    """A warpgroup barrier where the kernel runs without Pallas's automatic ones
+    (``auto_barriers=False``): every warp's reads of SMEM (its part of a wgmma, its loads) are
+    done before any warp issues a copy or a store that overwrites them. A no-op with the
+    automatic barriers, and in the interpreter (which runs a warpgroup as one and cannot run
+    inline Mosaic GPU code)."""
+    if cfg.auto_barriers or cfg.interpret:
+        return
+    _wg_barrier_fn()()
 
 
 def _smem_transforms():
@@ -330,6 +351,7 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
     writes the tiles again)."""
     G = cfg.group
     rows = pl.ds(unit.qoff, G)
+    wg_barrier(cfg)  # the output tiles reuse the ring's SMEM: every warp's last wgmma is done
     if not wait:  # the previous unit's copies may still read these tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if cfg.swap_ab and cfg.num_splits == 1:  # out is O^T [H, qcols]: stored transposed
@@ -444,6 +466,7 @@ def _attend(
         )
 
     with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
+        wg_barrier(cfg)  # Q and the ring reuse the in-kernel order's SMEM
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
@@ -483,6 +506,8 @@ def _attend(
                 far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
 
             def refill_k():
+                if cfg.early_k:  # the slot's K was read by every warp's part of Q K^T
+                    wg_barrier(cfg)
                 pl.when(i + k_stages < n)(
                     lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
                 )
@@ -491,6 +516,9 @@ def _attend(
                 cfg, unit, i, k_slot, carry, smem, v_slot=slot,
                 after_qk=refill_k if cfg.early_k else None, tiles=tiles,
             )  # fmt: skip
+            # Every warp's part of P @ V (and Q K^T) has read the slot and P before any warp
+            # refills the slot or writes the next P.
+            wg_barrier(cfg)
             if cfg.early_k:
                 streams = [v_stream]
             elif k_stages == stages:

@@ -294,6 +294,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_cpa" if cfg.per_thread else "_stg"
     if cfg.kernel_merge:
         name += "_km"  # splits merged in the kernel
+    if not cfg.auto_barriers:
+        name += "_nab"  # no automatic warpgroup barriers (``wg_barrier`` where needed)
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -315,6 +317,7 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         grid_names=grid_names,
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
+            unsafe_no_auto_barriers=not cfg.auto_barriers,
             # 4 regions (order, prologue, loop, store) of 2 events a warpgroup, and spare
             **({"profile_space": 16, "profile_dir": cfg.profile_dir} if cfg.profile_dir else {}),
         ),
@@ -363,6 +366,7 @@ def paged_attention_pallas_gpu(
     balanced: bool = False,
     page_copy: str | None = None,
     split_merge: str | None = None,
+    auto_barriers: bool = True,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -461,6 +465,12 @@ def paged_attention_pallas_gpu(
         the launch; with ``swap_ab``, not with ``producer`` or ``persistent``) or ``"xla"`` (a
         small XLA epilogue, ``_split_merge.merge_splits``). Ignored without splits. Default
         (None): ``default_split_merge``.
+      auto_barriers: False compiles without Pallas's automatic warpgroup barriers (one before
+        every page copy and two around every SMEM store: about 11 a tile at 16-token pages)
+        and places the three the kernel needs by hand (``_gpu_tile.wg_barrier``: after each
+        tile, before its slot is refilled; before the output tiles overwrite the ring; before
+        Q's copy). Only in the default kernel (not with ``producer``, ``persistent``,
+        ``balanced`` or the staging ring of ``page_copy="tma"`` below 8 tokens).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -515,6 +525,13 @@ def paged_attention_pallas_gpu(
             'run its inline Mosaic GPU code (use page_copy="tma", the default there)'
         )
     staged = small and page_copy == "tma"  # land untiled, then re-laid (_relayout)
+    auto_barriers = bool(auto_barriers)
+    if not auto_barriers and (producer or persistent or balanced or staged):
+        raise ValueError(
+            "auto_barriers=False places its barriers in the default kernel only: it cannot take "
+            f"producer={producer}, persistent={persistent}, balanced={balanced} or pages of "
+            f"{C} tokens with page_copy={page_copy!r} (the staging ring)"
+        )
     if balanced:
         clashes = dict(
             producer=producer, persistent=persistent, l2_prefetch=l2_prefetch,
@@ -670,6 +687,7 @@ def paged_attention_pallas_gpu(
         balanced=balanced,
         page_copy=page_copy,
         kernel_merge=kernel_merge,
+        auto_barriers=auto_barriers,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
