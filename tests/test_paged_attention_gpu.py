@@ -1364,30 +1364,6 @@ def test_gpu_no_auto_barriers(C, extra):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "lengths,extra",
-    [
-        ([32768, 1, 20001, 0, 16, 17], dict(num_splits=8)),
-        ([32768, 1, 20001], dict(num_splits=16, split_merge="xla")),
-        ("many", dict(num_splits=3)),  # 96 x 8 pairs: several waves, longest first
-        ([0, 1, 17, 5000, 2500], dict(window=700, soft_cap=50.0, num_splits=4)),
-        ([9000, 1, 300, 64], dict(num_splits=5, split_tiles=30, C=64)),
-    ],
-    ids=str,
-)
-def test_gpu_split_tiles(lengths, extra):
-    # Equal splits (split_tiles): a sequence's tiles in units of the same size, so short
-    # sequences leave their last splits empty (zeros, lse -inf, merged all the same).
-    rng = np.random.default_rng(len(lengths) + len(extra))
-    extra = dict(extra)
-    C = extra.pop("C", 16)
-    extra.setdefault("split_tiles", "table")
-    if lengths == "many":
-        lengths = rng.integers(0, 3000, size=96)
-    _run_case(rng, lengths, K=8, G=4, H=128, C=C, **extra)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
     "B,extra",
     [
         (132, dict()),  # two keys a thread

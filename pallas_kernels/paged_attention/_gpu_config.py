@@ -67,9 +67,6 @@ class _Config:
     # Pallas's automatic warpgroup barriers around every SMEM store and before every copy; off:
     # the few the kernel needs are placed by hand (``_gpu_tile.wg_barrier``).
     auto_barriers: bool = True
-    # Tiles of every split (0: a sequence's tiles / num_splits): equal units, so a sequence
-    # has as many non-empty splits as its length needs (``split_tiles``).
-    split_tiles: int = 0
 
     @property
     def xla_order(self) -> bool:

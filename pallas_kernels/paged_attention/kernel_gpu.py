@@ -294,8 +294,6 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_cpa" if cfg.per_thread else "_stg"
     if cfg.kernel_merge:
         name += "_km"  # splits merged in the kernel
-    if cfg.split_tiles:
-        name += f"_st{cfg.split_tiles}"  # equal splits
     if not cfg.auto_barriers:
         name += "_nab"  # no automatic warpgroup barriers (``wg_barrier`` where needed)
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
@@ -369,7 +367,6 @@ def paged_attention_pallas_gpu(
     page_copy: str | None = None,
     split_merge: str | None = None,
     auto_barriers: bool = True,
-    split_tiles: int | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -643,21 +640,6 @@ def paged_attention_pallas_gpu(
         num_ctas = min(int(num_ctas), B * K * max(1, -(-W * C // block_kv)))
     else:
         num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
-    reach = W * C if sliding_window is None else min(W * C, int(sliding_window) + block_kv)
-    reach_tiles = -(-reach // block_kv)  # the most tiles a sequence (or its window) spans
-    if split_tiles is None or split_tiles == 0:
-        split_tiles = 0
-    elif split_tiles == "table":  # equal splits that cover the table's reach
-        split_tiles = -(-reach_tiles // splits)
-    else:
-        split_tiles = _int_knob("split_tiles", split_tiles)
-        if split_tiles < 1 or split_tiles * splits < reach_tiles:
-            raise ValueError(
-                f"split_tiles={split_tiles} x num_splits={splits} must cover the {reach_tiles} "
-                f"tiles of {block_kv} tokens a sequence can span (or be 0 / None / 'table')"
-            )
-    if split_tiles and (persistent or balanced):
-        raise ValueError("split_tiles needs persistent=False and balanced=False")
     if longest_first is None:
         lf = default_longest_first(B, K, splits, W * C)
     else:
@@ -706,7 +688,6 @@ def paged_attention_pallas_gpu(
         page_copy=page_copy,
         kernel_merge=kernel_merge,
         auto_barriers=auto_barriers,
-        split_tiles=split_tiles,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
