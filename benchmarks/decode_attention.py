@@ -317,6 +317,23 @@ def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
         del kd, vd
     if not ns.skip_triton and case.H >= 64:
         _measure("triton_deprecated", lambda: _triton(inp, case), nbytes, ns, res, ref)
+    if ns.same_size_read:
+        # A reduction over exactly the live K/V bytes: what one streaming kernel of this size
+        # reaches, its launch, ramp and tail included (the roofline's 4 GiB amortizes them).
+        try:
+            x = jax.random.normal(jax.random.key(1), (nbytes // 2 // 4096, 4096), jnp.bfloat16)
+            f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+            w = _timing.wall_us(f, x, calls=ns.calls, rounds=ns.rounds)
+            k = _timing.cupti_us(f, x)
+            res["same_size_read"] = {
+                "wall_us": w,
+                "cupti_us": k,
+                "wall_tbs": x.size * 2 / (w * 1e-6) / 1e12,
+                "cupti_tbs": (x.size * 2 / (k * 1e-6) / 1e12) if k else None,
+            }
+            del x
+        except Exception as e:
+            res["same_size_read"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     row["results"] = res
     ours = res.get("pallas_gpu", {})
     for anchor in ("cudnn", "triton_deprecated"):
@@ -329,6 +346,9 @@ def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
     if "loop_tbs" in ours and roofline_loop:
         row["pct_roofline_loop"] = 100 * ours["loop_tbs"] / roofline_loop
+    same = res.get("same_size_read", {})
+    if ours.get("cupti_us") and same.get("cupti_us"):  # kernel time: launches excluded
+        row["pct_same_size_read_cupti"] = 100 * same["cupti_us"] / ours["cupti_us"]
     T = kernel_gpu.default_block_kv(case.H)
     row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, T)
     return row
@@ -364,6 +384,12 @@ def print_table(rows, roofline, roofline_loop=None):
                 f"{_fmt(r.get('pct_roofline_loop'), '3.0f')}% roof; cuDNN "
                 f"{tb('cudnn', 'loop_tbs')} TB/s ({_fmt(r.get('vs_cudnn_loop'), '.2f')}x), "
                 f"Triton {_fmt(r.get('vs_triton_deprecated_loop'), '.2f')}x"
+            )
+        same = res.get("same_size_read", {})
+        if same.get("cupti_us"):
+            print(
+                f"      same-size read {same['wall_us']:7.1f} / {same['cupti_us']:7.1f} us "
+                f"(wall / CUPTI): ours at {_fmt(r.get('pct_same_size_read_cupti'), '.1f')}% of it"
             )
         for name, us in o.get("kernels_us") or []:
             print(f"      kernel {us:7.1f} us  {name[:60]}")
@@ -404,6 +430,11 @@ def main(argv=None):
         "--loop",
         action="store_true",
         help="also time --calls chained calls in one jitted program (no host dispatch)",
+    )
+    p.add_argument(
+        "--same-size-read",
+        action="store_true",
+        help="also time a reduction over exactly each row's live K/V bytes (its own ramp and tail)",
     )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
