@@ -228,8 +228,8 @@ def _assert_no_races():
         # A negative scale keeps the scale out of exp2 (max(s) * scale != max(s * scale))
         (16, 2, {"sm_scale": -0.2, "block_kv": 64}),
         (16, 3, {"deferred_sum": False, "soft_cap": 20.0, "window": 37}),  # a sum every tile
-        # No automatic barriers (the interpreter runs the kernel's own as no-ops)
-        (16, 2, {"auto_barriers": False, "longest_first": True, "out_of_range_tail": True}),
+        # Pallas's automatic barriers (the default places the kernel's own: no-ops here)
+        (16, 2, {"auto_barriers": True, "longest_first": True, "out_of_range_tail": True}),
     ],
     ids=[
         "C16-T128-bad-ids",
@@ -246,7 +246,7 @@ def _assert_no_races():
         "C8-T64-st2-k3-bad-ids",
         "C16-T64-split2-negative-scale",
         "C16-split3-sum-per-tile-cap-window",
-        "C16-split2-no-auto-barriers",
+        "C16-split2-auto-barriers",
     ],
 )
 def test_interpret_matches_reference(C, splits, extra):
@@ -731,11 +731,11 @@ _VARIANTS = [
     dict(num_splits=3, split_merge="xla"),
     dict(num_splits=40, B=1, H=64, C=8, K=4),  # XLA by default past 16 splits
     dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="kernel"),  # rounds of 16, 16, 8
-    # Without Pallas's automatic warpgroup barriers (the kernel's own, by hand)
-    dict(auto_barriers=False),
-    dict(auto_barriers=False, B=40, num_splits=3, longest_first=True, sliding_window=100),
-    dict(auto_barriers=False, C=8, H=64, K=4, early_k=True, k_stages=3, swap_ab=False),  # T=128
-    dict(auto_barriers=False, C=1, W=128),  # per-thread cp.async copies
+    # With Pallas's automatic warpgroup barriers (off by default: the kernel places its own)
+    dict(auto_barriers=True),
+    dict(auto_barriers=True, B=40, num_splits=3, longest_first=True, sliding_window=100),
+    dict(auto_barriers=True, C=8, H=64, K=4, early_k=True, k_stages=3, swap_ab=False),  # T=128
+    dict(auto_barriers=True, C=1, W=128),  # per-thread cp.async copies
 ]
 
 
@@ -1110,6 +1110,12 @@ def test_default_tuning_from_static_shapes():
     assert kernel_gpu.default_order_method(128, persistent=True) == "rank"
     assert kernel_gpu.default_order_method(128, slot_lengths=True) == "rank"
     assert kernel_gpu.default_deferred_sum()
+    # The kernel's own barriers in the default body; Pallas's in the other bodies.
+    assert not kernel_gpu.default_auto_barriers()
+    assert kernel_gpu.default_auto_barriers(producer=True)
+    assert kernel_gpu.default_auto_barriers(persistent=True)
+    assert kernel_gpu.default_auto_barriers(balanced=True)
+    assert kernel_gpu.default_auto_barriers(staged=True)
     # Two CTAs per SM: the ring fits in ~113 KB.
     for H in (64, 128, 256):
         stages = kernel_gpu.default_num_stages(H)
@@ -1347,10 +1353,12 @@ def test_gpu_one_wave_default_tuning(B):
     ],
     ids=str,
 )
-def test_gpu_no_auto_barriers(C, extra):
-    # auto_barriers=False: no barrier before each page copy or around each SMEM store, only the
+@pytest.mark.parametrize("auto_barriers", [False, True])
+def test_gpu_auto_barriers(C, extra, auto_barriers):
+    # False (the default): no barrier before each page copy or around each SMEM store, only the
     # kernel's own (a tile's slot refilled after every warp's P @ V; the output tiles, which
-    # reuse the ring; Q after the order's SMEM). Each case twice, NaN-poisoned free pages.
+    # reuse the ring; Q after the order's SMEM); True: Pallas's automatic ones. Each case
+    # twice, NaN-poisoned free pages.
     rng = np.random.default_rng(C + len(extra))
     extra = dict(extra)
     dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
@@ -1359,7 +1367,9 @@ def test_gpu_no_auto_barriers(C, extra):
     if lengths == "many":
         lengths = rng.integers(0, 3000, size=96)
     for _ in range(2):
-        _run_case(rng, lengths, K=8, G=G, H=H, C=C, dtype=dtype, auto_barriers=False, **extra)
+        _run_case(
+            rng, lengths, K=8, G=G, H=H, C=C, dtype=dtype, auto_barriers=auto_barriers, **extra
+        )
 
 
 @pytest.mark.gpu

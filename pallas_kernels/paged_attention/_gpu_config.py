@@ -231,6 +231,23 @@ def default_split_merge(
     return "kernel" if ok else "xla"
 
 
+def default_auto_barriers(
+    producer: bool = False, persistent: bool = False, balanced: bool = False, staged: bool = False
+) -> bool:
+    """Pallas's automatic warpgroup barriers only where the kernel does not place its own: the
+    ``producer``, ``persistent`` and ``balanced`` bodies and the staging ring of small pages by
+    TMA. Elsewhere (the default kernel) they are off and ``_gpu_tile.wg_barrier`` places the
+    three it needs: 45 -> 14 ``bar.sync`` in the lowered kernel at B=128 / 2k (one barrier
+    before every page copy, 8 a tile at 16-token pages, and two around every SMEM store gone).
+
+    H200, fifteenth session (CUPTI us, automatic / own barriers, same inputs): a lone CTA
+    (B=1 / 32k, one split, 8 CTAs) 522.5 / 509.6 at 16-token pages and 255.4 / 243.5 at 64;
+    the quick table in two calls 0.1-0.7% faster in 15 of 18 rows (B=8 / 32k 214.5 / 213.4
+    and 214.7 / 213.6; B=64 / 4k 257.0 / 255.8; head dim 64 70.1 / 69.6), the rest within
+    0.2% (``decode_quick_s15_nab.json``, ``decode_quick_s15_final.json``)."""
+    return bool(producer or persistent or balanced or staged)
+
+
 def default_deferred_sum(qcols: int = 8) -> bool:
     """``swap_ab`` tiles defer the softmax sum to the end (``deferred_sum``) at 8 query
     columns, the shape it was timed at; with 16-64 columns the [T, qcols] sums would hold

@@ -180,6 +180,7 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     _ring_bytes,
     _smem_bytes,
     _split_merge_batch,
+    default_auto_barriers,
     default_block_kv,
     default_deferred_sum,
     default_longest_first,
@@ -292,10 +293,10 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += f"_pf{cfg.l2_prefetch}"
     if cfg.per_thread or cfg.staged:  # pages copied by every thread, or by TMA to a staging ring
         name += "_cpa" if cfg.per_thread else "_stg"
+    if cfg.auto_barriers:
+        name += "_ab"  # Pallas's automatic warpgroup barriers (else ``wg_barrier`` by hand)
     if cfg.kernel_merge:
         name += "_km"  # splits merged in the kernel
-    if not cfg.auto_barriers:
-        name += "_nab"  # no automatic warpgroup barriers (``wg_barrier`` where needed)
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -366,7 +367,7 @@ def paged_attention_pallas_gpu(
     balanced: bool = False,
     page_copy: str | None = None,
     split_merge: str | None = None,
-    auto_barriers: bool = True,
+    auto_barriers: bool | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -465,12 +466,14 @@ def paged_attention_pallas_gpu(
         the launch; with ``swap_ab``, not with ``producer`` or ``persistent``) or ``"xla"`` (a
         small XLA epilogue, ``_split_merge.merge_splits``). Ignored without splits. Default
         (None): ``default_split_merge``.
-      auto_barriers: False compiles without Pallas's automatic warpgroup barriers (one before
-        every page copy and two around every SMEM store: about 11 a tile at 16-token pages)
-        and places the three the kernel needs by hand (``_gpu_tile.wg_barrier``: after each
-        tile, before its slot is refilled; before the output tiles overwrite the ring; before
-        Q's copy). Only in the default kernel (not with ``producer``, ``persistent``,
-        ``balanced`` or the staging ring of ``page_copy="tma"`` below 8 tokens).
+      auto_barriers: True compiles with Pallas's automatic warpgroup barriers (one before
+        every page copy and two around every SMEM store: about 11 a tile at 16-token pages);
+        False without them, the kernel placing the three it needs by hand
+        (``_gpu_tile.wg_barrier``: after each tile, before its slot is refilled; before the
+        output tiles overwrite the ring; before Q's copy), only in the default kernel (not
+        with ``producer``, ``persistent``, ``balanced`` or the staging ring of
+        ``page_copy="tma"`` below 8 tokens). Default (None): ``default_auto_barriers`` (off
+        wherever it may be).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -525,6 +528,8 @@ def paged_attention_pallas_gpu(
             'run its inline Mosaic GPU code (use page_copy="tma", the default there)'
         )
     staged = small and page_copy == "tma"  # land untiled, then re-laid (_relayout)
+    if auto_barriers is None:
+        auto_barriers = default_auto_barriers(producer, persistent, balanced, staged)
     auto_barriers = bool(auto_barriers)
     if not auto_barriers and (producer or persistent or balanced or staged):
         raise ValueError(
