@@ -242,9 +242,10 @@ def default_auto_barriers(
 
     H200, fifteenth session (CUPTI us, automatic / own barriers, same inputs): a lone CTA
     (B=1 / 32k, one split, 8 CTAs) 522.5 / 509.6 at 16-token pages and 255.4 / 243.5 at 64;
-    the quick table in two calls 0.1-0.7% faster in 15 of 18 rows (B=8 / 32k 214.5 / 213.4
-    and 214.7 / 213.6; B=64 / 4k 257.0 / 255.8; head dim 64 70.1 / 69.6), the rest within
-    0.2% (``decode_quick_s15_nab.json``, ``decode_quick_s15_final.json``)."""
+    the quick table in three calls 0.1-0.8% faster in 17 of 27 rows, within 0.1% in 6 and
+    0.02-0.22% slower in 4 (B=8 / 32k 214.5 / 213.4, 214.7 / 213.6 and 210.9 / 209.2; head dim
+    64 69.9 / 69.6, 70.1 / 69.6 and 68.4 / 68.1; ``decode_quick_s15_nab.json``,
+    ``..._same_size.json``, ``..._default.json``)."""
     return bool(producer or persistent or balanced or staged)
 
 
