@@ -466,7 +466,12 @@ def _attend(
         )
 
     with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
-        wg_barrier(cfg)  # Q and the ring reuse the in-kernel order's SMEM
+        if cfg.longest_first and not cfg.xla_order:
+            # Q's and the ring's TMA copies overwrite the in-kernel order's SMEM, which its
+            # reduction wrote with generic stores: a proxy fence and a barrier (commit_smem).
+            plgpu.commit_smem()
+        else:
+            wg_barrier(cfg)  # (nothing wrote SMEM before; kept as a guard)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
         ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
         ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
