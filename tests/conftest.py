@@ -19,7 +19,29 @@ def _backend() -> str:
     return jax.default_backend()
 
 
+def _check_slow_cases(config, items):
+    """Every id in a module's SLOW_CASES names one of its tests: a stale id (a test renamed or
+    a case's id changed) would silently put a slow case back into ``make test``. Checked only
+    when whole files or directories were collected (a node id given on the command line
+    collects only part of a module)."""
+    if any("::" in str(arg) for arg in config.args):
+        return
+    names: dict = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "SLOW_CASES"):
+            names.setdefault(module, set()).add(item.name)
+    stale = {
+        module.__name__: sorted(set(module.SLOW_CASES) - found) for module, found in names.items()
+    }
+    stale = {name: ids for name, ids in stale.items() if ids}
+    if stale:
+        raise pytest.UsageError(f"SLOW_CASES ids that match no test (rename them): {stale}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: every collected test is seen
 def pytest_collection_modifyitems(config, items):
+    _check_slow_cases(config, items)
     backend = _backend()
     skip_gpu = pytest.mark.skip(reason="needs a GPU backend (run with `pytest -m gpu` on a GPU)")
     skip_tpu = pytest.mark.skip(reason="needs a TPU backend (run with `pytest -m tpu` on a TPU)")
