@@ -1242,6 +1242,19 @@ def test_gpu_swap_ab_long_and_many(splits):
     _run_case(rng, lengths, K=8, G=4, H=128, C=16, swap_ab=True)
 
 
+def _page_case(rng, C, extra):
+    """(lengths, keyword arguments of ``_run_case``) of a case given by its page size and a dict
+    that may set ``dtype``, ``H``, ``G`` and ``lengths`` (default 0, 1, C-1, C, C+1, 99, 1000,
+    2500; ``"many"``: 96 random lengths below 3000) besides kernel options."""
+    extra = dict(extra)
+    kw = dict(dtype=jnp.dtype(extra.pop("dtype", "bfloat16")), H=extra.pop("H", 128))
+    kw["G"] = extra.pop("G", 4)
+    lengths = extra.pop("lengths", [0, 1, max(C - 1, 0), C, C + 1, 99, 1000, 2500])
+    if isinstance(lengths, str) and lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+    return lengths, {**kw, **extra}
+
+
 _SMALL_PAGE_CASES = [
     (1, dict(lengths=[32768, 1, 20001])),  # 32k one-token pages, splits by default
     (2, dict(lengths=[32768, 0, 3], num_splits=1)),
@@ -1277,13 +1290,8 @@ def test_gpu_small_pages(C, extra):
     # TMA into an untiled staging ring re-laid in SMEM (``_relayout``); NaN-poisoned free pages
     # and tails, permuted tables.
     rng = np.random.default_rng(C * 7 + len(extra))
-    extra = dict(extra)
-    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
-    H, G = extra.pop("H", 128), extra.pop("G", 4)
-    lengths = extra.pop("lengths", [0, 1, max(C - 1, 0), C, C + 1, 99, 1000, 2500])
-    if lengths == "many":
-        lengths = rng.integers(0, 3000, size=96)
-    _run_case(rng, lengths, K=4, G=G, H=H, C=C, dtype=dtype, **extra)
+    lengths, extra = _page_case(rng, C, extra)
+    _run_case(rng, lengths, K=4, C=C, **extra)
 
 
 @pytest.mark.gpu
@@ -1363,16 +1371,9 @@ def test_gpu_auto_barriers(C, extra, auto_barriers):
     # reuse the ring; Q after the order's SMEM); True: Pallas's automatic ones. Each case
     # twice, NaN-poisoned free pages.
     rng = np.random.default_rng(C + len(extra))
-    extra = dict(extra)
-    dtype = jnp.dtype(extra.pop("dtype", "bfloat16"))
-    H, G = extra.pop("H", 128), extra.pop("G", 4)
-    lengths = extra.pop("lengths", [0, 1, max(C - 1, 0), C, C + 1, 99, 1000, 2500])
-    if lengths == "many":
-        lengths = rng.integers(0, 3000, size=96)
+    lengths, extra = _page_case(rng, C, extra)
     for _ in range(2):
-        _run_case(
-            rng, lengths, K=8, G=G, H=H, C=C, dtype=dtype, auto_barriers=auto_barriers, **extra
-        )
+        _run_case(rng, lengths, K=8, C=C, auto_barriers=auto_barriers, **extra)
 
 
 @pytest.mark.gpu

@@ -25,13 +25,10 @@ from pallas_kernels.paged_attention._gpu_config import (
 )
 
 
-def _wg_barrier_fn():
-    @plgpu.inline_mgpu()
-    def barrier(ctx):
-        del ctx
-        mgpu_utils.warpgroup_barrier()
-
-    return barrier
+@plgpu.inline_mgpu()
+def _warpgroup_barrier(ctx):
+    del ctx
+    mgpu_utils.warpgroup_barrier()
 
 
 def wg_barrier(cfg: _Config) -> None:
@@ -40,9 +37,8 @@ def wg_barrier(cfg: _Config) -> None:
     done before any warp issues a copy or a store that overwrites them. A no-op with the
     automatic barriers, and in the interpreter (which runs a warpgroup as one and cannot run
     inline Mosaic GPU code)."""
-    if cfg.auto_barriers or cfg.interpret:
-        return
-    _wg_barrier_fn()()
+    if not (cfg.auto_barriers or cfg.interpret):
+        _warpgroup_barrier()
 
 
 def _smem_transforms():

@@ -534,10 +534,9 @@ def paged_attention_pallas_gpu(
             'run its inline Mosaic GPU code (use page_copy="tma", the default there)'
         )
     staged = small and page_copy == "tma"  # land untiled, then re-laid (_relayout)
-    if auto_barriers is None:
-        auto_barriers = default_auto_barriers(producer, persistent, balanced, staged)
-    auto_barriers = bool(auto_barriers)
-    if not auto_barriers and (producer or persistent or balanced or staged):
+    needs_auto = default_auto_barriers(producer, persistent, balanced, staged)
+    auto_barriers = needs_auto if auto_barriers is None else bool(auto_barriers)
+    if not auto_barriers and needs_auto:
         raise ValueError(
             "auto_barriers=False places its barriers in the default kernel only: it cannot take "
             f"producer={producer}, persistent={persistent}, balanced={balanced} or pages of "
