@@ -27,11 +27,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import _timing
 from decode_attention import _parse_kwargs
 
 from pallas_kernels.paged_attention import kernel_gpu
@@ -102,7 +101,7 @@ def main(argv=None):
                 print(f"{name:34} {mode:4} (no CUPTI)  diff {err:.1e}")
         del args
     meta = dict(ctas=ns.ctas, tokens=ns.tokens, page_size=C, head_dim=H, l2_pages=ns.l2_pages)
-    _timing.write_rows(ns.out, [{"meta": meta}] + rows)
+    _timing.write_rows(ns.out, [{"meta": meta}, *rows])
 
 
 if __name__ == "__main__":
