@@ -10,7 +10,6 @@ randomly permuted tables and NaN-poisoned free pages and last-page tails.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import re
@@ -121,8 +120,8 @@ SLOW_CASES = {
     ),
     "test_interpret_small_pages_match_reference[C2-split2-64-rows]",
     "test_interpret_small_pages_match_reference[C2-k-ring-early-k]",
-    "test_kernel_order_is_the_sorted_order[12-128-4]",
-    "test_kernel_order_is_the_sorted_order[128-64-4]",
+    "test_kernel_order_is_the_sorted_order[12-128]",
+    "test_kernel_order_is_the_sorted_order[128-64]",
     "test_interpret_plain_order_indices[False-True]",
     "test_interpret_plain_order_indices[True-False]",
     "test_interpret_plain_order_indices[True-True]",
@@ -501,52 +500,7 @@ def test_interpret_order_methods(order_method):
               longest_first=True, order_method=order_method)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "C,extra",
-    [
-        (16, {"out_of_range_tail": True}),  # unused table slots: ids < 0 or >= P
-        (8, {"block_kv": 64, "num_stages": 2, "k_stages": 3, "out_of_range_tail": True}),
-        (64, {"num_layers": 2, "layer": jnp.int32(1)}),
-        (256, {"soft_cap": 20.0}),  # C > T: both prologue tiles in page 0
-        (16, {"num_splits": 2, "window": 37}),  # not eager (splits, window): as before
-    ],
-    ids=["C16-bad-ids", "C8-T64-k3-bad-ids", "C64-layer", "C256-cap", "C16-split2-window"],
-)
-def test_interpret_eager_table_matches_reference(C, extra):
-    # eager_table: the prologue's table entries (up to 3 tiles' pages) are loaded before the
-    # length and clamped by selects; entries past a sequence's last page, out-of-range ids
-    # included, are never copied from. Lengths 0, 1, C-1, C, C+1, and one of 2.5 tiles.
-    rng = np.random.default_rng(C + 5)
-    lengths = [0, 1, C - 1, C, C + 1, 150]
-    _run_case(rng, lengths, K=2, G=2, H=64, C=C, interpret=RACE_CHECKED, eager_table=True,
-              **{"num_splits": 1, **extra})  # fmt: skip
-
-
-def test_eager_table_applies_only_from_tile_0():
-    base = _kernel_cfg(eager_table=True)
-    assert kernel_gpu.eager_applies(base)
-    for change in (
-        dict(num_splits=2), dict(sliding_window=100), dict(longest_first=True),
-        dict(producer=True), dict(persistent=True), dict(balanced=True),
-        dict(page_copy="cp_async"), dict(eager_table=False),
-    ):  # fmt: skip
-        assert not kernel_gpu.eager_applies(dataclasses.replace(base, **change)), change
-
-
-def _kernel_cfg(**changes):
-    """A ``_Config`` of 4 sequences, 8 query and 2 KV heads, head dim 64, 16-token pages."""
-    cfg = kernel_gpu._Config(
-        num_seqs=4, num_q_heads=8, num_kv_heads=2, num_pages=40, page_size=16, head_dim=64,
-        dtype=jnp.dtype(jnp.bfloat16), sm_scale=1.0, logits_soft_cap=None, sliding_window=None,
-        block_kv=64, num_stages=2, k_stages=2, early_k=False, slot_lengths=False,
-        swap_ab=True, deferred_sum=True, num_splits=1, producer=False, longest_first=False,
-        order_method="kernel", heads_inner=True, persistent=False, num_ctas=0, l2_prefetch=0,
-        interpret=False,
-    )  # fmt: skip
-    return dataclasses.replace(cfg, **changes)
-
-
-def _kernel_order_of(lengths, block_kv=64, slots=None, order_unroll=4):
+def _kernel_order_of(lengths, block_kv=64, slots=None):
     """(sequence << 16 | low 16 bits of its length) that ``_kernel_order`` finds for each grid
     slot (or for ``slots`` only), read back through a one-warpgroup kernel in the interpreter."""
     B = lengths.shape[0]
@@ -557,7 +511,7 @@ def _kernel_order_of(lengths, block_kv=64, slots=None, order_unroll=4):
         block_kv=block_kv, num_stages=2, k_stages=2, early_k=False, slot_lengths=False,
         swap_ab=True, deferred_sum=True, num_splits=1, producer=False, longest_first=True,
         order_method="kernel", heads_inner=True, persistent=False, num_ctas=0, l2_prefetch=0,
-        interpret=RACE_CHECKED, order_unroll=order_unroll,
+        interpret=RACE_CHECKED,
     )  # fmt: skip
     row = plgpu.Layout.WG_STRIDED((128,), vec_size=1)
 
@@ -583,18 +537,12 @@ def _kernel_order_of(lengths, block_kv=64, slots=None, order_unroll=4):
     return np.asarray(kernel(jnp.asarray(lengths), jnp.asarray(slots)))[:, 0]
 
 
-@pytest.mark.parametrize(
-    "B,block_kv,unroll",
-    [(4, 64, 4), (12, 128, 4), (128, 64, 4), (132, 64, 4), (48, 64, 16), (128, 64, 64),
-     (12, 64, 64)],
-)  # fmt: skip
-def test_kernel_order_is_the_sorted_order(B, block_kv, unroll):
+@pytest.mark.parametrize("B,block_kv", [(4, 64), (12, 128), (128, 64), (132, 64)])
+def test_kernel_order_is_the_sorted_order(B, block_kv):
     # The order each CTA counts for itself (order_method="kernel") is the sort's: ties (equal
     # tiles) in slot order, lengths <= 0 last, lengths past the 0x7FFF-tile cap tied; 132
     # sequences take two keys a thread. Past 64 sequences the interpreter runs a spread of the
     # slots (the first, the middle and the last 8: ties, the cap, lengths <= 0), not all.
-    # ``unroll``: keys a trip of the counting loop (capped by B's power-of-two divisor: 4 at
-    # B=12).
     rng = np.random.default_rng(B)
     lengths = rng.integers(0, 3000, size=B).astype(np.int32)
     lengths[: B // 3] = lengths[B // 3]
@@ -603,7 +551,7 @@ def test_kernel_order_is_the_sorted_order(B, block_kv, unroll):
     slots = np.arange(B)
     if B > 64:
         slots = np.unique(np.r_[slots[:8], slots[B // 2 - 4 : B // 2 + 4], slots[-8:]])
-    got = _kernel_order_of(lengths, block_kv, slots, order_unroll=unroll)
+    got = _kernel_order_of(lengths, block_kv, slots)
     keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(lengths), block_kv, True, "sort"))
     seqs = (keys & 0xFFFF)[slots]
     np.testing.assert_array_equal(got >> 16, seqs)
@@ -791,15 +739,6 @@ _VARIANTS = [
     dict(auto_barriers=True, B=40, num_splits=3, longest_first=True, sliding_window=100),
     dict(auto_barriers=True, C=8, H=64, K=4, early_k=True, k_stages=3, swap_ab=False),  # T=128
     dict(auto_barriers=True, C=1, W=128),  # per-thread cp.async copies
-    # The prologue's table entries loaded with the length (eager_table)
-    dict(eager_table=True),  # 8 entries (2 tiles of 4 pages)
-    dict(eager_table=True, C=8, H=64, K=4, dtype=jnp.float16, L=3),  # T=128: 32 entries
-    dict(eager_table=True, C=256, H=256),  # C > T: one entry
-    dict(eager_table=True, W=1),  # a table narrower than the prologue reads
-    dict(eager_table=True, num_splits=3),  # ignored: splits start past tile 0
-    # The in-kernel order's counting loop, 8 to 64 keys a trip
-    dict(B=40, longest_first=True, order_unroll=8),
-    dict(B=128, W=160, order_unroll=64),  # longest first by default
 ]
 
 
@@ -991,8 +930,6 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(auto_barriers=False, producer=True), "auto_barriers=False places its barriers"),
         (dict(auto_barriers=False, balanced=True), "cannot take producer=False, persisten"),
         (dict(C=4, auto_barriers=False, page_copy="tma"), "pages of 4 tokens with page_copy"),
-        (dict(order_unroll=3), "order_unroll=3 must be one of 4, 8, 16, 32, 64"),
-        (dict(order_unroll=True), "order_unroll=True must be an integer, not a bool"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1441,34 +1378,8 @@ def test_gpu_auto_barriers(C, extra, auto_barriers):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "C,extra",
-    [
-        (16, dict(lengths="many")),  # 96 x 8 pairs, no order (off for eager_table's sake)
-        (16, dict(out_of_range_tail=True)),
-        (8, dict(H=64, G=1)),  # T=128: 16 copies a tile, 32 entries
-        (256, dict(H=256, G=8)),  # C > T
-        (64, dict(num_layers=2, layer=1, dtype="float16", G=6)),  # 16 query columns
-        (32, dict(early_k=True, k_stages=3)),  # three prologue tiles of K
-    ],
-    ids=str,
-)
-def test_gpu_eager_table(C, extra):
-    # The prologue's table entries loaded with the length and clamped by selects: NaN-poisoned
-    # free pages, lengths 0, 1, C-1, C, C+1, 99, 1000, 2500; each case twice.
-    rng = np.random.default_rng(C + 3 * len(extra))
-    lengths, extra = _page_case(rng, C, extra)
-    for _ in range(2):
-        _run_case(rng, lengths, K=8, C=C, num_splits=1, longest_first=False, eager_table=True,
-                  **extra)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
     "B,extra",
     [
-        (128, dict(order_unroll=16)),
-        (132, dict(order_unroll=64)),  # 4 keys a trip (132 = 4 x 33)
-        (256, dict(order_unroll=32)),
         (132, dict()),  # two keys a thread
         (256, dict(soft_cap=30.0)),
         (40, dict(num_splits=3, window=700)),

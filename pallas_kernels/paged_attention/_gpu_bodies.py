@@ -31,9 +31,6 @@ from pallas_kernels.paged_attention._gpu_tile import (
     _tile,
     _Unit,
     _unit,
-    eager_applies,
-    eager_entries,
-    eager_pages,
 )
 
 
@@ -89,15 +86,6 @@ def _split_rest(cfg: _Config, rest):
     return None, list(rest)
 
 
-def _order_unroll(cfg: _Config) -> int:
-    """Keys a trip of ``_kernel_order``'s loop: the largest power of two up to
-    ``cfg.order_unroll`` that divides B (B is a multiple of 4)."""
-    u = 4
-    while u * 2 <= cfg.order_unroll and cfg.num_seqs % (u * 2) == 0:
-        u *= 2
-    return u
-
-
 def _kernel_order(cfg: _Config, len_ref, b_slot):
     """(sequence, length) of the sequence whose place in the longest-first order is ``b_slot``,
     counted by this CTA (``order_method="kernel"``): no XLA kernel before the launch.
@@ -124,16 +112,14 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
         key_smem[...] = keys  # each key computed once, read back as a scalar by every thread
         plgpu.commit_smem()  # (its warpgroup barrier orders the stores before the loads)
 
-        u = _order_unroll(cfg)
-
-        def smaller(i, rank):  # u keys a trip: their SMEM loads in flight together (B % u == 0)
-            others = [key_smem[i * u + k] for k in range(u)]
+        def smaller(i, rank):  # 4 keys a trip: their SMEM loads in flight together (B % 4 == 0)
+            others = [key_smem[i * 4 + u] for u in range(4)]
             for other in others:
                 rank = rank + (other < keys).astype(jnp.int32)
             return rank
 
         zeros = plgpu.layout_cast(jnp.zeros((Bp,), jnp.int32), layout)
-        rank = lax.fori_loop(0, B // u, smaller, zeros)
+        rank = lax.fori_loop(0, B // 4, smaller, zeros)
         b = jnp.sum(jnp.where(rank == b_slot, seqs, 0))
         return b, len_smem[b]
 
@@ -157,13 +143,10 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     if cfg.longest_first and not cfg.xla_order:
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
             seq = _kernel_order(cfg, len_ref, b_slot)
-    # eager_table: the prologue's block-table entries requested before the length is used.
-    entries = eager_entries(cfg, bt_ref, b_slot) if eager_applies(cfg) else None
     unit = _unit(
         cfg, len_ref, base_ref, order_ref, b_slot, lax.axis_index("h"), lax.axis_index("s"),
         seq=seq,
     )  # fmt: skip
-    first = None if entries is None else eager_pages(cfg, entries, unit)
     n = unit.n
     refs = (q_ref, k_ref, v_ref, bt_ref)
 
@@ -175,9 +158,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
         k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=k_stages)
         tiles = _staged_tiles(cfg) if cfg.staged else ()
         acc, m, l = pl.run_scoped(
-            lambda *scratch: _attend(
-                cfg, refs, unit, *scratch[:7], tiles=scratch[7:] or None, first=first
-            ),
+            lambda *scratch: _attend(cfg, refs, unit, *scratch[:7], tiles=scratch[7:] or None),
             q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier, *tiles,
         )  # fmt: skip
         with jax.named_scope("store"):

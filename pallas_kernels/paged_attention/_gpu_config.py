@@ -67,10 +67,6 @@ class _Config:
     # Pallas's automatic warpgroup barriers around every SMEM store and before every copy; off:
     # the few the kernel needs are placed by hand (``_gpu_tile.wg_barrier``).
     auto_barriers: bool = True
-    # ``_kernel_order``: keys read (scalar SMEM loads in flight together) per trip of its loop.
-    order_unroll: int = 4
-    # The prologue's block-table entries loaded with the length, not after it (``eager_pages``).
-    eager_table: bool = False
 
     @property
     def xla_order(self) -> bool:

@@ -138,48 +138,6 @@ def _lookup(cfg: _Config, bt_ref, unit: _Unit, i):
     ]
 
 
-def eager_applies(cfg: _Config) -> bool:
-    """Whether ``eager_table`` can load the prologue's block-table entries before the length:
-    the unit's first tile is tile 0 of its grid slot's own sequence (no split, no window, no
-    order) and the single warpgroup issues TMA copies."""
-    return (
-        cfg.eager_table
-        and cfg.num_splits == 1
-        and not cfg.sliding_window
-        and not cfg.longest_first
-        and not (cfg.producer or cfg.persistent or cfg.balanced or cfg.per_thread)
-    )
-
-
-def _prologue_page_index(cfg: _Config, i: int, j: int) -> int:
-    """Block-table column of copy j of tile i of a unit that starts at tile 0."""
-    return (i * cfg.block_kv + j * cfg.rows_per_copy) // cfg.page_size
-
-
-def eager_entries(cfg: _Config, bt_ref, b) -> list:
-    """``eager_table``: sequence b's block-table entries 0 .. the last the prologue's tiles
-    (``max(num_stages, k_stages)``) can read, loaded at once, before the length is known (so
-    these loads and the length's are in flight together). Columns past the table's width are
-    not loaded."""
-    ring = max(cfg.num_stages, cfg.k_stages)
-    last = _prologue_page_index(cfg, ring - 1, cfg.copies_per_tile - 1)
-    width = bt_ref.shape[1]
-    return [bt_ref[b, min(k, width - 1)] for k in range(last + 1)]
-
-
-def eager_pages(cfg: _Config, entries: list, unit: _Unit) -> list:
-    """The prologue's pages (as ``_lookup`` gives them for tiles 0 .. ring-1) from
-    ``eager_entries``: column k clamped to the unit's last page by selects, no load."""
-    clamped = [entries[0]]
-    for k in range(1, len(entries)):
-        clamped.append(jnp.where(k <= unit.last_page, entries[k], clamped[-1]))
-    ring = max(cfg.num_stages, cfg.k_stages)
-    return [
-        [clamped[_prologue_page_index(cfg, i, j)] for j in range(cfg.copies_per_tile)]
-        for i in range(ring)
-    ]
-
-
 def _page_row(cfg: _Config, unit: _Unit, i, j, page):
     """First pool row of copy j of tile i of ``unit`` (``rows_per_copy`` rows of ``page``): a
     multiple of the rows a copy moves (8 rows of the SMEM tiling, or a whole small page)."""
@@ -482,11 +440,9 @@ def _attend(
     v_bar,
     consumed=None,
     tiles=None,
-    first=None,
 ):
     """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
-    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles (``_tile``);
-    ``first``: the pages of the ring's first tiles, looked up already (``eager_pages``).
+    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles (``_tile``).
 
     Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
     and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
@@ -521,8 +477,7 @@ def _attend(
         elif consumed is None:
             # Every prologue lookup first (clamped, so in bounds even past n): the block-table
             # reads are in flight together rather than one tile's after the last one's issue.
-            if first is None:
-                first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
+            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
             for i in range(ring):
                 streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
                 pl.when(i < n)(

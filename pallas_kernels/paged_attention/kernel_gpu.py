@@ -217,7 +217,6 @@ from pallas_kernels.paged_attention._gpu_tile import (  # noqa: F401  (re-export
     _tile_span,
     _Unit,
     _unit,
-    eager_applies,
 )
 
 
@@ -375,8 +374,6 @@ def paged_attention_pallas_gpu(
     page_copy: str | None = None,
     split_merge: str | None = None,
     auto_barriers: bool | None = None,
-    order_unroll: int = 4,
-    eager_table: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -483,14 +480,6 @@ def paged_attention_pallas_gpu(
         with ``producer``, ``persistent``, ``balanced`` or the staging ring of
         ``page_copy="tma"`` below 8 tokens). Default (None): ``default_auto_barriers`` (off
         wherever it may be).
-      order_unroll: keys each trip of the in-kernel order's counting loop reads (its SMEM loads
-        in flight together): a power of two from 4 to 64; B's largest power-of-two divisor
-        caps it.
-      eager_table: load the block-table entries of the ring's first tiles together with the
-        sequence's length, and clamp them to its last page by selects once the length lands,
-        so the prologue waits on one memory latency instead of two. Only where a unit starts
-        at its sequence's tile 0 and no order is counted (``_gpu_tile.eager_applies``: no
-        splits, window or order; the default kernel); elsewhere ignored.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -632,9 +621,6 @@ def paged_attention_pallas_gpu(
             f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
             "persistent=True"
         )
-    order_unroll = _int_knob("order_unroll", order_unroll)
-    if order_unroll not in (4, 8, 16, 32, 64):
-        raise ValueError(f"{order_unroll=} must be one of 4, 8, 16, 32, 64")
     if num_ctas is not None:
         num_ctas = _int_knob("num_ctas", num_ctas)
     if num_ctas is not None and (not (persistent or balanced) or num_ctas < 1):
@@ -712,8 +698,6 @@ def paged_attention_pallas_gpu(
         page_copy=page_copy,
         kernel_merge=kernel_merge,
         auto_barriers=auto_barriers,
-        order_unroll=order_unroll,
-        eager_table=bool(eager_table),
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
