@@ -113,14 +113,21 @@ class Inputs:
 
 
 def make_inputs(
-    case: Case, rng: np.random.Generator, *, width_multiple: int = 1, sequential: bool = False
+    case: Case,
+    rng: np.random.Generator,
+    *,
+    width_multiple: int = 1,
+    sequential: bool = False,
+    table_tokens: int = 0,
 ) -> Inputs:
     """Random q/K/V and lengths; page tables randomly permuted, or (``sequential``) each
-    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head."""
+    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head.
+    ``table_tokens``: the table is at least this many tokens wide (as an engine's, sized for
+    its longest allowed sequence), its extra entries valid random pages."""
     B, K, C, H = case.B, case.K, case.C, case.H
     lengths = rng.integers(case.ctx // 2, case.ctx * 3 // 2 + 1, size=B).astype(np.int32)
     pages = -(-lengths // C)
-    W = int(pages.max())
+    W = max(int(pages.max()), -(-table_tokens // C))
     W = -(-W // width_multiple) * width_multiple
     P = int(pages.sum()) + 16
     perm = np.arange(P, dtype=np.int32) if sequential else rng.permutation(P).astype(np.int32)
@@ -282,7 +289,9 @@ def parse_case(spec: str) -> Case:
 
 
 def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
-    inp = make_inputs(case, rng, width_multiple=64, sequential=ns.sequential_pages)
+    inp = make_inputs(
+        case, rng, width_multiple=64, sequential=ns.sequential_pages, table_tokens=ns.table_tokens
+    )
     nbytes = live_bytes(case, inp.lengths_np)
     res: dict = {}
     row = {"case": dataclasses.asdict(case), "label": case.label, "live_bytes": nbytes}
@@ -432,6 +441,13 @@ def main(argv=None):
         help="consecutive pages per sequence (isolates the cost of random page order)",
     )
     p.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="block tables at least this many tokens wide (an engine's max_model_len), so the "
+        "static split count sees the table, not the lengths",
+    )
+    p.add_argument(
         "--kernels", action="store_true", help="record each kernel of the default call (CUPTI)"
     )
     p.add_argument(
@@ -482,6 +498,7 @@ def main(argv=None):
         "calls": ns.calls,
         "rounds": ns.rounds,
         "sequential_pages": ns.sequential_pages,
+        "table_tokens": ns.table_tokens,
         "loop": ns.loop,
         "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
     }

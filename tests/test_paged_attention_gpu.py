@@ -96,6 +96,12 @@ RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
 # pages, per-thread copies of 8+ token pages) beyond one or two each, and boundaries that other
 # cases repeat. Every default path keeps all its cases; the GPU suite runs every case.
 SLOW_CASES = {
+    # The floor's other four cases (CI runs M1-xla, M2-window-cap-xla, M4-bad-ids-kernel and
+    # M8-layer-kernel: each merge, each floor)
+    *(
+        f"test_interpret_min_split_tiles[{i}]"
+        for i in ("M1-kernel", "M2-window-cap-kernel", "M4-bad-ids-xla", "M8-layer-xla")
+    ),
     *(
         f"test_interpret_matches_reference[{i}]"
         for i in (
@@ -500,6 +506,36 @@ def test_interpret_order_methods(order_method):
               longest_first=True, order_method=order_method)  # fmt: skip
 
 
+@pytest.mark.parametrize("merge", ["kernel", "xla"])
+@pytest.mark.parametrize(
+    "min_tiles,extra",
+    [
+        (1, {}),  # every split reads (the old rule)
+        (2, {"window": 300, "soft_cap": 20.0}),  # the window's tiles are what is split
+        (4, {"out_of_range_tail": True}),
+        (8, {"num_layers": 2, "layer": jnp.int32(1)}),
+    ],
+    ids=["M1", "M2-window-cap", "M4-bad-ids", "M8-layer"],
+)
+def test_interpret_min_split_tiles(min_tiles, extra, merge):
+    # 4 splits of 64-token tiles; a sequence of t tiles is read by clip(t // M, 1, 4) equal
+    # splits: 0, 1, 15-17 tokens (one tile: alone, written straight out), 150 (3 tiles), 700
+    # (11), 579 (10: the last of 4 equal splits of 3 is empty at M <= 2).
+    rng = np.random.default_rng(min_tiles + 31)
+    lengths = [0, 1, 15, 16, 17, 150, 700, 64 * 9 + 3]
+    _run_case(rng, lengths, K=2, G=2, H=64, C=16, interpret=RACE_CHECKED, num_splits=4,
+              block_kv=64, min_split_tiles=min_tiles, split_merge=merge, **extra)  # fmt: skip
+
+
+def test_default_min_split_tiles():
+    assert kernel_gpu.default_min_split_tiles(8, 8, 1) == 1  # no splits: nothing to floor
+    assert kernel_gpu.default_min_split_tiles(8, 8, 8) == 4  # two waves of splits
+    assert kernel_gpu.default_min_split_tiles(32, 8, 2) == 8  # about one wave of pairs
+    # The quick table's split rows keep their splits: B=32 / 2k's 1k-3k tokens (16-48 tiles)
+    # are all split in two at 8, and B=8 / 32k's 16k-48k tokens in eight at 4.
+    assert 1024 // 64 // 8 >= 2 and 16384 // 64 // 4 >= 8
+
+
 def _kernel_order_of(lengths, block_kv=64, slots=None):
     """(sequence << 16 | low 16 bits of its length) that ``_kernel_order`` finds for each grid
     slot (or for ``slots`` only), read back through a one-warpgroup kernel in the interpreter."""
@@ -739,6 +775,11 @@ _VARIANTS = [
     dict(auto_barriers=True, B=40, num_splits=3, longest_first=True, sliding_window=100),
     dict(auto_barriers=True, C=8, H=64, K=4, early_k=True, k_stages=3, swap_ab=False),  # T=128
     dict(auto_barriers=True, C=1, W=128),  # per-thread cp.async copies
+    # Splits that keep min_split_tiles tiles each, decided on the device (default 4 here)
+    dict(num_splits=4, min_split_tiles=1),  # every split reads, as before
+    dict(num_splits=4, min_split_tiles=16, split_merge="xla"),
+    dict(num_splits=3, C=64, min_split_tiles=2, sliding_window=100, logits_soft_cap=30.0),
+    dict(B=40, num_splits=2, longest_first=True, W=192),  # one wave of pairs: 8 by default
 ]
 
 
@@ -930,6 +971,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(auto_barriers=False, producer=True), "auto_barriers=False places its barriers"),
         (dict(auto_barriers=False, balanced=True), "cannot take producer=False, persisten"),
         (dict(C=4, auto_barriers=False, page_copy="tma"), "pages of 4 tokens with page_copy"),
+        (dict(min_split_tiles=0), "min_split_tiles=0 must be >= 1"),
+        (dict(min_split_tiles=2.5), "min_split_tiles=2.5 must be an integer"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1374,6 +1417,35 @@ def test_gpu_auto_barriers(C, extra, auto_barriers):
     lengths, extra = _page_case(rng, C, extra)
     for _ in range(2):
         _run_case(rng, lengths, K=8, C=C, auto_barriers=auto_barriers, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["kernel", "xla"])
+@pytest.mark.parametrize(
+    "lengths,extra",
+    [
+        # Mixed lengths in a 32k-wide table: 8 splits by the width; a sequence of t tiles is
+        # read by clip(t // 4, 1, 8) of them (the short ones by one, written straight out).
+        ([32768, 0, 1, 15, 16, 17, 100, 600, 1000, 3000], dict()),
+        ([32768, 1, 63, 64, 65, 255, 257, 5000], dict(min_split_tiles=16, G=8)),
+        ([20000, 1, 17, 700, 2600], dict(window=700, soft_cap=50.0, C=64)),
+        ("many", dict(num_splits=3, min_split_tiles=8)),  # 96 x 8 pairs: several waves
+        ([9000, 1, 300, 64], dict(num_layers=2, layer=1, dtype="float16", G=6)),
+    ],
+    ids=str,
+)
+def test_gpu_min_split_tiles(lengths, extra, merge):
+    # Splits that keep min_split_tiles tiles each, from each sequence's length on the device:
+    # the splits past them store nothing and (merged in the kernel) never arrive. Each case
+    # twice (the arrival counters back at zero), NaN-poisoned free pages.
+    rng = np.random.default_rng(len(lengths) + len(extra))
+    extra = dict(extra)
+    kw = dict(dtype=jnp.dtype(extra.pop("dtype", "bfloat16")), G=extra.pop("G", 4))
+    C = extra.pop("C", 16)
+    if lengths == "many":
+        lengths = rng.integers(0, 3000, size=96)
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, H=128, C=C, split_merge=merge, **kw, **extra)
 
 
 @pytest.mark.gpu

@@ -67,6 +67,9 @@ class _Config:
     # Pallas's automatic warpgroup barriers around every SMEM store and before every copy; off:
     # the few the kernel needs are placed by hand (``_gpu_tile.wg_barrier``).
     auto_barriers: bool = True
+    # A sequence is split only into as many splits as keep this many tiles each (1: all
+    # num_splits, however short; ``default_min_split_tiles``).
+    min_split_tiles: int = 1
 
     @property
     def xla_order(self) -> bool:
@@ -513,6 +516,24 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_
         return max(1, min(-(-1024 // programs), long_units))
     target = 256 if num_seqs <= 2 else 512
     return max(1, min(-(-target // programs), max_tiles // 4, 64))
+
+
+def default_min_split_tiles(num_seqs: int, num_kv_heads: int, num_splits: int) -> int:
+    """Tiles a split must keep (``min_split_tiles``): a sequence of ``tiles`` tiles is read by
+    ``clip(tiles // min_split_tiles, 1, num_splits)`` CTAs, the rest of its splits exit.
+
+    The split count is static (from the block table's width, ``default_num_splits``), so a
+    table as wide as an engine's ``max_model_len`` splits short sequences as if they were
+    long, and in a batch of mixed lengths the short ones are cut into slivers. The floor is
+    the static rule's own, applied to each sequence's real tiles: 4 tiles (``>= 4 tiles per
+    split``) where splits fill two waves, 8 for about one wave of pairs (where the H200's
+    sweeps found 16-tile splits no faster than whole 1k-token sequences; 8 keeps the
+    measured B=32 / 2k split, 1k-3k tokens, as it was)."""
+    if num_splits <= 1:
+        return 1
+    if _one_wave_of_pairs(num_seqs * num_kv_heads):
+        return 8
+    return 4
 
 
 def unsupported_reason(

@@ -59,6 +59,7 @@ class _Unit(NamedTuple):
     s: Any  # the split
     valid: Any  # False for the padding units of a persistent CTA's last round
     h: Any  # the KV head
+    splits: Any = 1  # the sequence's splits that read (``min_split_tiles``; else num_splits)
 
     @property
     def qrow8(self):
@@ -102,11 +103,19 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, 
     length = jnp.maximum(length, 0)
     lo, t_lo, tiles = _tile_span(cfg, length)
     t_hi = t_lo + tiles
-    per_split = (tiles + S - 1) // S
+    splits = S
+    if cfg.min_split_tiles > 1 and S > 1:
+        # Only as many splits as keep min_split_tiles tiles each (at least one): a short
+        # sequence in a wide table, or beside long ones, is not cut into slivers; the
+        # splits past them read nothing and store nothing (``_kernel_body``).
+        splits = jnp.clip(tiles // cfg.min_split_tiles, 1, S)
+        per_split = (tiles + splits - 1) // splits
+    else:
+        per_split = (tiles + S - 1) // S
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
     n = jnp.where(valid, n, 0)
-    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s, valid)
+    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s, valid)._replace(splits=splits)
 
 
 def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0, valid=True) -> _Unit:

@@ -190,6 +190,7 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     default_block_kv,
     default_deferred_sum,
     default_longest_first,
+    default_min_split_tiles,
     default_num_splits,
     default_num_stages,
     default_order_method,
@@ -374,6 +375,7 @@ def paged_attention_pallas_gpu(
     page_copy: str | None = None,
     split_merge: str | None = None,
     auto_barriers: bool | None = None,
+    min_split_tiles: int | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -480,6 +482,13 @@ def paged_attention_pallas_gpu(
         with ``producer``, ``persistent``, ``balanced`` or the staging ring of
         ``page_copy="tma"`` below 8 tokens). Default (None): ``default_auto_barriers`` (off
         wherever it may be).
+      min_split_tiles: with splits, each sequence is read by only as many of them as keep this
+        many tiles each, ``clip(tiles // min_split_tiles, 1, num_splits)`` of equal size,
+        decided on the device from its length (so a short sequence in a table as wide as an
+        engine's longest, or beside long ones, is not cut into slivers); the splits past them
+        read nothing, and with ``split_merge="kernel"`` store nothing, and a sequence read by
+        one split is written straight out with no merge. 1: every split reads, as before.
+        Default (None): ``default_min_split_tiles`` (4, or 8 for about one wave of pairs).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -621,6 +630,11 @@ def paged_attention_pallas_gpu(
             f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
             "persistent=True"
         )
+    if min_split_tiles is None:
+        min_split_tiles = default_min_split_tiles(B, K, splits)
+    min_split_tiles = _int_knob("min_split_tiles", min_split_tiles)
+    if min_split_tiles < 1:
+        raise ValueError(f"{min_split_tiles=} must be >= 1")
     if num_ctas is not None:
         num_ctas = _int_knob("num_ctas", num_ctas)
     if num_ctas is not None and (not (persistent or balanced) or num_ctas < 1):
@@ -698,6 +712,7 @@ def paged_attention_pallas_gpu(
         page_copy=page_copy,
         kernel_merge=kernel_merge,
         auto_barriers=auto_barriers,
+        min_split_tiles=min_split_tiles if splits > 1 else 1,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
