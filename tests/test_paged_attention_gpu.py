@@ -528,12 +528,13 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
 
 
 def test_default_min_split_tiles():
-    assert kernel_gpu.default_min_split_tiles(8, 8, 1) == 1  # no splits: nothing to floor
-    assert kernel_gpu.default_min_split_tiles(8, 8, 8) == 4  # two waves of splits
+    assert kernel_gpu.default_min_split_tiles(32, 8, 1) == 1  # no splits: nothing to floor
+    assert kernel_gpu.default_min_split_tiles(8, 8, 8) == 1  # few pairs: every split reads
     assert kernel_gpu.default_min_split_tiles(32, 8, 2) == 8  # about one wave of pairs
-    # The quick table's split rows keep their splits: B=32 / 2k's 1k-3k tokens (16-48 tiles)
-    # are all split in two at 8, and B=8 / 32k's 16k-48k tokens in eight at 4.
-    assert 1024 // 64 // 8 >= 2 and 16384 // 64 // 4 >= 8
+    assert kernel_gpu.default_min_split_tiles(63, 8, 4) == 8
+    assert kernel_gpu.default_min_split_tiles(64, 8, 2) == 1  # two waves (explicit splits)
+    # The quick table's B=32 / 2k (1k-3k tokens: 16-48 tiles) keeps two splits a sequence.
+    assert min(1024 // 64 // 8, 2) == 2
 
 
 def _kernel_order_of(lengths, block_kv=64, slots=None):
@@ -779,7 +780,7 @@ _VARIANTS = [
     dict(num_splits=4, min_split_tiles=1),  # every split reads, as before
     dict(num_splits=4, min_split_tiles=16, split_merge="xla"),
     dict(num_splits=3, C=64, min_split_tiles=2, sliding_window=100, logits_soft_cap=30.0),
-    dict(B=40, num_splits=2, longest_first=True, W=192),  # one wave of pairs: 8 by default
+    dict(B=40, W=192),  # one wave of pairs: 2 splits by the table, a floor of 8 by default
 ]
 
 
@@ -1426,7 +1427,9 @@ def test_gpu_auto_barriers(C, extra, auto_barriers):
     [
         # Mixed lengths in a 32k-wide table: 8 splits by the width; a sequence of t tiles is
         # read by clip(t // 4, 1, 8) of them (the short ones by one, written straight out).
-        ([32768, 0, 1, 15, 16, 17, 100, 600, 1000, 3000], dict()),
+        ([32768, 0, 1, 15, 16, 17, 100, 600, 1000, 3000], dict(min_split_tiles=4)),
+        # About one wave of pairs (32 x 8) in an 8k table: 4 splits, a floor of 8 by default
+        ("wave", dict()),
         ([32768, 1, 63, 64, 65, 255, 257, 5000], dict(min_split_tiles=16, G=8)),
         ([20000, 1, 17, 700, 2600], dict(window=700, soft_cap=50.0, C=64)),
         ("many", dict(num_splits=3, min_split_tiles=8)),  # 96 x 8 pairs: several waves
@@ -1446,6 +1449,11 @@ def test_gpu_min_split_tiles(lengths, extra, merge):
     C = extra.pop("C", 16)
     if lengths == "many":
         lengths = rng.integers(0, 3000, size=96)
+    elif lengths == "wave":
+        lengths = rng.integers(0, 1200, size=32)
+        lengths[:6] = [8192, 0, 1, 511, 512, 513]
+        assert kernel_gpu.default_num_splits(32, 8, 8192, 64) == 4
+        assert kernel_gpu.default_min_split_tiles(32, 8, 4) == 8
     for _ in range(2):
         _run_case(rng, lengths, K=8, H=128, C=C, split_merge=merge, **kw, **extra)
 

@@ -524,16 +524,17 @@ def default_min_split_tiles(num_seqs: int, num_kv_heads: int, num_splits: int) -
 
     The split count is static (from the block table's width, ``default_num_splits``), so a
     table as wide as an engine's ``max_model_len`` splits short sequences as if they were
-    long, and in a batch of mixed lengths the short ones are cut into slivers. The floor is
-    the static rule's own, applied to each sequence's real tiles: 4 tiles (``>= 4 tiles per
-    split``) where splits fill two waves, 8 for about one wave of pairs (where the H200's
-    sweeps found 16-tile splits no faster than whole 1k-token sequences; 8 keeps the
-    measured B=32 / 2k split, 1k-3k tokens, as it was)."""
-    if num_splits <= 1:
-        return 1
-    if _one_wave_of_pairs(num_seqs * num_kv_heads):
+    long. About one wave of pairs (256-511) is split only for long sequences (2k+ tokens a
+    split), and there the floor is 8 tiles: on the H200 (sixteenth session,
+    ``decode_cases_s16_table*.json``, CUPTI us) B=32 at 512 tokens ran 22.4-22.7 in 8k- and
+    32k-token tables against 26.2-26.8 with every split reading (20.6 in a table as wide as
+    its sequences), and the quick table's B=32 / 2k (1k-3k tokens, 16+ tiles: still two
+    splits) 68.7 against 69.1. With fewer pairs the splits are what fills the GPU, and short
+    ones still pay: a floor of 4 lost 5-8% at B=4 / 2k, B=8 / 2k and B=16 / 1k in 32k tables
+    (8 lost up to 30%), so there every split reads (1)."""
+    if num_splits > 1 and _one_wave_of_pairs(num_seqs * num_kv_heads):
         return 8
-    return 4
+    return 1
 
 
 def unsupported_reason(

@@ -488,7 +488,7 @@ def paged_attention_pallas_gpu(
         engine's longest, or beside long ones, is not cut into slivers); the splits past them
         read nothing, and with ``split_merge="kernel"`` store nothing, and a sequence read by
         one split is written straight out with no merge. 1: every split reads, as before.
-        Default (None): ``default_min_split_tiles`` (4, or 8 for about one wave of pairs).
+        Default (None): ``default_min_split_tiles`` (8 for about one wave of pairs, else 1).
 
     Returns:
       [B, N, H] in ``q.dtype``.
