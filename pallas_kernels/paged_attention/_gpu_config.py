@@ -526,12 +526,15 @@ def default_min_split_tiles(num_seqs: int, num_kv_heads: int, num_splits: int) -
     table as wide as an engine's ``max_model_len`` splits short sequences as if they were
     long. About one wave of pairs (256-511) is split only for long sequences (2k+ tokens a
     split), and there the floor is 8 tiles: on the H200 (sixteenth session,
-    ``decode_cases_s16_table*.json``, CUPTI us) B=32 at 512 tokens ran 22.4-22.7 in 8k- and
-    32k-token tables against 26.2-26.8 with every split reading (20.6 in a table as wide as
-    its sequences), and the quick table's B=32 / 2k (1k-3k tokens, 16+ tiles: still two
-    splits) 68.7 against 69.1. With fewer pairs the splits are what fills the GPU, and short
+    ``decode_cases_s16_table*.json``, CUPTI us, floor 8 / every split / floor 4) B=32 at 512
+    tokens ran 22.4-22.9 in 8k- and 32k-token tables against 26.2-26.8 with every split
+    reading (25.1 at 4; 20.6 in a table as wide as its sequences), B=48 / 1k 55.1 / 57.2-57.4
+    / 58.1 and B=40 / 1k 46.1 / 49.7 / 49.2 in 8k tables, and the quick table's B=32 / 2k
+    (1k-3k tokens, 16+ tiles: still two splits) 68.7 against 69.1. It lost at B=32 / 2k in an
+    8k table (4 splits: 69.6-70.2 / 67.6-67.8 / 68.2), where 16-31-tile sequences now take 2-3
+    CTAs instead of 4. With fewer pairs the splits are what fills the GPU, and short
     ones still pay: a floor of 4 lost 5-8% at B=4 / 2k, B=8 / 2k and B=16 / 1k in 32k tables
-    (8 lost up to 30%), so there every split reads (1)."""
+    (8 lost up to 35%), so there every split reads (1)."""
     if num_splits > 1 and _one_wave_of_pairs(num_seqs * num_kv_heads):
         return 8
     return 1
