@@ -1445,17 +1445,15 @@ def test_gpu_min_split_tiles(lengths, extra, merge):
     # twice (the arrival counters back at zero), NaN-poisoned free pages.
     rng = np.random.default_rng(len(lengths) + len(extra))
     extra = dict(extra)
-    kw = dict(dtype=jnp.dtype(extra.pop("dtype", "bfloat16")), G=extra.pop("G", 4))
     C = extra.pop("C", 16)
-    if lengths == "many":
-        lengths = rng.integers(0, 3000, size=96)
-    elif lengths == "wave":
+    if lengths == "wave":
         lengths = rng.integers(0, 1200, size=32)
         lengths[:6] = [8192, 0, 1, 511, 512, 513]
         assert kernel_gpu.default_num_splits(32, 8, 8192, 64) == 4
         assert kernel_gpu.default_min_split_tiles(32, 8, 4) == 8
+    lengths, extra = _page_case(rng, C, dict(extra, lengths=lengths))
     for _ in range(2):
-        _run_case(rng, lengths, K=8, H=128, C=C, split_merge=merge, **kw, **extra)
+        _run_case(rng, lengths, K=8, C=C, split_merge=merge, **extra)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,6 @@ from pallas_kernels.paged_attention._gpu_tile import (
     _tile,
     _Unit,
     _unit,
-    wg_barrier,
 )
 
 
@@ -54,10 +53,9 @@ def _merge_split(cfg: _Config, unit: _Unit, counters, out_ref, parts, o_smem, me
     the others exit. No CTA waits for another."""
     mo_smem, ml_smem, m_bar, flag = merge_smem
     o_part, lse_part = parts
-    S, G, R, H = cfg.num_splits, cfg.group, cfg.q_rows, cfg.head_dim
+    G, R, H = cfg.group, cfg.q_rows, cfg.head_dim
+    S = unit.splits  # the pair's splits that read (``min_split_tiles``: the others never arrive)
     pair = unit.b * cfg.num_kv_heads + unit.h
-    if cfg.min_split_tiles > 1:  # the pair's splits that read (the others never arrive)
-        S = unit.splits
     last = _merge_gpu.arrive(
         counters, flag, pair, S, split=unit.s, interpret=bool(cfg.interpret)
     )  # fmt: skip
@@ -80,19 +78,6 @@ def _merge_split(cfg: _Config, unit: _Unit, counters, out_ref, parts, o_smem, me
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[pl.ds(unit.qrow, G)])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _store_final(cfg: _Config, unit: _Unit, out_ref, o_smem, out):
-    """The G output rows of a split sequence that one split read whole (``min_split_tiles``):
-    stored as the unsplit kernel stores them (O^T through a transposed view), with the split
-    path's output tile, in ``q.dtype``."""
-    G = cfg.group
-    rows = pl.ds(unit.qoff, G)
-    wg_barrier(cfg)  # the output tile reuses the ring's SMEM: every warp's last wgmma is done
-    o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[pl.ds(unit.qrow, G)])
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _split_rest(cfg: _Config, rest):
@@ -199,7 +184,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
                 # merge; splits past the ones that read store nothing and never arrive.
                 alone = unit.splits == 1
                 pl.when(alone & (unit.s == 0))(
-                    lambda: _store_final(cfg, unit, final_ref, out_smem[0], out)
+                    lambda: _store(cfg, unit, (final_ref,), out_smem[:1], out, None, whole=True)
                 )
                 pl.when(~alone & (unit.s < unit.splits))(split_store)
 

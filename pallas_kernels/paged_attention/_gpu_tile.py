@@ -104,14 +104,12 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, 
     lo, t_lo, tiles = _tile_span(cfg, length)
     t_hi = t_lo + tiles
     splits = S
-    if cfg.min_split_tiles > 1 and S > 1:
+    if cfg.min_split_tiles > 1:
         # Only as many splits as keep min_split_tiles tiles each (at least one): a short
         # sequence in a wide table, or beside long ones, is not cut into slivers; the
         # splits past them read nothing and store nothing (``_kernel_body``).
         splits = jnp.clip(tiles // cfg.min_split_tiles, 1, S)
-        per_split = (tiles + splits - 1) // splits
-    else:
-        per_split = (tiles + S - 1) // S
+    per_split = (tiles + splits - 1) // splits
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
     n = jnp.where(valid, n, 0)
@@ -348,9 +346,12 @@ def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
     return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True):
-    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
-    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
+def _store(
+    cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True, whole: bool = False
+):
+    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1, or ``whole``: a
+    split sequence that one split read whole, ``min_split_tiles``, with ``swap_ab``), or the
+    partial (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
     partial, and the lse row of its ``qcols`` columns to the (sequence, KV head) slot). ``wait=False``
     leaves the copies in flight (the persistent loop waits for their SMEM reads before it
     writes the tiles again)."""
@@ -359,7 +360,7 @@ def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = 
     wg_barrier(cfg)  # the output tiles reuse the ring's SMEM: every warp's last wgmma is done
     if not wait:  # the previous unit's copies may still read these tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if cfg.swap_ab and cfg.num_splits == 1:  # out is O^T [H, qcols]: stored transposed
+    if cfg.swap_ab and (cfg.num_splits == 1 or whole):  # out is O^T [H, qcols]: transposed
         (o_ref,), (o_smem,) = outs, out_smem
         o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)
         plgpu.commit_smem()
