@@ -61,7 +61,7 @@ def main(argv=None) -> None:
         raise SystemExit("ptxas_decode.py compiles Mosaic GPU kernels: it needs a CUDA GPU")
     cmd = [sys.executable, __file__, "--child", "--cases", *ns.cases, "--variants", *ns.variants]
     out = subprocess.run(cmd, env=child_env, capture_output=True, text=True)
-    keep = re.compile(r"###|Compiling entry|registers|spill", re.IGNORECASE)
+    keep = re.compile(r"###|Compiling entry|registers|spill|wgmma|serializ|warning", re.IGNORECASE)
     for line in (out.stdout + out.stderr).splitlines():
         if keep.search(line):
             print(line)
