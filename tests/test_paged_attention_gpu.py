@@ -527,24 +527,6 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
               block_kv=64, min_split_tiles=min_tiles, split_merge=merge, **extra)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        dict(),  # swap_ab, 2 stages: 10-tile sequences wrap both rings several times
-        dict(swap_ab=False, num_splits=2),  # the 64-row tile, split
-        dict(num_stages=1, k_stages=3, window=200, soft_cap=20.0),  # K deeper than V
-        dict(num_stages=3, k_stages=1, l2_prefetch=2, out_of_range_tail=True),  # one K slot
-    ],
-    ids=["swap", "64-rows-split2", "st1-k3-window-cap", "st3-k1-prefetch-bad-ids"],
-)
-def test_interpret_qk_ahead(extra):
-    # Tile i + 1's Q K^T in flight during tile i's softmax: lengths 0 (a unit with no tile, whose
-    # first Q K^T reads an unwritten slot), 1, C-1, C, C+1, and up to 10 tiles of 64.
-    rng = np.random.default_rng(90 + len(extra))
-    _run_case(rng, [0, 1, 15, 16, 17, 63, 64, 65, 640, 300], K=2, G=2, H=64, C=16, block_kv=64,
-              interpret=RACE_CHECKED, qk_ahead=True, **extra)  # fmt: skip
-
-
 def test_default_min_split_tiles():
     assert kernel_gpu.default_min_split_tiles(32, 8, 1) == 1  # no splits: nothing to floor
     assert kernel_gpu.default_min_split_tiles(8, 8, 8) == 1  # few pairs: every split reads
@@ -799,14 +781,6 @@ _VARIANTS = [
     dict(num_splits=4, min_split_tiles=16, split_merge="xla"),
     dict(num_splits=3, C=64, min_split_tiles=2, sliding_window=100, logits_soft_cap=30.0),
     dict(B=40, W=192),  # one wave of pairs: 2 splits by the table, a floor of 8 by default
-    # Tile i + 1's Q K^T issued before tile i's softmax (qk_ahead)
-    dict(qk_ahead=True),
-    dict(qk_ahead=True, swap_ab=False),  # the 64-row tile
-    dict(qk_ahead=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
-    dict(qk_ahead=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128
-    dict(qk_ahead=True, H=256, C=256, num_splits=2, k_stages=3),
-    dict(qk_ahead=True, N=48, K=8, l2_prefetch=1),  # 16 query columns
-    dict(qk_ahead=True, B=40, W=192, auto_barriers=True),  # the in-kernel merge, floor 8
 ]
 
 
@@ -1000,11 +974,6 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(C=4, auto_barriers=False, page_copy="tma"), "pages of 4 tokens with page_copy"),
         (dict(min_split_tiles=0), "min_split_tiles=0 must be >= 1"),
         (dict(min_split_tiles=2.5), "min_split_tiles=2.5 must be an integer"),
-        (dict(qk_ahead=True, producer=True), "qk_ahead=True runs in the default kernel"),
-        (dict(qk_ahead=True, persistent=True), "qk_ahead=True .* persistent=True"),
-        (dict(qk_ahead=True, early_k=True), "qk_ahead=True .* early_k=True"),
-        (dict(qk_ahead=True, balanced=True), "qk_ahead=True .* balanced=True"),
-        (dict(qk_ahead=True, C=4), "qk_ahead=True .* page_size=4"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1367,33 +1336,6 @@ def test_gpu_small_pages(C, extra):
     rng = np.random.default_rng(C * 7 + len(extra))
     lengths, extra = _page_case(rng, C, extra)
     _run_case(rng, lengths, K=4, C=C, **extra)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "C,extra",
-    [
-        (16, dict()),
-        (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
-        (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
-        (64, dict(window=700, soft_cap=50.0, num_splits=3)),
-        (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
-        (256, dict(H=256, G=8, num_splits=2, k_stages=3)),
-        (128, dict(swap_ab=False, num_splits=3, split_merge="xla")),  # the 64-row tile, C > T
-        (16, dict(num_stages=1, k_stages=1, out_of_range_tail=True)),  # one slot each
-        (32, dict(num_layers=2, layer=1, dtype="float16", G=6, l2_prefetch=2)),  # 16 columns
-        (16, dict(sm_scale=-0.05, auto_barriers=True, num_stages=4)),
-    ],
-    ids=str,
-)
-def test_gpu_qk_ahead(C, extra):
-    # Tile i + 1's Q K^T issued before tile i's softmax (the result read with P @ V's wait);
-    # each case twice, NaN-poisoned free pages: the Q K^T after a unit's last tile reads a slot
-    # no copy lands in, and its result must never reach the output.
-    rng = np.random.default_rng(C + 7 * len(extra))
-    lengths, extra = _page_case(rng, C, extra)
-    for _ in range(2):
-        _run_case(rng, lengths, K=8, C=C, qk_ahead=True, **extra)
 
 
 @pytest.mark.gpu

@@ -70,8 +70,6 @@ class _Config:
     # A sequence is split only into as many splits as keep this many tiles each (1: all
     # num_splits, however short; ``default_min_split_tiles``).
     min_split_tiles: int = 1
-    # Tile i + 1's Q K^T issued before tile i's softmax (``_gpu_tile._loop_ahead``).
-    qk_ahead: bool = False
 
     @property
     def xla_order(self) -> bool:

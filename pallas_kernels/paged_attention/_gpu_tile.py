@@ -210,46 +210,6 @@ def _relayout(cfg: _Config, src, dst):
     plgpu.commit_smem()
 
 
-def _landed(cfg: _Config, bar, ring, at, tile, later_groups):
-    """Waits for ring slot ``at``'s copies; returns the tile the products read. ``tile``
-    (``staged``): the tiled tile the slot is re-laid into. ``per_thread``: a tile's K and V are
-    two cp.async groups, issued ``num_stages`` tiles ahead (``_attend``), so ``later_groups``
-    (the other stream's and the later tiles') may still be in flight."""
-    if cfg.per_thread:
-        if later_groups is not None:  # (V's group was waited for with P's store)
-            _cp_async.wait(later_groups)
-            plgpu.commit_smem()
-        return ring.at[at]
-    plgpu.barrier_wait(bar.at[at])
-    if tile is None:
-        return ring.at[at]
-    _relayout(cfg, ring.at[at], tile.at[0])
-    return tile.at[0]
-
-
-def _scores_shape(cfg: _Config):
-    """The scores' shape: [T, qcols] with ``swap_ab`` (keys down), else [64, T]."""
-    return (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (_ROWS, cfg.block_kv)
-
-
-def _issue_scores(cfg: _Config, acc_ref, k_tile, q_smem):
-    """Issues Q K^T (``swap_ab``: K Q^T) of ``k_tile`` into ``acc_ref``; not waited for."""
-    if cfg.swap_ab:
-        plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
-    else:
-        plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
-
-
-def _scores(cfg: _Config, k_tile, q_smem):
-    """Q K^T (``swap_ab``: K Q^T) of ``k_tile``, waited for: f32 in the WGMMA layout."""
-
-    def qk(acc_ref):
-        _issue_scores(cfg, acc_ref, k_tile, q_smem)
-        return acc_ref[...]
-
-    return pl.run_scoped(qk, plgpu.ACC(_scores_shape(cfg), jnp.float32))
-
-
 def _tile(
     cfg: _Config,
     unit: _Unit,
@@ -272,33 +232,48 @@ def _tile(
     re-laid into once they land; the products read those. Returns the new (acc, m, l); P @ V
     has completed by then, so the slot's V is free.
     """
-    q_smem, k_smem, _, _, k_bar, _ = smem
-    tile_tok = (unit.start + i) * cfg.block_kv
+    T, H = cfg.block_kv, cfg.head_dim
+    q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
+    acc, m, l = carry
+    tile_tok = (unit.start + i) * T
+    v_slot = slot if v_slot is None else v_slot
+
+    def landed(bar, ring, at, tile, later_groups):
+        """Waits for the slot's copies; the tile the products read. ``per_thread``: a tile's
+        K and V are two cp.async groups, issued ``num_stages`` tiles ahead (``_attend``), so
+        ``later_groups`` (the other stream's and the later tiles') may still be in flight."""
+        if cfg.per_thread:
+            if later_groups is not None:  # (V's group was waited for with P's store)
+                _cp_async.wait(later_groups)
+                plgpu.commit_smem()
+            return ring.at[at]
+        plgpu.barrier_wait(bar.at[at])
+        if tile is None:
+            return ring.at[at]
+        _relayout(cfg, ring.at[at], tile.at[0])
+        return tile.at[0]
+
     k_tile, v_tile = (None, None) if tiles is None else tiles
     later = 2 * cfg.num_stages - 1  # cp.async groups after this tile's K group
     # swap_ab: the scores' transpose K Q^T [T, qcols] (keys down, queries across), P^T stored
     # through a transposed view of P [qcols, T], and O^T = V^T P^T [H, qcols]: the wgmma M is
     # the keys / the head dim, and only N = qcols columns of queries are computed (8 for
     # G <= 4) where the default tile computes 64 query rows.
-    k_tile = _landed(cfg, k_bar, k_smem, slot, k_tile, later)
-    sc = _scores(cfg, k_tile, q_smem)
-    if after_qk is not None:
-        after_qk()
-    v_slot = slot if v_slot is None else v_slot
-    return _tile_rest(cfg, unit, tile_tok, sc, carry, smem, v_slot, before_p, v_tile)
-
-
-def _tile_rest(cfg: _Config, unit: _Unit, tile_tok, sc, carry, smem, v_slot, before_p, v_tile):
-    """The tile of ``unit`` starting at key ``tile_tok``, from its scores ``sc`` on: the
-    online softmax, P to SMEM, P @ V (V in ring slot ``v_slot``; ``v_tile``: ``staged``'s tiled
-    V tile). Returns the new (acc, m, l); P @ V has completed by then."""
-    T, H = cfg.block_kv, cfg.head_dim
-    _, _, v_smem, p_smem, _, v_bar = smem
-    acc, m, l = carry
-    later = 2 * cfg.num_stages - 1  # cp.async groups after this tile's K group
     swap = cfg.swap_ab
     keys = 0 if swap else 1  # the scores' key axis
-    sc_shape = _scores_shape(cfg)
+    k_tile = landed(k_bar, k_smem, slot, k_tile, later)
+
+    def qk(acc_ref):
+        if swap:
+            plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+
+    sc_shape = (T, cfg.qcols) if swap else (_ROWS, T)
+    sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
+    if after_qk is not None:
+        after_qk()
     scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
     fold = not cfg.logits_soft_cap and scale > 0  # scale applied inside exp2, not per score
     if cfg.logits_soft_cap:
@@ -338,7 +313,7 @@ def _tile_rest(cfg: _Config, unit: _Unit, tile_tok, sc, carry, smem, v_slot, bef
     if cfg.per_thread:  # V's cp.async group, made visible by P's fence and barrier
         _cp_async.wait(later - 1)
     plgpu.commit_smem()
-    v_tile = _landed(cfg, v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
+    v_tile = landed(v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
 
     @pl.when(tile_tok + T > unit.length)
     def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
@@ -357,8 +332,6 @@ def _tile_rest(cfg: _Config, unit: _Unit, tile_tok, sc, carry, smem, v_slot, bef
     o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
     return acc, m_new, l
-
-
 
 
 def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
@@ -577,63 +550,4 @@ def _attend(
         return carry
 
     with jax.named_scope("loop"):
-        if cfg.qk_ahead:
-            return _loop_ahead(cfg, refs, unit, smem)
         return lax.fori_loop(0, n, step, _init_carry(cfg))
-
-
-def _loop_ahead(cfg: _Config, refs, unit: _Unit, smem):
-    """``qk_ahead``: the attention loop with tile i + 1's Q K^T issued before tile i's softmax,
-    so the tensor core computes it while the softmax, P's store and the wait for V run (the
-    overlap FlashAttention-3 calls intra-warpgroup pipelining). Tile i's scores come into step
-    i in the loop carry; P @ V's wait covers both products. K of tile t is refilled once
-    Q K^T of tile t - ``k_stages`` has read its slot (the end of the step before), V of tile t
-    once P @ V of tile t - ``num_stages`` has, as in ``_attend``'s loop.
-
-    The Q K^T after a unit's last tile (and the first one of a unit with no tile) reads a slot
-    no copy is landing in, and its result is never used: one extra product a unit instead of
-    a branch around an asynchronous wgmma."""
-    q_ref, k_ref, v_ref, bt_ref = refs
-    q_smem, k_smem, _, _, k_bar, _ = smem
-    stages, k_stages, n = cfg.num_stages, cfg.k_stages, unit.n
-    k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, smem[2], smem[5])
-    ahead = max(stages, k_stages) + cfg.l2_prefetch
-
-    def refill_k(t, slot, pages):
-        pl.when(t < n)(lambda: _issue(cfg, unit, t, slot, pages, [k_stream]))
-
-    first_k = _lookup(cfg, bt_ref, unit, k_stages)
-    pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
-    sc = _scores(cfg, k_smem.at[0], q_smem)
-    wg_barrier(cfg)  # every warp's part of tile 0's Q K^T has read slot 0
-    refill_k(k_stages, 0, first_k)
-
-    def step(i, carry):
-        *state, sc = carry
-        tile_tok = (unit.start + i) * cfg.block_kv
-        v_slot = lax.rem(i, jnp.int32(stages))
-        k_next = lax.rem(i + 1, jnp.int32(k_stages))
-        # The block-table reads are in flight during the tile.
-        next_k = _lookup(cfg, bt_ref, unit, i + 1 + k_stages)
-        next_v = _lookup(cfg, bt_ref, unit, i + stages)
-        far_pages = _lookup(cfg, bt_ref, unit, i + ahead) if cfg.l2_prefetch else None
-
-        def overlapped(s_ref):
-            pl.when(i + 1 < n)(lambda: plgpu.barrier_wait(k_bar.at[k_next]))
-            _issue_scores(cfg, s_ref, k_smem.at[k_next], q_smem)
-            out = _tile_rest(cfg, unit, tile_tok, sc, tuple(state), smem, v_slot, None, None)
-            return (*out, s_ref[...])  # (P @ V's wait covered tile i + 1's Q K^T)
-
-        carry = pl.run_scoped(overlapped, plgpu.ACC(_scores_shape(cfg), jnp.float32))
-        # Every warp's products have read K's slot k_next, V's slot and P.
-        wg_barrier(cfg)
-        refill_k(i + 1 + k_stages, k_next, next_k)
-        pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, v_slot, next_v, [v_stream]))
-        if cfg.l2_prefetch:
-            pl.when(i + ahead < n)(
-                lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
-            )
-        return carry
-
-    acc, m, l, _ = lax.fori_loop(0, n, step, (*_init_carry(cfg), sc))
-    return acc, m, l

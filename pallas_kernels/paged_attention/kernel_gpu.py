@@ -308,8 +308,6 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ab"  # Pallas's automatic warpgroup barriers (else ``wg_barrier`` by hand)
     if cfg.kernel_merge:
         name += "_km"  # splits merged in the kernel
-    if cfg.qk_ahead:
-        name += "_qa"  # tile i + 1's Q K^T issued before tile i's softmax
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -382,7 +380,6 @@ def paged_attention_pallas_gpu(
     split_merge: str | None = None,
     auto_barriers: bool | None = None,
     min_split_tiles: int | None = None,
-    qk_ahead: bool = False,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -496,12 +493,6 @@ def paged_attention_pallas_gpu(
         read nothing, and with ``split_merge="kernel"`` store nothing, and a sequence read by
         one split is written straight out with no merge. 1: every split reads, as before.
         Default (None): ``default_min_split_tiles`` (8 for about one wave of pairs, else 1).
-      qk_ahead: issue tile i + 1's Q K^T before tile i's softmax, so the tensor core computes
-        it while the softmax, P's store and the wait for V run (FlashAttention-3's
-        intra-warpgroup overlap; ``_gpu_tile._loop_ahead``): a shorter chain a tile for a CTA
-        that streams alone. Only in the default kernel with TMA page copies of 8 tokens or more
-        (not with ``producer``, ``persistent``, ``balanced``, ``early_k`` or pages below 8
-        tokens).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -643,13 +634,6 @@ def paged_attention_pallas_gpu(
             f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
             "persistent=True"
         )
-    qk_ahead = bool(qk_ahead)
-    if qk_ahead and (producer or persistent or balanced or early_k or small):
-        raise ValueError(
-            "qk_ahead=True runs in the default kernel with pages of 8 tokens or more: it cannot "
-            f"take producer={producer}, persistent={persistent}, balanced={balanced}, "
-            f"early_k={early_k} or page_size={C}"
-        )
     if min_split_tiles is None:
         min_split_tiles = default_min_split_tiles(B, K, splits)
     min_split_tiles = _int_knob("min_split_tiles", min_split_tiles)
@@ -733,7 +717,6 @@ def paged_attention_pallas_gpu(
         kernel_merge=kernel_merge,
         auto_barriers=auto_barriers,
         min_split_tiles=min_split_tiles if splits > 1 else 1,
-        qk_ahead=qk_ahead,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
