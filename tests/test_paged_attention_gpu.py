@@ -42,6 +42,7 @@ def _run_case(
     window=None,
     sm_scale=None,
     out_of_range_tail=False,
+    q_scale=1.0,
     **tuning,
 ):
     kv = make_paged_kv(
@@ -49,7 +50,9 @@ def _run_case(
         num_layers=num_layers, out_of_range_tail=out_of_range_tail,
     )  # fmt: skip
     q = np.asarray(
-        jnp.asarray(rng.standard_normal((len(lengths), K * G, H)), dtype).astype(jnp.float32)
+        jnp.asarray(q_scale * rng.standard_normal((len(lengths), K * G, H)), dtype).astype(
+            jnp.float32
+        )
     )
     scale = 1.0 / math.sqrt(H) if sm_scale is None else sm_scale
     with _merge_handover_ordered():
@@ -527,6 +530,61 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
               block_kv=64, min_split_tiles=min_tiles, split_merge=merge, **extra)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),  # swap_ab: the first tile's max, no reduction across warps after it
+        dict(swap_ab=False, num_splits=2),  # the 64-row tile, split (lse from the reference)
+        dict(window=200, soft_cap=20.0, num_splits=3),  # the window's first tile
+        dict(sm_scale=-0.2, num_stages=1),  # the scale applied per score
+        # Logits 100x sharper: later tiles' scores rise far past the first tile's max, the
+        # probabilities overflow, and those units are read again with the running max.
+        dict(q_scale=100.0),
+        dict(q_scale=100.0, swap_ab=False, num_splits=2),
+        dict(q_scale=3.0, dtype=jnp.float16),  # f16 P: 15 doublings of headroom
+        # The running max (the default before, and at f16)
+        dict(fixed_max=False),
+        dict(fixed_max=False, swap_ab=False, num_splits=2, q_scale=100.0),
+    ],
+    ids=[
+        "swap",
+        "64-rows-split2",
+        "window-cap-split3",
+        "negative-scale-st1",
+        "spike",
+        "spike-64-rows-split2",
+        "f16-spike",
+        "exact",
+        "exact-64-rows-split2-spike",
+    ],
+)
+def test_interpret_fixed_max(extra):
+    rng = np.random.default_rng(100 + len(extra))
+    extra = {"fixed_max": True, **extra}
+    _run_case(rng, [0, 1, 15, 16, 17, 63, 64, 65, 640, 300], K=2, G=2, H=64, C=16, block_kv=64,
+              interpret=RACE_CHECKED, **extra)  # fmt: skip
+
+
+def test_default_fixed_max():
+    assert kernel_gpu.default_fixed_max(jnp.bfloat16)
+    assert not kernel_gpu.default_fixed_max(jnp.float16)  # 15 doublings: redone more often
+    assert not kernel_gpu.default_fixed_max(jnp.bfloat16, producer=True)
+    assert not kernel_gpu.default_fixed_max(jnp.bfloat16, persistent=True)
+    assert not kernel_gpu.default_fixed_max(jnp.bfloat16, balanced=True)
+
+
+def test_interpret_fixed_max_redo_is_needed(monkeypatch):
+    # The spike case's logits overflow against the first tile's max: without the check and
+    # the exact second pass the output is wrong (so the case above exercises the redo).
+    from pallas_kernels.paged_attention import _gpu_tile
+
+    monkeypatch.setattr(_gpu_tile, "_past_headroom", lambda *a: jnp.bool_(False))
+    rng = np.random.default_rng(100 + 1)
+    with pytest.raises(AssertionError):
+        _run_case(rng, [0, 1, 15, 16, 17, 63, 64, 65, 640, 300], K=2, G=2, H=64, C=16,
+                  block_kv=64, interpret=True, fixed_max=True, q_scale=100.0)  # fmt: skip
+
+
 def test_default_min_split_tiles():
     assert kernel_gpu.default_min_split_tiles(32, 8, 1) == 1  # no splits: nothing to floor
     assert kernel_gpu.default_min_split_tiles(8, 8, 8) == 1  # few pairs: every split reads
@@ -781,6 +839,17 @@ _VARIANTS = [
     dict(num_splits=4, min_split_tiles=16, split_merge="xla"),
     dict(num_splits=3, C=64, min_split_tiles=2, sliding_window=100, logits_soft_cap=30.0),
     dict(B=40, W=192),  # one wave of pairs: 2 splits by the table, a floor of 8 by default
+    # The first tile's max as every tile's reference, checked once a unit (fixed_max)
+    dict(fixed_max=True),
+    dict(fixed_max=True, swap_ab=False, num_splits=3, split_merge="xla"),  # the 64-row tile
+    dict(fixed_max=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
+    dict(fixed_max=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128
+    dict(fixed_max=True, H=256, C=256, num_splits=2, early_k=True, k_stages=3),
+    dict(fixed_max=True, C=1, W=128),  # per-thread cp.async copies
+    dict(fixed_max=True, C=2, W=64, page_copy="tma"),  # the staging ring
+    dict(fixed_max=True, B=40, W=192, auto_barriers=True, longest_first=True),
+    dict(fixed_max=False),  # the running max in every tile (bf16's default before)
+    dict(fixed_max=False, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
 ]
 
 
@@ -974,6 +1043,9 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(C=4, auto_barriers=False, page_copy="tma"), "pages of 4 tokens with page_copy"),
         (dict(min_split_tiles=0), "min_split_tiles=0 must be >= 1"),
         (dict(min_split_tiles=2.5), "min_split_tiles=2.5 must be an integer"),
+        (dict(fixed_max=True, producer=True), "fixed_max=True runs in the default kernel"),
+        (dict(fixed_max=True, persistent=True), "fixed_max=True .* persistent=True"),
+        (dict(fixed_max=True, balanced=True), "fixed_max=True .* balanced=True"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1336,6 +1408,40 @@ def test_gpu_small_pages(C, extra):
     rng = np.random.default_rng(C * 7 + len(extra))
     lengths, extra = _page_case(rng, C, extra)
     _run_case(rng, lengths, K=4, C=C, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        (16, dict()),
+        (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
+        (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
+        (64, dict(window=700, soft_cap=50.0, num_splits=3)),
+        (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
+        (256, dict(H=256, G=8, num_splits=2, early_k=True, k_stages=3)),
+        (128, dict(swap_ab=False, num_splits=3, split_merge="xla")),  # the 64-row tile, C > T
+        (2, dict(lengths=[32768, 0, 3], num_splits=1)),  # per-thread cp.async copies
+        (32, dict(num_layers=2, layer=1, dtype="float16", G=6)),  # 16 query columns
+        (16, dict(sm_scale=-0.05, auto_barriers=True)),  # the scale applied per score
+        # Logits 100x sharper: units whose later scores overflow against the first tile's max
+        # are read again with the running max.
+        (16, dict(q_scale=100.0, lengths=[32768, 1, 20001, 700])),
+        (16, dict(q_scale=100.0, swap_ab=False, num_splits=2)),
+        (16, dict(q_scale=3.0, dtype="float16", lengths="many")),
+        # The running max in every tile (bf16's default before fixed_max)
+        (16, dict(fixed_max=False, lengths="many")),
+        (16, dict(fixed_max=False, q_scale=100.0, lengths=[32768, 1, 20001, 700])),
+        (64, dict(fixed_max=False, window=700, soft_cap=50.0, num_splits=3)),
+    ],
+    ids=str,
+)
+def test_gpu_fixed_max(C, extra):
+    # Each case twice, NaN-poisoned free pages.
+    rng = np.random.default_rng(C + 11 * len(extra))
+    lengths, extra = _page_case(rng, C, {"fixed_max": True, **extra})
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, C=C, **extra)
 
 
 @pytest.mark.gpu

@@ -70,6 +70,18 @@ class _Config:
     # A sequence is split only into as many splits as keep this many tiles each (1: all
     # num_splits, however short; ``default_min_split_tiles``).
     min_split_tiles: int = 1
+    # The first tile's max is every later tile's softmax reference: no max across the warps
+    # in the loop; a unit whose scores rise more than ``fixed_max_headroom`` above it is redone
+    # with the running max (``_gpu_tile._attend``).
+    fixed_max: bool = False
+
+    @property
+    def fixed_max_headroom(self) -> float:
+        """``fixed_max``: how far (base 2) a score may rise above the first tile's max. P is
+        at most 2^headroom (larger arguments of exp2 are clamped, and their unit redone), stored
+        in q.dtype for P @ V: f16 holds up to 65504, so 15; bf16 has f32's range, and at 32
+        the f32 sums stay finite for |v| up to about 1e22 over a million keys."""
+        return 15.0 if self.dtype == jnp.float16 else 32.0
 
     @property
     def xla_order(self) -> bool:
@@ -250,6 +262,21 @@ def default_auto_barriers(
     64 69.9 / 69.6, 70.1 / 69.6 and 68.4 / 68.1; ``decode_quick_s15_nab.json``,
     ``..._same_size.json``, ``..._default.json``)."""
     return bool(producer or persistent or balanced or staged)
+
+
+def default_fixed_max(
+    dtype, producer: bool = False, persistent: bool = False, balanced: bool = False
+) -> bool:
+    """``fixed_max`` (the first tile's max as every later tile's softmax reference, no max
+    across the warps in the loop) in the default kernel at bf16, whose headroom of 32 doublings
+    (22 nats above a unit's first tile's max) makes the exact second pass rare. Not at f16,
+    where P in f16 leaves 15 (10 nats), so a sharp head redoes its units more often.
+
+    H200, seventeenth session: a CTA streaming alone 702 -> 599 ns a 64-token tile from L2
+    (736 -> 629 from HBM; ``benchmarks/chain_ablation.py``: the max's reduction was 137 of
+    707 ns); the quick table's CUPTI times 0.3-0.6% lower in its HBM-bound rows and unchanged
+    elsewhere (``lone_cta_s17_fm.json``, ``decode_quick_s17_fm.json``)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and not (producer or persistent or balanced)
 
 
 def default_deferred_sum(qcols: int = 8) -> bool:

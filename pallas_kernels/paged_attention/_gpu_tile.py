@@ -4,6 +4,7 @@ the result (``_attend``, ``_finish``, ``_store``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -201,6 +202,33 @@ def _sum_l(cfg: _Config, l):
     return l.sum(axis=0) if cfg.deferred_sum else l
 
 
+def _folds_scale(cfg: _Config) -> bool:
+    """The logit scale is applied inside exp2 (``exp2(s * scale - m)``, m in scaled units), not
+    to every score: without a soft cap and for a positive scale (max(s) * scale = max(s * scale))."""
+    return not cfg.logits_soft_cap and cfg.sm_scale > 0
+
+
+def _init_hi(cfg: _Config):
+    """``fixed_max``: the running elementwise max of the scores, in their layout."""
+    shape = (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (_ROWS, cfg.block_kv)
+    return plgpu.layout_cast(jnp.full(shape, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _past_headroom(cfg: _Config, unit: _Unit, hi, m):
+    """``fixed_max``: whether any real query's largest score (``hi``, unscaled where the scale
+    folds into exp2) lies more than ``fixed_max_headroom`` (base 2) above the reference ``m``
+    its probabilities were taken against: then some exp2 may have overflowed, and the unit is
+    redone exactly. One reduction across the warps a unit. A unit with no tile (m = -inf) never
+    is: -inf - -inf is NaN, which compares false."""
+    keys = 0 if cfg.swap_ab else 1
+    q = plgpu.broadcasted_iota(jnp.int32, hi.shape, 1 - keys, layout=plgpu.Layout.WGMMA)
+    real = (q >= unit.qoff) & (q < unit.qoff + cfg.group)  # not the padding rows of Q
+    top = jnp.where(real, hi, -jnp.inf).max(axis=keys)
+    if _folds_scale(cfg):
+        top = top * (cfg.sm_scale * _LOG2E)
+    return jnp.max(top - m) > cfg.fixed_max_headroom
+
+
 def _relayout(cfg: _Config, src, dst):
     """Copies the untiled [T, H] staging tile ``src`` into the tiled, swizzled ``dst`` through
     registers, in a layout of 16-byte vectors that reads and writes SMEM without bank conflicts
@@ -234,7 +262,7 @@ def _tile(
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
-    acc, m, l = carry
+    acc, m, l, *hi = carry  # hi: ``fixed_max``'s running max of every score
     tile_tok = (unit.start + i) * T
     v_slot = slot if v_slot is None else v_slot
 
@@ -275,7 +303,7 @@ def _tile(
     if after_qk is not None:
         after_qk()
     scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
-    fold = not cfg.logits_soft_cap and scale > 0  # scale applied inside exp2, not per score
+    fold = _folds_scale(cfg)  # scale applied inside exp2, not per score
     if cfg.logits_soft_cap:
         cap = cfg.logits_soft_cap
         sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
@@ -293,12 +321,24 @@ def _tile(
     partial = (tile_tok + T > unit.length) | (tile_tok < unit.lo)
     sc = lax.cond(partial, mask, lambda sc: sc, sc)
     queries = [1 - keys]  # where a per-query vector broadcasts to
-    if fold:  # max(s) * scale = max(s * scale) for scale > 0; exp2(s * scale - m) per score
-        m_new = jnp.maximum(m, sc.max(axis=keys) * scale)
-        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, queries))
+
+    def running_max():  # max(s) * scale = max(s * scale) for scale > 0
+        return jnp.maximum(m, sc.max(axis=keys) * scale if fold else sc.max(axis=keys))
+
+    if cfg.fixed_max:
+        # The first tile's max stays the reference of every later tile: no reduction across
+        # the warps in the loop (softmax is shift-invariant; ``_attend`` checks the headroom).
+        m_new = lax.cond(i == 0, running_max, lambda: m)
+        hi = [jnp.maximum(hi[0], sc)]
     else:
-        m_new = jnp.maximum(m, sc.max(axis=keys))
-        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, queries))
+        m_new = running_max()
+    if fold:  # exp2(s * scale - m) per score
+        x = sc * scale - lax.broadcast_in_dim(m_new, sc.shape, queries)
+    else:
+        x = sc - lax.broadcast_in_dim(m_new, sc.shape, queries)
+    if cfg.fixed_max:  # never past the headroom (the unit is redone if a score was clamped)
+        x = jnp.minimum(x, cfg.fixed_max_headroom)
+    p = jnp.exp2(x)
     alpha = jnp.exp2(m - m_new)
     if cfg.deferred_sum:  # l [T, qcols]: no reduction across the warps in the loop
         l = l * lax.broadcast_in_dim(alpha, sc.shape, queries) + p
@@ -331,7 +371,7 @@ def _tile(
 
     o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
-    return acc, m_new, l
+    return (acc, m_new, l, *hi)
 
 
 def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
@@ -550,4 +590,15 @@ def _attend(
         return carry
 
     with jax.named_scope("loop"):
-        return lax.fori_loop(0, n, step, _init_carry(cfg))
+        if not cfg.fixed_max:
+            return lax.fori_loop(0, n, step, _init_carry(cfg))
+        acc, m, l, hi = lax.fori_loop(0, n, step, (*_init_carry(cfg), _init_hi(cfg)))
+    # Every copy has landed and every product has read its slot (the loop's last barrier): the
+    # exact loop may start over on the same ring.
+    exact = dataclasses.replace(cfg, fixed_max=False)
+    return lax.cond(
+        _past_headroom(cfg, unit, hi, m),
+        lambda: _attend(exact, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+                        consumed, tiles),
+        lambda: (acc, m, l),
+    )  # fmt: skip

@@ -193,6 +193,7 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     default_auto_barriers,
     default_block_kv,
     default_deferred_sum,
+    default_fixed_max,
     default_longest_first,
     default_min_split_tiles,
     default_num_splits,
@@ -308,6 +309,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ab"  # Pallas's automatic warpgroup barriers (else ``wg_barrier`` by hand)
     if cfg.kernel_merge:
         name += "_km"  # splits merged in the kernel
+    if cfg.fixed_max:
+        name += "_fm"  # the first tile's max as every tile's reference
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -380,6 +383,7 @@ def paged_attention_pallas_gpu(
     split_merge: str | None = None,
     auto_barriers: bool | None = None,
     min_split_tiles: int | None = None,
+    fixed_max: bool | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -493,6 +497,15 @@ def paged_attention_pallas_gpu(
         read nothing, and with ``split_merge="kernel"`` store nothing, and a sequence read by
         one split is written straight out with no merge. 1: every split reads, as before.
         Default (None): ``default_min_split_tiles`` (8 for about one wave of pairs, else 1).
+      fixed_max: take a unit's first tile's max as the softmax reference of all its later
+        tiles instead of a running max (softmax is shift-invariant), so no tile after the first
+        reduces across the warpgroup's four warps (a shared-memory round trip and two barriers,
+        about a fifth of a lone CTA's time a tile on the H200). The largest score is tracked
+        elementwise and checked once a unit: a unit whose scores rise more than
+        ``fixed_max_headroom`` (32 in base 2 for bf16, 15 for f16) above its reference is read
+        again with the running max, so the result never overflows. Only in the default kernel
+        (not with ``producer``, ``persistent`` or ``balanced``). Default (None):
+        ``default_fixed_max`` (on at bf16 in the default kernel).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -634,6 +647,14 @@ def paged_attention_pallas_gpu(
             f"{l2_prefetch=} must be in [0, {_MAX_L2_PREFETCH}], and 0 with producer=True or "
             "persistent=True"
         )
+    if fixed_max is None:
+        fixed_max = default_fixed_max(q.dtype, producer, persistent, balanced)
+    fixed_max = bool(fixed_max)
+    if fixed_max and (producer or persistent or balanced):
+        raise ValueError(
+            "fixed_max=True runs in the default kernel: it cannot take "
+            f"producer={producer}, persistent={persistent} or balanced={balanced}"
+        )
     if min_split_tiles is None:
         min_split_tiles = default_min_split_tiles(B, K, splits)
     min_split_tiles = _int_knob("min_split_tiles", min_split_tiles)
@@ -717,6 +738,7 @@ def paged_attention_pallas_gpu(
         kernel_merge=kernel_merge,
         auto_barriers=auto_barriers,
         min_split_tiles=min_split_tiles if splits > 1 else 1,
+        fixed_max=fixed_max,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
