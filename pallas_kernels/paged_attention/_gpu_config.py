@@ -210,6 +210,21 @@ def default_num_stages(
     return 2
 
 
+def swap_ab_lowers(version: str | None = None) -> bool:
+    """Whether this JAX's Mosaic GPU lowers ``swap_ab``'s kernels (``version``: a JAX version
+    string, default the installed one). On jax 0.12.0.1 its layout inference runs out of search
+    fuel after 200-260 s on the CPU (``Layout inference failed to find a solution``) wherever an
+    output tile written through a transposed SMEM view (O^T) is then copied out from a
+    dynamic offset: the G rows of a unit at ``qoff``. jax 0.11.2 lowers it at once. Until that
+    is solved, newer JAX runs the 64-row tile by default and refuses ``swap_ab=True`` at once."""
+    if version is None:
+        import jax
+
+        version = jax.__version__
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (major, minor) < (0, 12)
+
+
 def default_swap_ab(
     num_splits: int, head_dim: int, qcols: int, producer: bool = False, persistent: bool = False
 ) -> bool:
@@ -224,6 +239,8 @@ def default_swap_ab(
     correct in the interpreter, on the H200 and in CUDA lowering, but were not timed: opt in
     with ``swap_ab=True``. ``num_splits`` no longer changes the answer."""
     del num_splits
+    if not swap_ab_lowers():
+        return False
     return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 

@@ -23,7 +23,13 @@ end are zeroed in SMEM before ``P @ V`` so stale or NaN page tails never reach t
 With ``swap_ab`` the softmax denominators stay per (key row, query) through the loop and are
 summed over the keys once at the end (``deferred_sum``): a tile does one reduction across the
 warpgroup's four warps (the max, through SMEM) instead of two, and a lone CTA streams 42 GB/s
-instead of 36 on the H200 (tenth session).
+instead of 36 on the H200 (tenth session). At bf16 (``fixed_max``, ``default_fixed_max``) the
+max is taken across the warps only in a unit's first tile, whose max stays the reference of the
+others (softmax is shift-invariant): each thread keeps the elementwise max of its scores, one
+reduction after the loop checks that none rose past ``fixed_max_headroom`` (32 doublings; exp2's
+argument is clamped there) and a unit that did is read again with the running max. That
+reduction was 137 of a lone CTA's 707 ns a tile (seventeenth session,
+``benchmarks/chain_ablation.py``); with ``fixed_max`` a tile takes 599 ns.
 
 The default kernel compiles without Pallas's automatic warpgroup barriers (one before every
 page copy and two around every SMEM store: ``auto_barriers``, ``default_auto_barriers``) and
@@ -201,6 +207,7 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     default_order_method,
     default_split_merge,
     default_swap_ab,
+    swap_ab_lowers,
     unsupported_reason,
 )
 from pallas_kernels.paged_attention._gpu_tile import (  # noqa: F401  (re-exported)
@@ -597,6 +604,13 @@ def paged_attention_pallas_gpu(
     if swap_ab is None:
         swap_ab = default_swap_ab(splits, H, qcols, producer, persistent)
     swap_ab = bool(swap_ab)
+    if swap_ab and not interpret and not swap_ab_lowers():
+        raise ValueError(
+            f"swap_ab=True{' (balanced=True needs it)' if balanced else ''} does not lower on "
+            f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on its "
+            "transposed output tile (jax 0.11.2 lowers it); pass swap_ab=False or None, and "
+            "balanced=False"
+        )
     if swap_ab and (producer or persistent):
         raise ValueError(
             "swap_ab=True needs producer=False and persistent=False (got "
