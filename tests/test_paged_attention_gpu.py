@@ -99,6 +99,14 @@ RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
 # pages, per-thread copies of 8+ token pages) beyond one or two each, and boundaries that other
 # cases repeat. Every default path keeps all its cases; the GPU suite runs every case.
 SLOW_CASES = {
+    # fixed_max's other cases (CI runs swap, the sharp-logit spike, f16, the exact 64-row spike)
+    *(
+        f"test_interpret_fixed_max[{i}]"
+        for i in (
+            "64-rows-split2", "window-cap-split3", "negative-scale-st1", "spike-64-rows-split2",
+            "exact",
+        )
+    ),
     # The floor's other four cases (CI runs M1-xla, M2-window-cap-xla, M4-bad-ids-kernel and
     # M8-layer-kernel: each merge, each floor)
     *(
@@ -447,7 +455,7 @@ def test_kernel_merge_default_and_lowering():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         in_kernel = merge != "xla"
         assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel, merge
-        assert ("_km_mosaic_gpu" in text) == in_kernel, merge
+        assert bool(re.search(r"_km(_[a-z0-9]+)*_mosaic_gpu", text)) == in_kernel, merge
         # The XLA merge: a max over the splits of the lse, then exp2 and the weighted sum.
         assert ("stablehlo.exponential" in text) != in_kernel, merge
 
