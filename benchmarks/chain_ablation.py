@@ -8,10 +8,13 @@ Setting as ``lone_cta.py``'s ``l2`` rows (one split, every table entry in the sa
 after the first call every tile is an L2 hit and what remains is the chain itself). Each
 ablation is a textual edit of ``_gpu_tile``'s source (``ABLATIONS``), executed into a copy of
 the module whose ``_attend`` the kernel is then built with; the library is not changed. Per row:
-CUPTI us, ns a tile, and the ns a tile it saves against the full kernel.
+CUPTI us, ns a tile, and the ns a tile it saves against the full kernel. The kernel ablated
+is the one with a running max in every tile (``fixed_max=False``, as measured in the
+seventeenth session, ``chain_ablation_s17_*.json``); ``--fixed-max`` ablates today's bf16
+default, whose max is taken in a unit's first tile only.
 
 - ``no_qk``: the scores are zeros (no Q K^T wgmma; K's barrier is still waited on);
-- ``no_max``: the running max is not taken across the tile's keys (no cross-warp reduction);
+- ``no_max``: the max is not taken across the tile's keys (no cross-warp reduction);
 - ``no_p_store``: P is not written to SMEM (no store, proxy fence or barrier before P @ V);
 - ``no_pv``: no P @ V wgmma (V's barrier is still waited on);
 - ``no_tile_barrier``: no warpgroup barrier after a tile, before its slot is refilled;
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing
 import jax
 import jax.numpy as jnp
-from lone_cta import _inputs
+from lone_cta import _inputs, add_lone_args
 
 from pallas_kernels.paged_attention import _gpu_bodies, _gpu_tile, kernel_gpu
 
@@ -47,8 +50,8 @@ _EDITS = {
     ],
     "no_max": [
         (
-            "        m_new = jnp.maximum(m, sc.max(axis=keys) * scale)",
-            "        m_new = jnp.maximum(m, 0.0)",
+            "        return jnp.maximum(m, sc.max(axis=keys) * scale if fold else sc.max(axis=keys))",
+            "        return jnp.maximum(m, 0.0)",
         )
     ],
     "no_p_store": [
@@ -100,12 +103,14 @@ def ablated_attend(names):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ctas", type=int, default=8, help="KV heads = lone CTAs (one split)")
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--l2-pages", type=int, default=64)
+    add_lone_args(ap)
     ap.add_argument("--only", nargs="*", default=None, help="ablation names (default: all)")
+    ap.add_argument(
+        "--fixed-max",
+        action="store_true",
+        help="ablate the kernel with fixed_max (the bf16 default since the seventeenth session); "
+        "without it the running max of every tile, as measured then",
+    )
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU interpreter (CPU check)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
@@ -120,7 +125,10 @@ def main(argv=None):
     try:
         for name in ns.only or list(ABLATIONS):
             _gpu_bodies._attend = ablated_attend(ABLATIONS[name])
-            kw = dict(sm_scale=1 / math.sqrt(H), num_splits=1, interpret=ns.interpret)
+            kw = dict(
+                sm_scale=1 / math.sqrt(H), num_splits=1, interpret=ns.interpret,
+                fixed_max=ns.fixed_max,
+            )  # fmt: skip
             f = jax.jit(lambda q, k, v, bt, ln, kw=kw: kernel_gpu.paged_attention_pallas_gpu(
                 q, k, v, bt, ln, **kw))  # fmt: skip
             out = jax.block_until_ready(f(*args)).astype(jnp.float32)

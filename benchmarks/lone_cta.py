@@ -55,13 +55,18 @@ def _inputs(ctas: int, tokens: int, C: int, H: int, l2_pages: int | None, seed: 
     )
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_lone_args(ap: argparse.ArgumentParser) -> None:
+    """The setting's arguments (shared with ``chain_ablation.py``)."""
     ap.add_argument("--ctas", type=int, default=8, help="KV heads = lone CTAs (one split)")
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--l2-pages", type=int, default=64, help="distinct pages of the l2 rows")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_lone_args(ap)
     ap.add_argument("--variants", nargs="*", default=[], help="name=value[,...] tunings")
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU interpreter (CPU check)")
     ap.add_argument("--out", default=None)

@@ -224,3 +224,17 @@ def test_decode_attention_measure_flags_bad_outputs(capsys):
     assert "WARNING bad: 1 non-finite" in capsys.readouterr().out
     decode_attention._measure("good", lambda: (f, (x + 1.0,)), 12, ns, res, ref=np.ones(3))
     assert res["good"]["nonfinite"] == 0 and res["good"]["max_abs_err_vs_xla"] == 0.0
+
+
+def test_chain_ablation_edits_take_effect(tmp_path):
+    # In the interpreter (no timing): each ablation's textual edit applies to _gpu_tile, the
+    # kernel builds with it, and its output moves away from the full kernel's (the max only
+    # by rounding: softmax is shift-invariant).
+    out = tmp_path / "ab.json"
+    _run(["benchmarks/chain_ablation.py", "--ctas", "2", "--tokens", "128", "--l2-pages", "4",
+          "--head-dim", "64", "--interpret", "--only", "full", "no_max", "no_pv", "copies_only",
+          "--out", str(out)], tmp_path)  # fmt: skip
+    rows = {r["ablation"]: r for r in json.loads(out.read_text())["rows"] if "ablation" in r}
+    assert rows["full"]["diff"] == 0.0
+    assert rows["no_pv"]["diff"] > 0.05 and rows["copies_only"]["diff"] > 0.05
+    assert rows["no_max"]["diff"] < 0.02

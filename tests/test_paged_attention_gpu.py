@@ -1381,6 +1381,16 @@ def _page_case(rng, C, extra):
     return lengths, {**kw, **extra}
 
 
+# Cases that a tuning knob's GPU test runs first (``_page_case``), before its own.
+_KNOB_CASES = [
+    (16, dict()),
+    (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
+    (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
+    (64, dict(window=700, soft_cap=50.0, num_splits=3)),
+    (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
+]
+
+
 _SMALL_PAGE_CASES = [
     (1, dict(lengths=[32768, 1, 20001])),  # 32k one-token pages, splits by default
     (2, dict(lengths=[32768, 0, 3], num_splits=1)),
@@ -1424,11 +1434,7 @@ def test_gpu_small_pages(C, extra):
 @pytest.mark.parametrize(
     "C,extra",
     [
-        (16, dict()),
-        (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
-        (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
-        (64, dict(window=700, soft_cap=50.0, num_splits=3)),
-        (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
+        *_KNOB_CASES,
         (256, dict(H=256, G=8, num_splits=2, early_k=True, k_stages=3)),
         (128, dict(swap_ab=False, num_splits=3, split_merge="xla")),  # the 64-row tile, C > T
         (2, dict(lengths=[32768, 0, 3], num_splits=1)),  # per-thread cp.async copies
@@ -1511,11 +1517,7 @@ def test_gpu_one_wave_default_tuning(B):
 @pytest.mark.parametrize(
     "C,extra",
     [
-        (16, dict()),
-        (16, dict(lengths="many")),  # 96 x 8 pairs, longest first (the in-kernel order)
-        (16, dict(lengths=[32768, 1, 20001])),  # splits merged in the kernel
-        (64, dict(window=700, soft_cap=50.0, num_splits=3)),
-        (8, dict(H=64, G=1, num_splits=1)),  # T=128, 16 copies a tile
+        *_KNOB_CASES,
         (256, dict(H=256, G=8, num_splits=2)),
         (128, dict(swap_ab=False, num_splits=3, split_merge="xla")),  # the 64-row tile, C > T
         (16, dict(early_k=True, k_stages=3, out_of_range_tail=True)),
