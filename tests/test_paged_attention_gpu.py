@@ -431,6 +431,11 @@ def test_interpret_kernel_merge_matches_reference(C, G, lengths, extra):
     )  # fmt: skip
 
 
+def _skip_unless_swap_ab_lowers():
+    if not kernel_gpu.swap_ab_lowers():
+        pytest.skip(f"swap_ab does not lower on jax {jax.__version__} (swap_ab_lowers)")
+
+
 def test_kernel_merge_default_and_lowering():
     # The default with splits and swap_ab; "xla" otherwise. Lowered: the arrival atomics are
     # in the kernel exactly when it merges, and no XLA merge follows it then.
@@ -441,6 +446,7 @@ def test_kernel_merge_default_and_lowering():
     assert kernel_gpu.default_split_merge(4, False) == "xla"
     assert kernel_gpu.default_split_merge(4, True, producer=True) == "xla"
     assert kernel_gpu.default_split_merge(4, True, persistent=True) == "xla"
+    _skip_unless_swap_ab_lowers()
     args = (
         jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16),
         jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16),
@@ -466,6 +472,7 @@ def test_kernel_merge_default_and_lowering():
 def test_split_merge_fits_in_the_loops_smem(monkeypatch, H, stages, G):
     # The merge's scope (output and lse tiles, merge buffers, barriers) never needs more SMEM
     # than the loop's scope it follows, so merging in the kernel costs no occupancy.
+    _skip_unless_swap_ab_lowers()
     seen = []
     monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
     q = jnp.zeros((4, 8 * G, H), jnp.bfloat16)
@@ -887,6 +894,13 @@ def variant_call(variant):
     return f, args, v, B, N, K, H, C, W
 
 
+def _needs_swap_ab(knobs) -> bool:
+    """Knobs that run only with ``swap_ab`` (asked for, ``balanced``, the kernel merge)."""
+    return bool(
+        knobs.get("swap_ab") or knobs.get("balanced") or knobs.get("split_merge") == "kernel"
+    )
+
+
 def variant_id(variant) -> str:
     return "-".join(f"{k}{variant[k]}" for k in variant)
 
@@ -894,7 +908,7 @@ def variant_id(variant) -> str:
 @pytest.mark.parametrize("variant", _VARIANTS, ids=variant_id)
 def test_cross_lowers_for_cuda(variant):
     f, args, v, B, N, K, H, C, W = variant_call(variant)
-    if (v.get("swap_ab") or v.get("balanced")) and not kernel_gpu.swap_ab_lowers():
+    if _needs_swap_ab(v) and not kernel_gpu.swap_ab_lowers():
         pytest.skip(f"swap_ab does not lower on jax {jax.__version__} (swap_ab_lowers)")
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -920,8 +934,15 @@ def test_cross_lowers_for_cuda(variant):
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else as default_swap_ab says.
     T = v.get("block_kv", kernel_gpu.default_block_kv(H))
     splits = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T)
-    default_swap = kernel_gpu.default_swap_ab(
-        splits, H, kernel_gpu._qcols(B, N, K), bool(v.get("producer")), bool(v.get("persistent"))
+    default_swap = (
+        kernel_gpu.default_swap_ab(
+            splits,
+            H,
+            kernel_gpu._qcols(B, N, K),
+            bool(v.get("producer")),
+            bool(v.get("persistent")),
+        )
+        and kernel_gpu.swap_ab_lowers()
     )
     swap = v.get("swap_ab", default_swap) or bool(v.get("balanced"))
     assert names and all(("_sw" in name) == swap for name in names), names
@@ -1708,9 +1729,15 @@ def test_swap_ab_lowers_gate(monkeypatch):
     assert not _gpu_config.swap_ab_lowers("0.12.0.1")
     assert not _gpu_config.swap_ab_lowers("1.0.0")
     monkeypatch.setattr(jax, "__version__", "0.12.0.1")
-    assert not kernel_gpu.default_swap_ab(1, 128, 8)
+    seen = []
+    monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
     shapes = _shapes()
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+    kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1)
+    kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, interpret=True)
+    assert [cfg.swap_ab for cfg in seen] == [False, kernel_gpu.default_swap_ab(1, 64, 8)]
+    monkeypatch.undo()
+    monkeypatch.setattr(jax, "__version__", "0.12.0.1")
     for kw in (dict(swap_ab=True), dict(balanced=True)):
         with pytest.raises(ValueError, match=r"does not lower on jax 0\.12\.0\.1"):
             kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)

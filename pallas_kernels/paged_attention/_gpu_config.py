@@ -216,7 +216,9 @@ def swap_ab_lowers(version: str | None = None) -> bool:
     fuel after 200-260 s on the CPU (``Layout inference failed to find a solution``) wherever an
     output tile written through a transposed SMEM view (O^T) is then copied out from a
     dynamic offset: the G rows of a unit at ``qoff``. jax 0.11.2 lowers it at once. Until that
-    is solved, newer JAX runs the 64-row tile by default and refuses ``swap_ab=True`` at once."""
+    is solved, newer JAX runs the 64-row tile by default (``default_swap_ab`` is applied only
+    where this holds, or in the interpreter, which lowers nothing) and refuses ``swap_ab=True``
+    at once."""
     if version is None:
         import jax
 
@@ -239,8 +241,6 @@ def default_swap_ab(
     correct in the interpreter, on the H200 and in CUDA lowering, but were not timed: opt in
     with ``swap_ab=True``. ``num_splits`` no longer changes the answer."""
     del num_splits
-    if not swap_ab_lowers():
-        return False
     return head_dim in (64, 128) and qcols == 8 and not producer and not persistent
 
 

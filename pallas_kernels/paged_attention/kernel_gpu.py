@@ -601,16 +601,11 @@ def paged_attention_pallas_gpu(
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
     qcols = _qcols(B, N, K)
+    # The interpreter does not lower the kernel: swap_ab runs there on any JAX.
+    lowers = bool(interpret) or swap_ab_lowers()
     if swap_ab is None:
-        swap_ab = default_swap_ab(splits, H, qcols, producer, persistent)
+        swap_ab = default_swap_ab(splits, H, qcols, producer, persistent) and lowers
     swap_ab = bool(swap_ab)
-    if swap_ab and not interpret and not swap_ab_lowers():
-        raise ValueError(
-            f"swap_ab=True{' (balanced=True needs it)' if balanced else ''} does not lower on "
-            f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on its "
-            "transposed output tile (jax 0.11.2 lowers it); pass swap_ab=False or None, and "
-            "balanced=False"
-        )
     if swap_ab and (producer or persistent):
         raise ValueError(
             "swap_ab=True needs producer=False and persistent=False (got "
@@ -712,6 +707,13 @@ def paged_attention_pallas_gpu(
             "order_method", order_method, B, _packed_order(B), producer, persistent,
             bool(slot_lengths),
         )  # fmt: skip
+    if swap_ab and not lowers:  # (after every other check: their messages come first)
+        raise ValueError(
+            f"swap_ab=True{' (balanced=True needs it)' if balanced else ''} does not lower on "
+            f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on its "
+            "transposed output tile (jax 0.11.2 lowers it); pass swap_ab=False or None, and "
+            "balanced=False"
+        )
     cfg = _Config(
         num_seqs=B,
         num_q_heads=N,
