@@ -208,9 +208,14 @@ def _folds_scale(cfg: _Config) -> bool:
     return not cfg.logits_soft_cap and cfg.sm_scale > 0
 
 
+def _scores_shape(cfg: _Config):
+    """A tile's scores: [T, qcols] with ``swap_ab`` (keys down), else [64, T]."""
+    return (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (_ROWS, cfg.block_kv)
+
+
 def _init_hi(cfg: _Config):
     """``fixed_max``: the running elementwise max of the scores, in their layout."""
-    shape = (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (_ROWS, cfg.block_kv)
+    shape = _scores_shape(cfg)
     return plgpu.layout_cast(jnp.full(shape, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
 
 
@@ -298,7 +303,7 @@ def _tile(
             plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
         return acc_ref[...]
 
-    sc_shape = (T, cfg.qcols) if swap else (_ROWS, T)
+    sc_shape = _scores_shape(cfg)
     sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
     if after_qk is not None:
         after_qk()
