@@ -12,17 +12,21 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-def device_and_dtype_reasons(q, k_pages, v_pages, *, check_backend: bool) -> list[str]:
-    """A Hopper GPU (with ``check_backend``), one 16-bit dtype for q and the pools, and a
-    supported head dim."""
+def device_and_dtype_reasons(
+    q, k_pages, v_pages, *, check_backend: bool, majors: tuple[int, ...] = (9,)
+) -> list[str]:
+    """A GPU whose compute capability's major is in ``majors`` (with ``check_backend``; default
+    Hopper, for wgmma), one 16-bit dtype for q and the pools, and a supported head dim."""
     reasons = []
     if check_backend:
         from jpaged import _backend
 
         cc = _backend.gpu_compute_capability()
-        if cc is None or cc[0] != 9:  # wgmma is sm90a-only; Blackwell has tcgen05 instead
+        if cc is None or cc[0] not in majors:
+            what = "Hopper wgmma" if majors == (9,) else "Hopper wgmma or Blackwell tcgen05"
+            wanted = " or ".join(f"{m}.x" for m in majors)
             reasons.append(
-                f"the kernel uses Hopper wgmma: it needs compute capability 9.x (got {cc})"
+                f"the kernel uses {what}: it needs compute capability {wanted} (got {cc})"
             )
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:

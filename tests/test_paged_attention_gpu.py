@@ -99,6 +99,10 @@ RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
 # pages, per-thread copies of 8+ token pages) beyond one or two each, and boundaries that other
 # cases repeat. Every default path keeps all its cases; the GPU suite runs every case.
 SLOW_CASES = {
+    # tcgen05's staging ring of small pages (the slowest to interpret and to lower; CI runs the
+    # other tcgen05 cases, per-thread copies of small pages among them)
+    "test_interpret_tcgen05[2-{'lengths': [130, 0, 77], 'G': 4, 'page_copy': 'tma'}]",
+    "test_tcgen05_lowers_for_sm100[C2-W128-page_copytma]",
     # fixed_max's other cases (CI runs swap, the sharp-logit spike, f16, the exact 64-row spike)
     *(
         f"test_interpret_fixed_max[{i}]"
@@ -1746,3 +1750,178 @@ def test_swap_ab_lowers_gate(monkeypatch):
         q, k, v, bt, ln, sm_scale=0.1, swap_ab=True, interpret=True
     )
     assert out.shape == q.shape
+
+
+# --------------------------------------------------------------------------- tcgen05 (Blackwell)
+# No Blackwell GPU here: the tcgen05 kernel is checked in the Mosaic GPU interpreter (which
+# runs its MMAs, TMEM and tensor-core barriers) and lowered for sm100 on the CPU; its GPU test
+# runs only on a Blackwell GPU.
+
+_TC05_CASES = [
+    # lengths 0, 1, T-1, T, T+1 and longer, 16-token pages, G=4 (16 query columns)
+    (16, dict(lengths=[0, 1, 127, 128, 129, 300, 17, 700], G=4)),
+    (32, dict(lengths=[5, 200, 0, 127, 513], G=8, num_splits=2, races=True)),  # XLA merge
+    (64, dict(lengths=[260, 3, 513, 64], G=2, window=100, soft_cap=20.0, num_splits=3)),
+    # 100x sharper logits: the unit is read again with the running max (fixed_max's redo)
+    (128, dict(lengths=[300, 40, 1000], G=4, q_scale=100.0)),
+    (16, dict(lengths=[300, 40, 129], G=6, dtype="float16")),  # the running max (f16)
+    (256, dict(lengths=[600, 2, 257], G=1, fixed_max=False, num_layers=2, layer=1)),
+    (2, dict(lengths=[130, 0, 77], G=4, page_copy="tma")),  # the staging ring of small pages
+]
+
+
+@pytest.mark.parametrize("C,extra", _TC05_CASES, ids=str)
+def test_interpret_tcgen05(C, extra):
+    rng = np.random.default_rng(C + 7 * len(extra))
+    extra = dict(extra)
+    interpret = RACE_CHECKED if extra.pop("races", False) else True
+    lengths, extra = _page_case(rng, C, extra)
+    _run_case(rng, lengths, K=2, C=C, interpret=interpret, mma="tcgen05", **extra)
+
+
+def test_interpret_tcgen05_products_are_used(monkeypatch):
+    # The tcgen05 products are what the interpreter runs: one made 1.5x too large fails.
+    from pallas_kernels.paged_attention import _gpu_tile
+
+    real = _gpu_tile._tc_product
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(_gpu_tile, "_tc_product", spy)
+    rng = np.random.default_rng(5)
+    case = dict(K=2, G=4, H=128, C=16, interpret=True, mma="tcgen05", fixed_max=False)
+    _run_case(rng, [5, 200, 0, 129], **case)
+    assert len(calls) == 2  # Q K^T and P @ V, traced once each
+    monkeypatch.setattr(_gpu_tile, "_tc_product", lambda *args: 1.5 * real(*args))
+    with pytest.raises(AssertionError):  # (another batch size: traced anew)
+        _run_case(rng, [5, 200, 0], **case)
+
+
+@pytest.fixture
+def sm100(monkeypatch):
+    """Lowering targets sm100: Mosaic GPU infers the architecture from the default device, and
+    a CPU host has none (it lowers for sm90)."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+
+
+_TC05_VARIANTS = [
+    dict(),
+    dict(num_splits=4, logits_soft_cap=30.0, sliding_window=100),
+    dict(C=1, W=256),  # per-thread cp.async copies
+    dict(C=2, W=128, page_copy="tma"),  # the staging ring (Pallas's automatic barriers)
+    dict(C=256, W=2, num_splits=2),  # C > T
+    dict(N=64, K=8, C=64),  # G=8
+    dict(N=8, K=8, C=32),  # G=1
+    dict(dtype=jnp.float16, L=3, C=8, W=32),  # the running max (f16's default)
+    dict(fixed_max=False),
+    dict(B=40, longest_first=True, order_method="kernel"),
+    dict(k_stages=3, early_k=True),
+    dict(l2_prefetch=2),
+    dict(auto_barriers=True),
+    dict(N=64, K=4, deferred_sum=True),  # G=16: 16 query columns, sums deferred
+    dict(N=192, K=8, num_splits=3),  # G=24: 32 query columns
+]
+
+
+@pytest.mark.parametrize("variant", _TC05_VARIANTS, ids=variant_id)
+def test_tcgen05_lowers_for_sm100(sm100, variant):
+    if not kernel_gpu.swap_ab_lowers():
+        pytest.skip(f"tcgen05 runs the swap_ab form, which jax {jax.__version__} does not lower")
+    f, args, _, B, N, K, *_ = variant_call({"mma": "tcgen05", **variant})
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # tcgen05 MMAs, TMEM loads and their waits, the fences around P's barrier; no wgmma. (The
+    # kernel is serialized bytecode whose strings appear once: presence, not counts.)
+    for part in (
+        "tcgen05.mma.cta_group::1.kind::f16", "tcgen05.commit", "tcgen05.ld.sync",
+        "tcgen05.wait::ld", "tcgen05_fence<before>", "tcgen05_fence<after>",
+    ):  # fmt: skip
+        assert part in text, part
+    assert "wgmma" not in text
+    names = set(re.findall(r"paged_decode_mgpu\w*_mosaic_gpu", text))
+    qcols = kernel_gpu._qcols(B, N, K, True)
+    assert names and all(
+        "_T128_" in n and f"_sw{qcols}" in n and n.endswith("_tc05_mosaic_gpu") for n in names
+    ), names
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(mma="hmma"), "mma='hmma' must be one of"),
+        (dict(mma="tcgen05", block_kv=64), 'mma="tcgen05" needs block_kv=128'),
+        (dict(mma="tcgen05", H=64), r"head dim in \(128,\) \(got 64\)"),
+        (dict(mma="tcgen05", H=256), r"head dim in \(128,\) \(got 256\)"),
+        (dict(mma="tcgen05", swap_ab=False), "runs the swap_ab form only"),
+        (dict(mma="tcgen05", producer=True), 'mma="tcgen05" runs in the default kernel'),
+        (dict(mma="tcgen05", persistent=True), r"persistent=True"),
+        (dict(mma="tcgen05", balanced=True), r"balanced=True"),
+        (dict(mma="tcgen05", split_merge="kernel", num_splits=2), "merges splits in XLA"),
+    ],
+)
+def test_tcgen05_bad_arguments_raise(kw, match):
+    H = kw.pop("H", 128)
+    shapes = _shapes(H=H, C=16)
+    q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
+
+
+def test_tcgen05_defaults_on_blackwell(monkeypatch):
+    # default_mma and unsupported_reason on a Blackwell GPU (sm100 / sm103), a consumer
+    # Blackwell (sm120: no tcgen05, no wgmma) and a Hopper, faked.
+    from jpaged import _backend
+
+    for cc, mma in (((10, 0), "tcgen05"), ((10, 3), "tcgen05"), ((9, 0), "wgmma")):
+        monkeypatch.setattr(_backend, "gpu_compute_capability", lambda cc=cc: cc)
+        assert kernel_gpu.default_mma() == mma
+        assert kernel_gpu.default_mma(interpret=True) == "wgmma"
+        ok = mma == "wgmma" or kernel_gpu.swap_ab_lowers()
+        assert (kernel_gpu.unsupported_reason(*_shapes()) is None) == ok
+        reason = kernel_gpu.unsupported_reason(*_shapes(H=64, C=8))
+        assert (reason is None) == (mma == "wgmma"), reason
+        if mma == "tcgen05":
+            assert "on Blackwell (tcgen05) head_dim=64" in reason
+    monkeypatch.setattr(_backend, "gpu_compute_capability", lambda: (12, 0))
+    assert kernel_gpu.default_mma() == "wgmma"
+    reason = kernel_gpu.unsupported_reason(*_shapes())
+    assert "compute capability 9.x or 10.x or 11.x (got (12, 0))" in reason
+    # On Blackwell the kernel takes mma="tcgen05" and T=128 by default.
+    monkeypatch.setattr(_backend, "gpu_compute_capability", lambda: (10, 0))
+    seen = []
+    monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
+    q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes())
+    if kernel_gpu.swap_ab_lowers():
+        kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1)
+        (cfg,) = seen
+        assert (cfg.mma, cfg.block_kv, cfg.swap_ab, cfg.qcols) == ("tcgen05", 128, True, 16)
+        assert not cfg.kernel_merge and not cfg.producer and cfg.fixed_max
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        *_KNOB_CASES[:4],
+        (1, dict(lengths=[32768, 1, 20001])),  # per-thread cp.async copies
+        (128, dict(dtype="float16", G=8, num_layers=2, layer=1)),
+        (16, dict(q_scale=100.0, lengths=[32768, 1, 20001, 700])),  # fixed_max's redo
+        (16, dict(fixed_max=False, G=1, lengths="many")),
+        (256, dict(G=6, window=700, soft_cap=50.0, num_splits=2)),  # 16 query columns
+    ],
+    ids=str,
+)
+def test_gpu_tcgen05(C, extra):
+    from jpaged import _backend
+
+    cc = _backend.gpu_compute_capability()
+    if cc is None or cc[0] not in kernel_gpu.TCGEN05_MAJORS:
+        pytest.skip(f"tcgen05 needs a Blackwell GPU (sm100 / sm103; this one is {cc})")
+    rng = np.random.default_rng(C + 13 * len(extra))
+    lengths, extra = _page_case(rng, C, {"mma": "tcgen05", **extra})
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, C=C, **extra)

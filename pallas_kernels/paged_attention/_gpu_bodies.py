@@ -28,6 +28,7 @@ from pallas_kernels.paged_attention._gpu_tile import (
     _scratch,
     _staged_tiles,
     _store,
+    _tc_scratch,
     _tile,
     _Unit,
     _unit,
@@ -158,9 +159,15 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     if not cfg.producer:
         k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=k_stages)
         tiles = _staged_tiles(cfg) if cfg.staged else ()
+        tc = _tc_scratch(cfg)
+
+        def attend(*scratch):
+            staged, tmem = scratch[7 : 7 + len(tiles)], scratch[7 + len(tiles) :]
+            return _attend(cfg, refs, unit, *scratch[:7], tiles=staged or None, tc=tmem or None)
+
         acc, m, l = pl.run_scoped(
-            lambda *scratch: _attend(cfg, refs, unit, *scratch[:7], tiles=scratch[7:] or None),
-            q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier, *tiles,
+            attend, q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier,
+            *tiles, *tc,
         )  # fmt: skip
         with jax.named_scope("store"):
             out, lse = _finish(cfg, acc, m, l)

@@ -74,6 +74,13 @@ class _Config:
     # in the loop; a unit whose scores rise more than ``fixed_max_headroom`` above it is redone
     # with the running max (``_gpu_tile._attend``).
     fixed_max: bool = False
+    # The products' instructions: Hopper's wgmma (accumulators in registers) or Blackwell's
+    # tcgen05 MMA (accumulators in tensor memory, read into registers; ``MMAS``).
+    mma: str = "wgmma"
+
+    @property
+    def tcgen05(self) -> bool:
+        return self.mma == "tcgen05"
 
     @property
     def fixed_max_headroom(self) -> float:
@@ -118,8 +125,8 @@ class _Config:
     @property
     def qcols(self) -> int:
         """``swap_ab``: query rows a CTA loads (its G heads at offset ``qoff`` in an 8-row
-        aligned block), the wgmma N of both products."""
-        return _qcols(self.num_seqs, self.num_q_heads, self.num_kv_heads)
+        aligned block), the N of both products (a multiple of 16 for tcgen05)."""
+        return _qcols(self.num_seqs, self.num_q_heads, self.num_kv_heads, self.tcgen05)
 
     @property
     def q_rows(self) -> int:
@@ -128,12 +135,16 @@ class _Config:
         return self.qcols if self.swap_ab else _ROWS
 
 
-def _qcols(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+def _qcols(num_seqs: int, num_q_heads: int, num_kv_heads: int, tcgen05: bool = False) -> int:
+    """Query columns of the ``swap_ab`` products: every unit's G heads from its 8-row aligned
+    start, rounded up to 8 (a wgmma N), or to 16 for tcgen05 (an M=128 MMA's N: 16 to 256 in
+    steps of 16)."""
     G = num_q_heads // num_kv_heads
     offs = {
         (b * num_q_heads + h * G) % 8 for b in range(min(num_seqs, 8)) for h in range(num_kv_heads)
     }
-    return -(-(max(offs) + G) // 8) * 8
+    step = 16 if tcgen05 else 8
+    return -(-(max(offs) + G) // step) * step
 
 
 def _smem_bytes(
@@ -418,6 +429,30 @@ PAGE_COPIES = ("cp_async", "tma")
 SPLIT_MERGES = ("kernel", "xla")
 _KERNEL_MERGE_MAX_SPLITS = 16
 
+# The products' instructions (``mma``): Hopper's wgmma, or Blackwell's tcgen05 MMA.
+MMAS = ("wgmma", "tcgen05")
+# Compute capabilities with tcgen05 (sm100 B200/GB200, sm103 B300/GB300, sm110 Thor); sm120
+# (consumer Blackwell) has neither tcgen05 nor wgmma.
+TCGEN05_MAJORS = (10, 11)
+# tcgen05 runs the ``swap_ab`` form at 128-key tiles: both products have M = 128 (the keys,
+# the head dim) and N = the query columns, so their accumulators fill TMEM's 128 lanes. M = 64
+# (a 64-key tile, or head dim 64) does not lower through Pallas on jax 0.11.2 (its TMEM slice
+# of the kernel's 128-lane allocation has no layout), and head dim 256 would be two M=128
+# products whose halves the register accumulator cannot join.
+TCGEN05_BLOCK_KV = 128
+TCGEN05_HEAD_DIMS = (128,)
+
+
+def default_mma(interpret: bool = False) -> str:
+    """``"tcgen05"`` on a Blackwell GPU (``TCGEN05_MAJORS``), else ``"wgmma"`` (Hopper, and the
+    interpreter, which runs either when asked)."""
+    if interpret:
+        return "wgmma"
+    from jpaged import _backend
+
+    cc = _backend.gpu_compute_capability()
+    return "tcgen05" if cc is not None and cc[0] in TCGEN05_MAJORS else "wgmma"
+
 
 def _kernel_order_reason(
     num_seqs: int, producer: bool = False, persistent: bool = False, slot_lengths: bool = False
@@ -604,13 +639,26 @@ def unsupported_reason(
       q: [B, N, H]; k_pages, v_pages: [K, P, C, H] or [L, K, P, C, H]; block_tables: i32[B, W];
         lengths: i32[B]. Only shapes and dtypes are read.
       sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
-      block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``).
-      check_backend: also require a Hopper (sm90) GPU as the default backend.
+      block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``, or
+        ``TCGEN05_BLOCK_KV`` on Blackwell).
+      check_backend: also require a Hopper (sm90) or Blackwell (sm100 / sm103 / sm110, head dim
+        128: ``mma="tcgen05"``) GPU as the default backend.
     """
     del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
-    reasons = _gpu_checks.device_and_dtype_reasons(q, k_pages, v_pages, check_backend=check_backend)
+    reasons = _gpu_checks.device_and_dtype_reasons(
+        q, k_pages, v_pages, check_backend=check_backend, majors=(9, *TCGEN05_MAJORS)
+    )
     *_, C, H = k_pages.shape
-    block_kv = default_block_kv(H) if block_kv is None else block_kv
+    blackwell = check_backend and default_mma() == "tcgen05"
+    if blackwell and H not in TCGEN05_HEAD_DIMS:
+        reasons.append(f"on Blackwell (tcgen05) head_dim={H} must be one of {TCGEN05_HEAD_DIMS}")
+    if blackwell and not swap_ab_lowers():
+        reasons.append(
+            "on Blackwell the kernel runs the swap_ab form, which this JAX's Mosaic GPU does not "
+            "lower (``swap_ab_lowers``)"
+        )
+    if block_kv is None:
+        block_kv = TCGEN05_BLOCK_KV if blackwell else default_block_kv(H)
     if C < 1 or (block_kv % C and C % block_kv):
         reasons.append(f"page_size={C} must divide or be a multiple of the tile {block_kv=}")
     N = q.shape[1]

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir.dialects import nvvm
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -40,6 +41,50 @@ def wg_barrier(cfg: _Config) -> None:
     inline Mosaic GPU code)."""
     if not (cfg.auto_barriers or cfg.interpret):
         _warpgroup_barrier()
+
+
+@plgpu.inline_mgpu()
+def _tmem_before_sync(ctx):
+    del ctx
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+
+
+@plgpu.inline_mgpu()
+def _tmem_after_sync(ctx):
+    del ctx
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+def tmem_sync(cfg: _Config, barrier) -> None:
+    """``barrier()`` (a warpgroup barrier) ordering every thread's TMEM loads before any MMA
+    the elected thread issues after it (tcgen05): each thread waits for its loads
+    (``wait_load_tmem``) and fences before the barrier, and fences after it, so the next
+    products may overwrite the accumulators the threads read. Just the barrier with wgmma; the
+    interpreter, which runs a warpgroup as one and cannot run inline Mosaic GPU code, takes the
+    wait and the barrier."""
+    if cfg.tcgen05:
+        plgpu.wait_load_tmem()
+    fence = cfg.tcgen05 and not cfg.interpret
+    if fence:
+        _tmem_before_sync()
+    barrier()
+    if fence:
+        _tmem_after_sync()
+
+
+def _layout(cfg: _Config):
+    """The register layout of the products' results and of everything kept beside them (the
+    accumulator, the scores, their masks and maxima): wgmma's, or an M=128 tcgen05 MMA's
+    accumulator as it is read from TMEM (a key row or head-dim row a thread)."""
+    return plgpu.Layout.TCGEN05 if cfg.tcgen05 else plgpu.Layout.WGMMA
+
+
+def _tc_product(acc_tmem, a, b, bar):
+    """``a @ b`` by one tcgen05 MMA into ``acc_tmem`` (overwritten), issued by one thread; waits
+    for it (``bar``: its completion, tensor-core ordered) and reads the result into registers."""
+    plgpu.tcgen05_mma(acc_tmem, a, b, bar, accumulate=False)
+    plgpu.barrier_wait(bar)
+    return plgpu.async_load_tmem(acc_tmem)
 
 
 def _smem_transforms():
@@ -185,11 +230,12 @@ def _init_carry(cfg: _Config):
         shape, vec, axis = (H, cfg.qcols), cfg.qcols, 0
     else:
         shape, vec, axis = (_ROWS, H), _ROWS, 1
-    acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    vec_layout = plgpu.Layout.WGMMA.reduce(axis)
+    layout = _layout(cfg)
+    acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+    vec_layout = layout.reduce(axis)
     m = plgpu.layout_cast(jnp.full((vec,), -jnp.inf, jnp.float32), vec_layout)
     if cfg.deferred_sum:
-        l = plgpu.layout_cast(jnp.zeros((cfg.block_kv, cfg.qcols), jnp.float32), plgpu.Layout.WGMMA)
+        l = plgpu.layout_cast(jnp.zeros((cfg.block_kv, cfg.qcols), jnp.float32), layout)
     else:
         l = plgpu.layout_cast(jnp.zeros((vec,), jnp.float32), vec_layout)
     return acc, m, l
@@ -216,7 +262,7 @@ def _scores_shape(cfg: _Config):
 def _init_hi(cfg: _Config):
     """``fixed_max``: the running elementwise max of the scores, in their layout."""
     shape = _scores_shape(cfg)
-    return plgpu.layout_cast(jnp.full(shape, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
+    return plgpu.layout_cast(jnp.full(shape, -jnp.inf, jnp.float32), _layout(cfg))
 
 
 def _past_headroom(cfg: _Config, unit: _Unit, hi, m):
@@ -226,7 +272,7 @@ def _past_headroom(cfg: _Config, unit: _Unit, hi, m):
     redone exactly. One reduction across the warps a unit. A unit with no tile (m = -inf) never
     is: -inf - -inf is NaN, which compares false."""
     keys = 0 if cfg.swap_ab else 1
-    q = plgpu.broadcasted_iota(jnp.int32, hi.shape, 1 - keys, layout=plgpu.Layout.WGMMA)
+    q = plgpu.broadcasted_iota(jnp.int32, hi.shape, 1 - keys, layout=_layout(cfg))
     real = (q >= unit.qoff) & (q < unit.qoff + cfg.group)  # not the padding rows of Q
     top = jnp.where(real, hi, -jnp.inf).max(axis=keys)
     if _folds_scale(cfg):
@@ -255,6 +301,7 @@ def _tile(
     after_qk=None,
     before_p=None,
     tiles=None,
+    tc=None,
 ):
     """Tile i of ``unit`` (K in ring slot ``slot``, V in ``v_slot``, default the same): Q K^T,
     online softmax, P @ V.
@@ -262,8 +309,9 @@ def _tile(
     ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
     scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
     ``tiles`` (``staged``): the tiled K and V tiles [1, T, H] that the ring's untiled slots are
-    re-laid into once they land; the products read those. Returns the new (acc, m, l); P @ V
-    has completed by then, so the slot's V is free.
+    re-laid into once they land; the products read those. ``tc`` (tcgen05): the scores' and
+    P @ V's TMEM accumulators and their two completion barriers. Returns the new (acc, m, l);
+    P @ V has completed by then, so the slot's V is free.
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
@@ -304,7 +352,11 @@ def _tile(
         return acc_ref[...]
 
     sc_shape = _scores_shape(cfg)
-    sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
+    if cfg.tcgen05:  # S^T = K Q^T: M = the tile's 128 keys, N = the query columns
+        s_tmem, o_tmem, mma_bar = tc
+        sc = _tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
+    else:
+        sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
     if after_qk is not None:
         after_qk()
     scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
@@ -316,9 +368,7 @@ def _tile(
         sc = sc * scale
 
     def mask(sc):
-        key = tile_tok + plgpu.broadcasted_iota(
-            jnp.int32, sc_shape, keys, layout=plgpu.Layout.WGMMA
-        )
+        key = tile_tok + plgpu.broadcasted_iota(jnp.int32, sc_shape, keys, layout=_layout(cfg))
         return jnp.where((key < unit.length) & (key >= unit.lo), sc, -jnp.inf)
 
     # Only a tile holding the sequence end or the window start has keys to hide: the others
@@ -357,7 +407,9 @@ def _tile(
         p_smem[...] = p.astype(cfg.dtype)
     if cfg.per_thread:  # V's cp.async group, made visible by P's fence and barrier
         _cp_async.wait(later - 1)
-    plgpu.commit_smem()
+    # tcgen05: this tile's scores and the last tile's P @ V are read out of TMEM before the
+    # next products overwrite them.
+    tmem_sync(cfg, plgpu.commit_smem)
     v_tile = landed(v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
 
     @pl.when(tile_tok + T > unit.length)
@@ -374,7 +426,10 @@ def _tile(
             plgpu.wgmma(acc_ref, p_smem, v_tile)
         return acc_ref[...]
 
-    o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    if cfg.tcgen05:  # O^T = V^T P^T: M = the head dim, N = the query columns
+        o = _tc_product(o_tmem, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)), mma_bar.at[1])
+    else:
+        o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
     return (acc, m_new, l, *hi)
 
@@ -473,6 +528,19 @@ def _scratch(cfg: _Config):
     )
 
 
+def _tc_scratch(cfg: _Config):
+    """tcgen05: the TMEM accumulators of the scores S^T [T, qcols] and of P @ V's O^T
+    [H, qcols] (f32, qcols columns each of TMEM's 128 lanes), and the two barriers their MMAs
+    arrive on when complete. Empty with wgmma."""
+    if not cfg.tcgen05:
+        return ()
+    return (
+        plgpu.TMEM((cfg.block_kv, cfg.qcols), jnp.float32),
+        plgpu.TMEM((cfg.head_dim, cfg.qcols), jnp.float32),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
+    )
+
+
 def _staged_tiles(cfg: _Config):
     """``staged``: the tiled K and V tiles [1, T, H] the products read (``_relayout``). One
     shared tile would need a warpgroup barrier between a tile's P @ V and the next tile's K
@@ -495,9 +563,11 @@ def _attend(
     v_bar,
     consumed=None,
     tiles=None,
+    tc=None,
 ):
-    """The attention loop over ``unit``'s n tiles: (acc, m, l) in the WGMMA layout. ``refs``:
-    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles (``_tile``).
+    """The attention loop over ``unit``'s n tiles: (acc, m, l) in ``_layout(cfg)``. ``refs``:
+    (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles, ``tc``:
+    tcgen05's TMEM accumulators and barriers (``_tile``, ``_tc_scratch``).
 
     Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
     and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
@@ -550,7 +620,7 @@ def _attend(
         slot = lax.rem(i, jnp.int32(stages))
         if cfg.per_thread:  # the slot's next tile, two cp.async groups (committed even if none)
             assert consumed is None, "page_copy='cp_async' has no producer warpgroup"
-            carry = _tile(cfg, unit, i, slot, carry, smem)
+            carry = _tile(cfg, unit, i, slot, carry, smem, tc=tc)
             per_thread_issue(i + stages, slot, i + stages < n)
             return carry
         if consumed is None:
@@ -570,7 +640,7 @@ def _attend(
 
             carry = _tile(
                 cfg, unit, i, k_slot, carry, smem, v_slot=slot,
-                after_qk=refill_k if cfg.early_k else None, tiles=tiles,
+                after_qk=refill_k if cfg.early_k else None, tiles=tiles, tc=tc,
             )  # fmt: skip
             # Every warp's part of P @ V (and Q K^T) has read the slot and P before any warp
             # refills the slot or writes the next P.
@@ -604,6 +674,6 @@ def _attend(
     return lax.cond(
         _past_headroom(cfg, unit, hi, m),
         lambda: _attend(exact, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-                        consumed, tiles),
+                        consumed, tiles, tc),
         lambda: (acc, m, l),
     )  # fmt: skip

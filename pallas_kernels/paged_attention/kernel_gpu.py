@@ -177,11 +177,15 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     _TMA_MAX_DIM,
     _TWO_CTA_SMEM_BYTES,
     _WAVE_CTAS,
+    MMAS,
     ORDER_METHODS,
     PAGE_COPIES,
     SPLIT_MERGES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    TCGEN05_BLOCK_KV,
+    TCGEN05_HEAD_DIMS,
+    TCGEN05_MAJORS,
     _check_order_method,
     _Config,
     _int_knob,
@@ -202,6 +206,7 @@ from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-expo
     default_fixed_max,
     default_longest_first,
     default_min_split_tiles,
+    default_mma,
     default_num_splits,
     default_num_stages,
     default_order_method,
@@ -318,6 +323,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_km"  # splits merged in the kernel
     if cfg.fixed_max:
         name += "_fm"  # the first tile's max as every tile's reference
+    if cfg.tcgen05:
+        name += "_tc05"  # Blackwell's tcgen05 MMAs
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -391,6 +398,7 @@ def paged_attention_pallas_gpu(
     auto_barriers: bool | None = None,
     min_split_tiles: int | None = None,
     fixed_max: bool | None = None,
+    mma: str | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -513,6 +521,15 @@ def paged_attention_pallas_gpu(
         again with the running max, so the result never overflows. Only in the default kernel
         (not with ``producer``, ``persistent`` or ``balanced``). Default (None):
         ``default_fixed_max`` (on at bf16 in the default kernel).
+      mma: the products' instructions: ``"wgmma"`` (Hopper) or ``"tcgen05"`` (Blackwell
+        sm100 / sm103: each product is one MMA issued by one thread into tensor memory, then
+        read into registers). tcgen05 runs the ``swap_ab`` form at 128-key tiles (both
+        products M = 128: the keys, the head dim; N = the query columns, rounded up to 16),
+        so it needs head dim 128, ``block_kv`` 128 (its default there), ``swap_ab`` and
+        ``split_merge="xla"``, and not ``producer``, ``persistent`` or ``balanced``. Verified
+        in the Mosaic GPU interpreter and by lowering for sm100 on the CPU; not yet run on
+        Blackwell hardware. Default (None): ``default_mma`` (tcgen05 on Blackwell, else wgmma;
+        wgmma in the interpreter).
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -521,8 +538,13 @@ def paged_attention_pallas_gpu(
       ValueError: if the kernel cannot run these shapes/dtypes (``unsupported_reason``) or a
         tuning knob is out of range.
     """
+    if mma is None:
+        mma = default_mma(bool(interpret))
+    if mma not in MMAS:
+        raise ValueError(f"{mma=} must be one of {MMAS}")
+    tcgen05 = mma == "tcgen05"
     if block_kv is None:
-        block_kv = default_block_kv(q.shape[-1])
+        block_kv = TCGEN05_BLOCK_KV if tcgen05 else default_block_kv(q.shape[-1])
     reason = unsupported_reason(
         q, k_pages, v_pages, block_tables, lengths, block_kv=block_kv, check_backend=False
     )
@@ -530,6 +552,11 @@ def paged_attention_pallas_gpu(
         raise ValueError(f"paged_attention_pallas_gpu cannot run this call: {reason}")
     if block_kv not in (64, 128):
         raise ValueError(f"{block_kv=} must be 64 or 128")
+    if tcgen05 and (block_kv != TCGEN05_BLOCK_KV or q.shape[-1] not in TCGEN05_HEAD_DIMS):
+        raise ValueError(
+            f'mma="tcgen05" needs block_kv={TCGEN05_BLOCK_KV} (got {block_kv}) and a head dim in '
+            f"{TCGEN05_HEAD_DIMS} (got {q.shape[-1]}): its two products are M=128 MMAs"
+        )
     B, N, H = q.shape
     if k_pages.ndim == 5:
         if layer is None:
@@ -551,6 +578,11 @@ def paged_attention_pallas_gpu(
     if producer and persistent:
         raise ValueError("producer=True and persistent=True cannot be combined")
     balanced = bool(balanced)
+    if tcgen05 and (producer or persistent or balanced):
+        raise ValueError(
+            'mma="tcgen05" runs in the default kernel: it cannot take '
+            f"producer={producer}, persistent={persistent} or balanced={balanced}"
+        )
     small = C < _TILE_ROWS  # pages below 8 tokens: not one TMA copy into the tiled ring
     if page_copy is None:  # the interpreter cannot run cp.async (inline Mosaic GPU code)
         page_copy = "cp_async" if small and not interpret else "tma"
@@ -600,12 +632,18 @@ def paged_attention_pallas_gpu(
         splits = _int_knob("num_splits", num_splits)
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
-    qcols = _qcols(B, N, K)
+    qcols = _qcols(B, N, K, tcgen05)
     # The interpreter does not lower the kernel: swap_ab runs there on any JAX.
     lowers = bool(interpret) or swap_ab_lowers()
     if swap_ab is None:
-        swap_ab = default_swap_ab(splits, H, qcols, producer, persistent) and lowers
+        swap_ab = tcgen05 or (default_swap_ab(splits, H, qcols, producer, persistent) and lowers)
     swap_ab = bool(swap_ab)
+    if tcgen05 and not swap_ab:
+        raise ValueError('mma="tcgen05" runs the swap_ab form only: pass swap_ab=None or True')
+    if tcgen05 and split_merge == "kernel" and splits > 1:
+        raise ValueError(
+            'mma="tcgen05" merges splits in XLA: pass split_merge=None or "xla" (got "kernel")'
+        )
     if swap_ab and (producer or persistent):
         raise ValueError(
             "swap_ab=True needs producer=False and persistent=False (got "
@@ -621,7 +659,9 @@ def paged_attention_pallas_gpu(
             f'persistent={persistent}); use split_merge="xla"'
         )
     if split_merge is None:
-        split_merge = default_split_merge(splits, swap_ab, producer, persistent)
+        split_merge = (
+            "xla" if tcgen05 else default_split_merge(splits, swap_ab, producer, persistent)
+        )
     kernel_merge = splits > 1 and split_merge == "kernel"
     qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
     if num_stages is None:
@@ -755,6 +795,7 @@ def paged_attention_pallas_gpu(
         auto_barriers=auto_barriers,
         min_split_tiles=min_split_tiles if splits > 1 else 1,
         fixed_max=fixed_max,
+        mma=mma,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
