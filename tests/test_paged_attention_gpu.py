@@ -1890,8 +1890,16 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
     assert kernel_gpu.default_mma() == "wgmma"
     reason = kernel_gpu.unsupported_reason(*_shapes())
     assert "compute capability 9.x or 10.x or 11.x (got (12, 0))" in reason
-    # On Blackwell the kernel takes mma="tcgen05" and T=128 by default.
+    # On Blackwell the kernel takes mma="tcgen05" and T=128 by default, and auto dispatch picks
+    # it (at head dim 128, where this JAX lowers it).
     monkeypatch.setattr(_backend, "gpu_compute_capability", lambda: (10, 0))
+    monkeypatch.setattr(_backend, "default_platform", lambda: "gpu")
+    from jpaged import _attention
+
+    for H, C in ((128, 16), (64, 8)):
+        resolved = _attention._resolve("paged_attention", None, None, _shapes(H=H, C=C), {})
+        want = "pallas_gpu" if H == 128 and kernel_gpu.swap_ab_lowers() else "xla"
+        assert resolved == want, (H, resolved)
     seen = []
     monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes())

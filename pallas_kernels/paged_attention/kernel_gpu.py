@@ -118,10 +118,18 @@ thread, cost about 80 cycles each: 1.51 TB/s at one-token pages, 3.21 at four.
 ``page_copy="cp_async"`` is opt-in for pages of 8+ tokens: tied with TMA or up to 2.6% slower
 in the quick table.
 
+Blackwell (sm100 / sm103 / sm110, ``mma="tcgen05"``, ``default_mma``): the ``swap_ab`` kernel
+with its two wgmmas replaced by tcgen05 MMAs issued by one thread into tensor memory (f32
+accumulators of 128 lanes: the tile's 128 keys, the head dim) and read into registers in the
+TCGEN05 layout; the rest of a tile (softmax, masks, ``fixed_max``, P's store, the ring) is the
+Hopper code. Head dim 128 only, splits merged by XLA. Checked in the Mosaic GPU interpreter
+and by lowering for sm100 on the CPU; not yet run or timed on Blackwell hardware.
+
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
-other than Hopper (sm90: the kernel is built on wgmma; Blackwell would need tcgen05), f32, page
-sizes neither dividing nor divided by the tile (64 tokens; 128 at H=64), head dims other than
-64/128/256, groups G > 56 unless a multiple of 8 up to 64.
+other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dims
+other than 128 on Blackwell, f32, page sizes neither dividing nor divided by the tile (64
+tokens; 128 at H=64 and on Blackwell), head dims other than 64/128/256, groups G > 56 unless a
+multiple of 8 up to 64.
 
 The code: this module holds the public entry (``paged_attention_pallas_gpu``) and the launch
 (``_paged_attention``); ``_gpu_config`` the kernel instance, SMEM sizes, tuning defaults and
