@@ -61,7 +61,9 @@ _EDITS = {
             "        p_smem[...] = p.astype(cfg.dtype)\n"
             "    if cfg.per_thread:  # V's cp.async group, made visible by P's fence and barrier\n"
             "        _cp_async.wait(later - 1)\n"
-            "    plgpu.commit_smem()\n",
+            "    # tcgen05: this tile's scores and the last tile's P @ V are read out of TMEM before the\n"
+            "    # next products overwrite them.\n"
+            "    tmem_sync(cfg, plgpu.commit_smem)\n",
             "        pass\n",
         )
     ],
