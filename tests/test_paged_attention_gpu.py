@@ -868,6 +868,11 @@ _VARIANTS = [
     dict(fixed_max=True, C=2, W=64, page_copy="tma"),  # the staging ring
     dict(fixed_max=True, B=40, W=192, auto_barriers=True, longest_first=True),
     dict(fixed_max=False),  # the running max in every tile (bf16's default before)
+    # swap_ab's output as whole qcols-row blocks gathered by XLA (JAX >= 0.12's default)
+    dict(out_blocks=True),
+    dict(out_blocks=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
+    dict(out_blocks=True, N=48, K=8, C=1, W=128),  # 16 columns, per-thread copies
+    dict(out_blocks=True, H=256, C=256, num_splits=2, swap_ab=True),
     dict(fixed_max=False, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
 ]
 
@@ -899,9 +904,13 @@ def variant_call(variant):
 
 
 def _needs_swap_ab(knobs) -> bool:
-    """Knobs that run only with ``swap_ab`` (asked for, ``balanced``, the kernel merge)."""
+    """Knobs that need ``swap_ab``'s direct store (``balanced``, the kernel merge; or the direct
+    store asked for): refused where it does not lower (``swap_ab_lowers``), where ``swap_ab``
+    itself stores whole blocks (``out_blocks``)."""
     return bool(
-        knobs.get("swap_ab") or knobs.get("balanced") or knobs.get("split_merge") == "kernel"
+        knobs.get("balanced")
+        or knobs.get("split_merge") == "kernel"
+        or (knobs.get("swap_ab") and knobs.get("out_blocks") is False)
     )
 
 
@@ -913,7 +922,7 @@ def variant_id(variant) -> str:
 def test_cross_lowers_for_cuda(variant):
     f, args, v, B, N, K, H, C, W = variant_call(variant)
     if _needs_swap_ab(v) and not kernel_gpu.swap_ab_lowers():
-        pytest.skip(f"swap_ab does not lower on jax {jax.__version__} (swap_ab_lowers)")
+        pytest.skip(f"swap_ab's direct store does not lower on jax {jax.__version__}")
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text.lower()
@@ -938,18 +947,18 @@ def test_cross_lowers_for_cuda(variant):
     # swap_ab (the kernel name ends in _sw<qcols>): as asked, else as default_swap_ab says.
     T = v.get("block_kv", kernel_gpu.default_block_kv(H))
     splits = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T)
-    default_swap = (
-        kernel_gpu.default_swap_ab(
-            splits,
-            H,
-            kernel_gpu._qcols(B, N, K),
-            bool(v.get("producer")),
-            bool(v.get("persistent")),
-        )
-        and kernel_gpu.swap_ab_lowers()
-    )
+    default_swap = kernel_gpu.default_swap_ab(
+        splits,
+        H,
+        kernel_gpu._qcols(B, N, K),
+        bool(v.get("producer")),
+        bool(v.get("persistent")),
+    ) and (kernel_gpu.swap_ab_lowers() or v.get("split_merge") != "kernel" or splits == 1)
     swap = v.get("swap_ab", default_swap) or bool(v.get("balanced"))
     assert names and all(("_sw" in name) == swap for name in names), names
+    # Whole output blocks (_ob): with swap_ab where its direct store does not lower, or asked.
+    blocks = swap and v.get("out_blocks", not kernel_gpu.swap_ab_lowers())
+    assert all(("_ob" in name) == bool(blocks) for name in names), names
     assert all(("_bal" in name) == bool(v.get("balanced")) for name in names), names
     # deferred_sum (name part _ds): with swap_ab only; by default at 8 query columns.
     qcols = kernel_gpu._qcols(B, N, K)
@@ -968,6 +977,8 @@ def test_cross_lowers_for_cuda(variant):
     merge = v.get("split_merge") or kernel_gpu.default_split_merge(
         splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
     )
+    if blocks:  # whole blocks are merged by XLA
+        merge = "xla"
     in_kernel = merge == "kernel" and splits > 1 and not v.get("balanced")
     assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel
     assert ("st.relaxed.gpu.global.u32" in text) == in_kernel  # the counter's reset
@@ -1725,8 +1736,9 @@ def test_balanced_smem_overflow_is_a_clear_error():
 
 
 def test_swap_ab_lowers_gate(monkeypatch):
-    # jax 0.12's Mosaic GPU layout inference exhausts its search on swap_ab's transposed output
-    # tile: newer JAX runs the 64-row tile by default and refuses swap_ab=True at once.
+    # jax 0.12's Mosaic GPU layout inference exhausts its search on swap_ab's direct store (G
+    # rows copied from a dynamic offset of the transposed output tile): there swap_ab stores
+    # whole blocks (out_blocks) and the kernel merge and the balanced kernel are refused.
     from pallas_kernels.paged_attention import _gpu_config
 
     assert _gpu_config.swap_ab_lowers("0.11.2")
@@ -1738,18 +1750,51 @@ def test_swap_ab_lowers_gate(monkeypatch):
     shapes = _shapes()
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in shapes)
     kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1)
+    kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, num_splits=3)
     kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, interpret=True)
-    assert [cfg.swap_ab for cfg in seen] == [False, kernel_gpu.default_swap_ab(1, 64, 8)]
+    got = [(c.swap_ab, c.out_blocks, c.kernel_merge) for c in seen]
+    assert got == [(True, True, False), (True, True, False), (True, False, False)], got
     monkeypatch.undo()
     monkeypatch.setattr(jax, "__version__", "0.12.0.1")
-    for kw in (dict(swap_ab=True), dict(balanced=True)):
+    for kw in (
+        dict(balanced=True), dict(swap_ab=True, num_splits=2, split_merge="kernel"),
+        dict(swap_ab=True, out_blocks=False),
+    ):  # fmt: skip
         with pytest.raises(ValueError, match=r"does not lower on jax 0\.12\.0\.1"):
             kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1, **kw)
-    # The interpreter does not lower it: it still runs there.
+    # The interpreter does not lower it: the direct store still runs there.
     out = kernel_gpu.paged_attention_pallas_gpu(
         q, k, v, bt, ln, sm_scale=0.1, swap_ab=True, interpret=True
     )
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        (16, dict(lengths=[0, 1, 15, 16, 17, 300, 64, 700], G=4)),
+        (32, dict(lengths=[5, 200, 0, 127, 513], G=3, num_splits=3, races=True)),  # 8 columns
+        (8, dict(lengths=[260, 3, 77], G=6, H=64, window=100, soft_cap=20.0)),  # 16 columns
+        (64, dict(lengths=[260, 3, 513, 64], G=4, mma="tcgen05", num_splits=2)),
+    ],
+    ids=str,
+)
+def test_interpret_out_blocks(C, extra):
+    # swap_ab's output and split partials as whole qcols-row blocks, gathered by XLA.
+    rng = np.random.default_rng(C + 5 * len(extra))
+    extra = dict(extra)
+    interpret = RACE_CHECKED if extra.pop("races", False) else True
+    lengths, extra = _page_case(rng, C, extra)
+    _run_case(rng, lengths, K=2, C=C, interpret=interpret, swap_ab=True, out_blocks=True, **extra)
+
+
+def test_out_blocks_arguments():
+    q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes())
+    for kw in (dict(balanced=True), dict(num_splits=2, split_merge="kernel", swap_ab=True)):
+        with pytest.raises(ValueError, match="out_blocks=True cannot take balanced="):
+            kernel_gpu.paged_attention_pallas_gpu(
+                q, k, v, bt, ln, sm_scale=0.1, out_blocks=True, **kw
+            )
 
 
 # --------------------------------------------------------------------------- tcgen05 (Blackwell)
@@ -1830,8 +1875,6 @@ _TC05_VARIANTS = [
 
 @pytest.mark.parametrize("variant", _TC05_VARIANTS, ids=variant_id)
 def test_tcgen05_lowers_for_sm100(sm100, variant):
-    if not kernel_gpu.swap_ab_lowers():
-        pytest.skip(f"tcgen05 runs the swap_ab form, which jax {jax.__version__} does not lower")
     f, args, _, B, N, K, *_ = variant_call({"mma": "tcgen05", **variant})
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # tcgen05 MMAs, TMEM loads and their waits, the fences around P's barrier; no wgmma. (The
@@ -1880,8 +1923,7 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
         monkeypatch.setattr(_backend, "gpu_compute_capability", lambda cc=cc: cc)
         assert kernel_gpu.default_mma() == mma
         assert kernel_gpu.default_mma(interpret=True) == "wgmma"
-        ok = mma == "wgmma" or kernel_gpu.swap_ab_lowers()
-        assert (kernel_gpu.unsupported_reason(*_shapes()) is None) == ok
+        assert kernel_gpu.unsupported_reason(*_shapes()) is None
         reason = kernel_gpu.unsupported_reason(*_shapes(H=64, C=8))
         assert (reason is None) == (mma == "wgmma"), reason
         if mma == "tcgen05":
@@ -1898,16 +1940,16 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
 
     for H, C in ((128, 16), (64, 8)):
         resolved = _attention._resolve("paged_attention", None, None, _shapes(H=H, C=C), {})
-        want = "pallas_gpu" if H == 128 and kernel_gpu.swap_ab_lowers() else "xla"
+        want = "pallas_gpu" if H == 128 else "xla"
         assert resolved == want, (H, resolved)
     seen = []
     monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes())
-    if kernel_gpu.swap_ab_lowers():
-        kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1)
-        (cfg,) = seen
-        assert (cfg.mma, cfg.block_kv, cfg.swap_ab, cfg.qcols) == ("tcgen05", 128, True, 16)
-        assert not cfg.kernel_merge and not cfg.producer and cfg.fixed_max
+    kernel_gpu.paged_attention_pallas_gpu(q, k, v, bt, ln, sm_scale=0.1)
+    (cfg,) = seen
+    assert (cfg.mma, cfg.block_kv, cfg.swap_ab, cfg.qcols) == ("tcgen05", 128, True, 16)
+    assert not cfg.kernel_merge and not cfg.producer and cfg.fixed_max
+    assert cfg.out_blocks == (not kernel_gpu.swap_ab_lowers())
 
 
 @pytest.mark.gpu

@@ -77,6 +77,11 @@ class _Config:
     # The products' instructions: Hopper's wgmma (accumulators in registers) or Blackwell's
     # tcgen05 MMA (accumulators in tensor memory, read into registers; ``MMAS``).
     mma: str = "wgmma"
+    # ``swap_ab``: each unit's output (or split partial) leaves as its whole ``qcols``-row block
+    # into a staging array (one block per sequence and KV head), and XLA gathers the G real rows
+    # after the kernel, instead of the G rows at ``qoff`` copied straight to their places: the
+    # form newer Mosaic GPU lowers (``swap_ab_lowers``).
+    out_blocks: bool = False
 
     @property
     def tcgen05(self) -> bool:
@@ -229,7 +234,8 @@ def swap_ab_lowers(version: str | None = None) -> bool:
     dynamic offset: the G rows of a unit at ``qoff``. jax 0.11.2 lowers it at once. Until that
     is solved, newer JAX runs the 64-row tile by default (``default_swap_ab`` is applied only
     where this holds, or in the interpreter, which lowers nothing) and refuses ``swap_ab=True``
-    at once."""
+    at once. Since then swap_ab stores whole blocks there (``out_blocks``), which that version
+    lowers in about a second; only the kernel merge and the balanced kernel stay refused."""
     if version is None:
         import jax
 
@@ -652,11 +658,6 @@ def unsupported_reason(
     blackwell = check_backend and default_mma() == "tcgen05"
     if blackwell and H not in TCGEN05_HEAD_DIMS:
         reasons.append(f"on Blackwell (tcgen05) head_dim={H} must be one of {TCGEN05_HEAD_DIMS}")
-    if blackwell and not swap_ab_lowers():
-        reasons.append(
-            "on Blackwell the kernel runs the swap_ab form, which this JAX's Mosaic GPU does not "
-            "lower (``swap_ab_lowers``)"
-        )
     if block_kv is None:
         block_kv = TCGEN05_BLOCK_KV if blackwell else default_block_kv(H)
     if C < 1 or (block_kv % C and C % block_kv):

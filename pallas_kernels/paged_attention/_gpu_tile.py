@@ -460,11 +460,15 @@ def _store(
     wg_barrier(cfg)  # the output tiles reuse the ring's SMEM: every warp's last wgmma is done
     if not wait:  # the previous unit's copies may still read these tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    block = pl.ds(pl.multiple_of((unit.b * cfg.num_kv_heads + unit.h) * cfg.q_rows, 8), cfg.q_rows)
     if cfg.swap_ab and (cfg.num_splits == 1 or whole):  # out is O^T [H, qcols]: transposed
         (o_ref,), (o_smem,) = outs, out_smem
         o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
+        if cfg.out_blocks:  # the whole block, to the unit's own rows of the staging array
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[block])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
     elif cfg.swap_ab:
         # The partial O^T goes out as its G rows in q.dtype through a transposed view, as
         # without splits (Mosaic GPU cannot store f32 through a transposed view). The lse row
@@ -475,7 +479,10 @@ def _store(
         o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
         lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
+        if cfg.out_blocks:
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[unit.s, block])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, 1)], lse_ref.at[unit.s, pl.ds(cta, 1)])
     elif cfg.num_splits == 1:
         (o_ref,), (o_smem,) = outs, out_smem

@@ -147,6 +147,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._split_merge import merge_splits
@@ -259,6 +260,27 @@ def _swapped_lse(cfg: _Config, lse_SCQ):
     return lse.reshape(S, B * N, 1)
 
 
+def _out_rows(cfg: _Config) -> int:
+    """Rows of the output (or of each split's partials): B * N, or with ``out_blocks`` a
+    ``qcols``-row block per (sequence, KV head)."""
+    if cfg.out_blocks:
+        return cfg.num_seqs * cfg.num_kv_heads * cfg.q_rows
+    return cfg.num_seqs * cfg.num_q_heads
+
+
+def _unblock(cfg: _Config, x):
+    """``out_blocks``: the G real rows of each (sequence, KV head) block of ``x`` [..., rows, H]
+    -> [..., B * N, H] (head h of sequence b at row qoff + g of block b * K + h, qoff =
+    (b * N + h * G) % 8: one small XLA gather); ``x`` itself otherwise."""
+    if not cfg.out_blocks:
+        return x
+    B, N, K, G, R = cfg.num_seqs, cfg.num_q_heads, cfg.num_kv_heads, cfg.group, cfg.q_rows
+    b = np.arange(B)[:, None, None]
+    h = np.arange(K)[None, :, None]
+    rows = (b * K + h) * R + (b * N + h * G) % 8 + np.arange(G)  # [B, K, G]
+    return jnp.take(x, jnp.asarray(rows.reshape(-1), jnp.int32), axis=-2)
+
+
 def _merge_splits(o_SRH, lse_SRL, dtype):
     """Log-sum-exp merge of split partials: o [S, R, H] (f32 or q.dtype), lse f32[S, R, L]
     (column 0 read; base 2; -inf for a split that saw no key): ``_split_merge.merge_splits``."""
@@ -296,10 +318,10 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
             jax.ShapeDtypeStruct((2 * cfg.num_ctas, cfg.q_rows), jnp.float32),
         )
     elif S == 1:
-        out_type = jax.ShapeDtypeStruct((B * N, H), cfg.dtype)
+        out_type = jax.ShapeDtypeStruct((_out_rows(cfg), H), cfg.dtype)
     elif cfg.swap_ab:  # partial rows in q.dtype; the lse of qcols columns per (b, h) slot
         out_type = (
-            jax.ShapeDtypeStruct((S, B * N, H), _partial_dtype(cfg)),
+            jax.ShapeDtypeStruct((S, _out_rows(cfg), H), _partial_dtype(cfg)),
             jax.ShapeDtypeStruct((S, B * K, cfg.qcols), jnp.float32),
         )
         if cfg.kernel_merge:  # the output first, merged by each pair's last CTA
@@ -331,6 +353,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_km"  # splits merged in the kernel
     if cfg.fixed_max:
         name += "_fm"  # the first tile's max as every tile's reference
+    if cfg.out_blocks:
+        name += "_ob"  # whole qcols-row output blocks, gathered by XLA
     if cfg.tcgen05:
         name += "_tc05"  # Blackwell's tcgen05 MMAs
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
@@ -365,8 +389,9 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     if cfg.balanced or cfg.kernel_merge:
         return out[0].reshape(B, N, H)
     if S == 1:
-        return out.reshape(B, N, H)
+        return _unblock(cfg, out).reshape(B, N, H)
     o_SRH, lse_SRL = out
+    o_SRH = _unblock(cfg, o_SRH)
     if cfg.swap_ab:
         lse_SRL = _swapped_lse(cfg, lse_SRL)
     return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H)
@@ -407,6 +432,7 @@ def paged_attention_pallas_gpu(
     min_split_tiles: int | None = None,
     fixed_max: bool | None = None,
     mma: str | None = None,
+    out_blocks: bool | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -538,6 +564,13 @@ def paged_attention_pallas_gpu(
         in the Mosaic GPU interpreter and by lowering for sm100 on the CPU; not yet run on
         Blackwell hardware. Default (None): ``default_mma`` (tcgen05 on Blackwell, else wgmma;
         wgmma in the interpreter).
+      out_blocks: with ``swap_ab``, each unit stores its output (or split partial) as its whole
+        block of ``qcols`` query rows into a staging array, one block per (sequence, KV head),
+        and a small XLA gather picks the G real rows after the kernel, instead of copying the
+        G rows at their offset straight to their places. Mosaic GPU 0.12 lowers this form and
+        not the direct one (``swap_ab_lowers``). Default (None): on where the direct store
+        does not lower (JAX >= 0.12), else off. Ignored without ``swap_ab``; not with the
+        kernel merge or ``balanced``.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -643,9 +676,23 @@ def paged_attention_pallas_gpu(
     qcols = _qcols(B, N, K, tcgen05)
     # The interpreter does not lower the kernel: swap_ab runs there on any JAX.
     lowers = bool(interpret) or swap_ab_lowers()
+    # Where the direct store does not lower, swap_ab stores whole blocks (out_blocks), which
+    # neither the kernel merge nor the balanced kernel can take.
+    blocks_ok = not (balanced or (split_merge == "kernel" and splits > 1))
     if swap_ab is None:
-        swap_ab = tcgen05 or (default_swap_ab(splits, H, qcols, producer, persistent) and lowers)
+        swap_ab = tcgen05 or (
+            default_swap_ab(splits, H, qcols, producer, persistent) and (lowers or blocks_ok)
+        )
     swap_ab = bool(swap_ab)
+    if out_blocks is None:
+        out_blocks = not lowers and blocks_ok
+    out_blocks = bool(out_blocks) and swap_ab
+    if out_blocks and not blocks_ok:
+        raise ValueError(
+            f"out_blocks=True cannot take balanced={balanced} or split_merge={split_merge!r} "
+            "with splits (their partials are merged in the kernel)"
+            + ("" if lowers else f"; jax {jax.__version__} lowers swap_ab only with out_blocks")
+        )
     if tcgen05 and not swap_ab:
         raise ValueError('mma="tcgen05" runs the swap_ab form only: pass swap_ab=None or True')
     if tcgen05 and split_merge == "kernel" and splits > 1:
@@ -668,7 +715,9 @@ def paged_attention_pallas_gpu(
         )
     if split_merge is None:
         split_merge = (
-            "xla" if tcgen05 else default_split_merge(splits, swap_ab, producer, persistent)
+            "xla"
+            if tcgen05 or out_blocks
+            else default_split_merge(splits, swap_ab, producer, persistent)
         )
     kernel_merge = splits > 1 and split_merge == "kernel"
     qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
@@ -755,7 +804,7 @@ def paged_attention_pallas_gpu(
             "order_method", order_method, B, _packed_order(B), producer, persistent,
             bool(slot_lengths),
         )  # fmt: skip
-    if swap_ab and not lowers:  # (after every other check: their messages come first)
+    if swap_ab and not lowers and not out_blocks:  # (after every other check: theirs come first)
         raise ValueError(
             f"swap_ab=True{' (balanced=True needs it)' if balanced else ''} does not lower on "
             f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on its "
@@ -804,6 +853,7 @@ def paged_attention_pallas_gpu(
         min_split_tiles=min_split_tiles if splits > 1 else 1,
         fixed_max=fixed_max,
         mma=mma,
+        out_blocks=out_blocks,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
