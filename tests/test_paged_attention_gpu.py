@@ -1788,6 +1788,25 @@ def test_interpret_out_blocks(C, extra):
     _run_case(rng, lengths, K=2, C=C, interpret=interpret, swap_ab=True, out_blocks=True, **extra)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "C,extra",
+    [
+        *_KNOB_CASES,
+        (32, dict(num_layers=2, layer=1, dtype="float16", G=6)),  # 16 query columns
+        (1, dict(lengths=[32768, 1, 20001])),  # per-thread cp.async copies, splits
+        (256, dict(H=256, G=8, num_splits=2, swap_ab=True)),
+    ],
+    ids=str,
+)
+def test_gpu_out_blocks(C, extra):
+    # Each case twice, NaN-poisoned free pages; the splits merged by XLA.
+    rng = np.random.default_rng(C + 17 * len(extra))
+    lengths, extra = _page_case(rng, C, {"out_blocks": True, "swap_ab": True, **extra})
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, C=C, **extra)
+
+
 def test_out_blocks_arguments():
     q, k, v, bt, ln = (jnp.zeros(s.shape, s.dtype) for s in _shapes())
     for kw in (dict(balanced=True), dict(num_splits=2, split_merge="kernel", swap_ab=True)):
