@@ -103,6 +103,16 @@ SLOW_CASES = {
     # other tcgen05 cases, per-thread copies of small pages among them)
     "test_interpret_tcgen05[2-{'lengths': [130, 0, 77], 'G': 4, 'page_copy': 'tma'}]",
     "test_tcgen05_lowers_for_sm100[C2-W128-page_copytma]",
+    *(
+        f"test_interpret_tcgen05[{case}]"
+        for case in (
+            "16-{'lengths': [5, 700, 0, 129, 300, 1, 900, 64], 'longest_first': True, "
+            "'order_method': 'kernel'}",
+            "32-{'lengths': [5, 400, 0, 129], 'G': 8, 'k_stages': 3, 'early_k': True, "
+            "'races': True}",
+            "64-{'lengths': [1000, 3, 513, 129], 'num_splits': 4, 'min_split_tiles': 2}",
+        )
+    ),
     # fixed_max's other cases (CI runs swap, the sharp-logit spike, f16, the exact 64-row spike)
     *(
         f"test_interpret_fixed_max[{i}]"
@@ -1831,6 +1841,14 @@ _TC05_CASES = [
     (16, dict(lengths=[300, 40, 129], G=6, dtype="float16")),  # the running max (f16)
     (256, dict(lengths=[600, 2, 257], G=1, fixed_max=False, num_layers=2, layer=1)),
     (2, dict(lengths=[130, 0, 77], G=4, page_copy="tma")),  # the staging ring of small pages
+    # (make test-all only:) the in-kernel longest-first order, a deeper K ring refilled after
+    # Q K^T, and splits with a floor of tiles each
+    (
+        16,
+        dict(lengths=[5, 700, 0, 129, 300, 1, 900, 64], longest_first=True, order_method="kernel"),
+    ),
+    (32, dict(lengths=[5, 400, 0, 129], G=8, k_stages=3, early_k=True, races=True)),
+    (64, dict(lengths=[1000, 3, 513, 129], num_splits=4, min_split_tiles=2)),
 ]
 
 

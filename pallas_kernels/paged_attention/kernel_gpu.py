@@ -1,4 +1,4 @@
-"""Paged decode attention on Mosaic GPU (Hopper, sm90).
+"""Paged decode attention on Mosaic GPU (Hopper sm90; Blackwell sm100-sm110 with ``mma="tcgen05"``).
 
 One CTA (one warpgroup; two with ``producer``) per (sequence, split, KV head). It reads each
 K/V byte once for the G query heads of a KV head. At head dims 64 / 128 and 8 query columns
@@ -124,6 +124,11 @@ accumulators of 128 lanes: the tile's 128 keys, the head dim) and read into regi
 TCGEN05 layout; the rest of a tile (softmax, masks, ``fixed_max``, P's store, the ring) is the
 Hopper code. Head dim 128 only, splits merged by XLA. Checked in the Mosaic GPU interpreter
 and by lowering for sm100 on the CPU; not yet run or timed on Blackwell hardware.
+
+JAX >= 0.12 (``swap_ab_lowers``): Mosaic GPU 0.12 cannot lower ``swap_ab``'s direct store (a
+unit's G rows copied from a dynamic offset of its transposed output tile), so there each unit
+stores its whole ``qcols``-row block to a staging array and XLA gathers the G real rows
+(``out_blocks``); the kernel merge and ``balanced`` are refused there.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dims
