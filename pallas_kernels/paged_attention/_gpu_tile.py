@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir.dialects import nvvm
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm
 
 from pallas_kernels.paged_attention import _cp_async
 from pallas_kernels.paged_attention._gpu_config import (
