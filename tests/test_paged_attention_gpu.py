@@ -1786,6 +1786,8 @@ def test_swap_ab_lowers_gate(monkeypatch):
         (32, dict(lengths=[5, 200, 0, 127, 513], G=3, num_splits=3, races=True)),  # 8 columns
         (8, dict(lengths=[260, 3, 77], G=6, H=64, window=100, soft_cap=20.0)),  # 16 columns
         (64, dict(lengths=[260, 3, 513, 64], G=4, mma="tcgen05", num_splits=2)),
+        # splits past a short sequence's floor read nothing and store an empty partial
+        (16, dict(lengths=[1000, 3, 513, 129], G=4, num_splits=4, min_split_tiles=2)),
     ],
     ids=str,
 )
