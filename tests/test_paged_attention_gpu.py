@@ -1843,6 +1843,8 @@ _TC05_CASES = [
     (16, dict(lengths=[300, 40, 129], G=6, dtype="float16")),  # the running max (f16)
     (256, dict(lengths=[600, 2, 257], G=1, fixed_max=False, num_layers=2, layer=1)),
     (2, dict(lengths=[130, 0, 77], G=4, page_copy="tma")),  # the staging ring of small pages
+    # head dim 256: P @ V as two products of 128 head-dim rows, split partials too
+    (32, dict(lengths=[5, 200, 0, 127, 513], G=8, H=256, num_splits=2)),
     # (make test-all only:) the in-kernel longest-first order, a deeper K ring refilled after
     # Q K^T, and splits with a floor of tiles each
     (
@@ -1909,6 +1911,8 @@ _TC05_VARIANTS = [
     dict(auto_barriers=True),
     dict(N=64, K=4, deferred_sum=True),  # G=16: 16 query columns, sums deferred
     dict(N=192, K=8, num_splits=3),  # G=24: 32 query columns
+    dict(H=256, C=256, W=2),  # two P @ V products of 128 head-dim rows; 1 stage (SMEM)
+    dict(H=256, num_splits=2, out_blocks=True, logits_soft_cap=30.0),
 ]
 
 
@@ -1936,8 +1940,7 @@ def test_tcgen05_lowers_for_sm100(sm100, variant):
     [
         (dict(mma="hmma"), "mma='hmma' must be one of"),
         (dict(mma="tcgen05", block_kv=64), 'mma="tcgen05" needs block_kv=128'),
-        (dict(mma="tcgen05", H=64), r"head dim in \(128,\) \(got 64\)"),
-        (dict(mma="tcgen05", H=256), r"head dim in \(128,\) \(got 256\)"),
+        (dict(mma="tcgen05", H=64), r"head dim in \(128, 256\) \(got 64\)"),
         (dict(mma="tcgen05", swap_ab=False), "runs the swap_ab form only"),
         (dict(mma="tcgen05", producer=True), 'mma="tcgen05" runs in the default kernel'),
         (dict(mma="tcgen05", persistent=True), r"persistent=True"),
@@ -2001,6 +2004,8 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
         (16, dict(q_scale=100.0, lengths=[32768, 1, 20001, 700])),  # fixed_max's redo
         (16, dict(fixed_max=False, G=1, lengths="many")),
         (256, dict(G=6, window=700, soft_cap=50.0, num_splits=2)),  # 16 query columns
+        (256, dict(H=256, G=8, num_splits=2)),  # two P @ V products a tile
+        (16, dict(H=256, G=4, lengths="many")),
     ],
     ids=str,
 )

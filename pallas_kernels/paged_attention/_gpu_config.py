@@ -218,8 +218,9 @@ def default_num_stages(
         return 2 if smem(2) <= _SMEM_BYTES else 1
     if qcols is not None:
         # swap_ab: 2 stages (about 68 KB at H=128: three CTAs per SM by SMEM) beat 3 (two per
-        # SM) in 8 of 9 quick rows on the H200 (eighth session, decode_quick_s8_swap.json).
-        return 2
+        # SM) in 8 of 9 quick rows on the H200 (eighth session, decode_quick_s8_swap.json); 1
+        # where 2 do not fit (tcgen05's 128-key tiles at H=256: 264 KB).
+        return 2 if _smem_bytes(head_dim, block_kv, 2, qcols=qcols) <= _SMEM_BYTES else 1
     for stages in (4, 3):
         if _smem_bytes(head_dim, block_kv, stages, persistent=persistent) <= _TWO_CTA_SMEM_BYTES:
             return stages
@@ -440,13 +441,13 @@ MMAS = ("wgmma", "tcgen05")
 # Compute capabilities with tcgen05 (sm100 B200/GB200, sm103 B300/GB300, sm110 Thor); sm120
 # (consumer Blackwell) has neither tcgen05 nor wgmma.
 TCGEN05_MAJORS = (10, 11)
-# tcgen05 runs the ``swap_ab`` form at 128-key tiles: both products have M = 128 (the keys,
-# the head dim) and N = the query columns, so their accumulators fill TMEM's 128 lanes. M = 64
-# (a 64-key tile, or head dim 64) does not lower through Pallas on jax 0.11.2 (its TMEM slice
-# of the kernel's 128-lane allocation has no layout), and head dim 256 would be two M=128
-# products whose halves the register accumulator cannot join.
+# tcgen05 runs the ``swap_ab`` form at 128-key tiles: every product has M = 128 (the keys; 128
+# rows of the head dim, two such products at H = 256) and N = the query columns, so the
+# accumulators fill TMEM's 128 lanes. M = 64 (a 64-key tile, or head dim 64) does not lower
+# through Pallas on jax 0.11.2 (its TMEM slice of the kernel's 128-lane allocation gets no
+# layout).
 TCGEN05_BLOCK_KV = 128
-TCGEN05_HEAD_DIMS = (128,)
+TCGEN05_HEAD_DIMS = (128, 256)
 
 
 def default_mma(interpret: bool = False) -> str:
@@ -647,8 +648,8 @@ def unsupported_reason(
       sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
       block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``, or
         ``TCGEN05_BLOCK_KV`` on Blackwell).
-      check_backend: also require a Hopper (sm90) or Blackwell (sm100 / sm103 / sm110, head dim
-        128: ``mma="tcgen05"``) GPU as the default backend.
+      check_backend: also require a Hopper (sm90) or Blackwell (sm100 / sm103 / sm110, head dims
+        128 and 256: ``mma="tcgen05"``) GPU as the default backend.
     """
     del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
     reasons = _gpu_checks.device_and_dtype_reasons(

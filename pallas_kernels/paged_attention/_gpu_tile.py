@@ -87,6 +87,52 @@ def _tc_product(acc_tmem, a, b, bar):
     return plgpu.async_load_tmem(acc_tmem)
 
 
+_TMEM_LANES = 128  # a tcgen05 product's M: the rows of each part of O^T (``_o_parts``)
+
+
+def _o_parts(cfg: _Config) -> int:
+    """tcgen05: O^T [H, qcols] is H / 128 products of M = 128 head-dim rows each, kept as that
+    many [128, qcols] arrays (a tuple; the register accumulator of one M = 128 product cannot
+    grow past TMEM's 128 lanes). 0: wgmma, whose accumulator is one array."""
+    return cfg.head_dim // _TMEM_LANES if cfg.tcgen05 else 0
+
+
+def _acc_map(f, acc):
+    """``f`` of the accumulator: of each of its parts with tcgen05 (``_o_parts``)."""
+    return tuple(f(a) for a in acc) if isinstance(acc, tuple) else f(acc)
+
+
+def _tc_pv(cfg: _Config, o_tmem, v_tile, p_smem, bar):
+    """tcgen05: O^T = V^T P^T, one M = 128 MMA for each 128 rows of the head dim into its
+    ``qcols`` columns of ``o_tmem``, issued in order by one thread (only the last arrives on
+    ``bar``: an MMA's completion implies its predecessors'); the parts read into registers."""
+    parts, q = _o_parts(cfg), cfg.qcols
+    v_t = v_tile.transpose((1, 0))
+    if parts == 1:
+        return (_tc_product(o_tmem, v_t, p_smem.transpose((1, 0)), bar),)
+    for j in range(parts):
+        plgpu.tcgen05_mma(
+            o_tmem.at[:, pl.ds(j * q, q)],
+            v_tile.at[:, pl.ds(j * _TMEM_LANES, _TMEM_LANES)].transpose((1, 0)),
+            p_smem.transpose((1, 0)),
+            bar if j == parts - 1 else None,
+            accumulate=False,
+        )
+    plgpu.barrier_wait(bar)
+    return tuple(plgpu.async_load_tmem(o_tmem.at[:, pl.ds(j * q, q)]) for j in range(parts))
+
+
+def _store_transposed(o_smem, out, dtype):
+    """O^T (an array, or tcgen05's parts of 128 head-dim rows) into the [rows, H] tile
+    ``o_smem`` through a transposed view."""
+    if not isinstance(out, tuple) or len(out) == 1:
+        o_smem.transpose((1, 0))[...] = (out[0] if isinstance(out, tuple) else out).astype(dtype)
+        return
+    for j, part in enumerate(out):
+        cols = pl.ds(j * _TMEM_LANES, _TMEM_LANES)
+        o_smem.at[:, cols].transpose((1, 0))[...] = part.astype(dtype)
+
+
 def _smem_transforms():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -231,7 +277,11 @@ def _init_carry(cfg: _Config):
     else:
         shape, vec, axis = (_ROWS, H), _ROWS, 1
     layout = _layout(cfg)
-    acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+    if cfg.tcgen05:  # O^T as parts of 128 head-dim rows (``_o_parts``)
+        zeros = jnp.zeros((_TMEM_LANES, cfg.qcols), jnp.float32)
+        acc = tuple(plgpu.layout_cast(zeros, layout) for _ in range(_o_parts(cfg)))
+    else:
+        acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
     vec_layout = layout.reduce(axis)
     m = plgpu.layout_cast(jnp.full((vec,), -jnp.inf, jnp.float32), vec_layout)
     if cfg.deferred_sum:
@@ -426,10 +476,14 @@ def _tile(
             plgpu.wgmma(acc_ref, p_smem, v_tile)
         return acc_ref[...]
 
-    if cfg.tcgen05:  # O^T = V^T P^T: M = the head dim, N = the query columns
-        o = _tc_product(o_tmem, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)), mma_bar.at[1])
-    else:
-        o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    if cfg.tcgen05:  # O^T = V^T P^T: M = 128 head-dim rows a part, N = the query columns
+        o = _tc_pv(cfg, o_tmem, v_tile, p_smem, mma_bar.at[1])
+        acc = tuple(
+            a * lax.broadcast_in_dim(alpha, a.shape, queries) + oj
+            for a, oj in zip(acc, o, strict=True)
+        )
+        return (acc, m_new, l, *hi)
+    o = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, queries) + o
     return (acc, m_new, l, *hi)
 
@@ -440,7 +494,8 @@ def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
     l = _sum_l(cfg, l)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
-    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1] if cfg.swap_ab else [0])
+    dims = [1] if cfg.swap_ab else [0]
+    out = _acc_map(lambda a: a * lax.broadcast_in_dim(inv_l, a.shape, dims), acc)
     if not (cfg.num_splits > 1 if with_lse is None else with_lse):
         return out, None
     return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
@@ -463,7 +518,7 @@ def _store(
     block = pl.ds(pl.multiple_of((unit.b * cfg.num_kv_heads + unit.h) * cfg.q_rows, 8), cfg.q_rows)
     if cfg.swap_ab and (cfg.num_splits == 1 or whole):  # out is O^T [H, qcols]: transposed
         (o_ref,), (o_smem,) = outs, out_smem
-        o_smem.transpose((1, 0))[...] = out.astype(cfg.dtype)
+        _store_transposed(o_smem, out, cfg.dtype)
         plgpu.commit_smem()
         if cfg.out_blocks:  # the whole block, to the unit's own rows of the staging array
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[block])
@@ -476,7 +531,7 @@ def _store(
         # picks the G real columns (``_swapped_lse``).
         (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
         cta = unit.b * cfg.num_kv_heads + unit.h
-        o_smem.transpose((1, 0))[...] = out.astype(o_smem.dtype)
+        _store_transposed(o_smem, out, o_smem.dtype)
         lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
         plgpu.commit_smem()
         if cfg.out_blocks:
@@ -543,7 +598,7 @@ def _tc_scratch(cfg: _Config):
         return ()
     return (
         plgpu.TMEM((cfg.block_kv, cfg.qcols), jnp.float32),
-        plgpu.TMEM((cfg.head_dim, cfg.qcols), jnp.float32),
+        plgpu.TMEM((_TMEM_LANES, _o_parts(cfg) * cfg.qcols), jnp.float32),
         plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
     )
 

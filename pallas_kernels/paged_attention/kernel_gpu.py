@@ -120,9 +120,10 @@ in the quick table.
 
 Blackwell (sm100 / sm103 / sm110, ``mma="tcgen05"``, ``default_mma``): the ``swap_ab`` kernel
 with its two wgmmas replaced by tcgen05 MMAs issued by one thread into tensor memory (f32
-accumulators of 128 lanes: the tile's 128 keys, the head dim) and read into registers in the
-TCGEN05 layout; the rest of a tile (softmax, masks, ``fixed_max``, P's store, the ring) is the
-Hopper code. Head dim 128 only, splits merged by XLA. Checked in the Mosaic GPU interpreter
+accumulators of 128 lanes: the tile's 128 keys, 128 rows of the head dim each) and read into
+registers in the TCGEN05 layout; the rest of a tile (softmax, masks, ``fixed_max``, P's store,
+the ring) is the Hopper code. Head dims 128 and 256 (two P @ V products a tile), splits merged
+by XLA. Checked in the Mosaic GPU interpreter
 and by lowering for sm100 on the CPU; not yet run or timed on Blackwell hardware.
 
 JAX >= 0.12 (``swap_ab_lowers``): Mosaic GPU 0.12 cannot lower ``swap_ab``'s direct store (a
@@ -131,8 +132,8 @@ stores its whole ``qcols``-row block to a staging array and XLA gathers the G re
 (``out_blocks``); the kernel merge and ``balanced`` are refused there.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
-other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dims
-other than 128 on Blackwell, f32, page sizes neither dividing nor divided by the tile (64
+other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dim 64
+on Blackwell, f32, page sizes neither dividing nor divided by the tile (64
 tokens; 128 at H=64 and on Blackwell), head dims other than 64/128/256, groups G > 56 unless a
 multiple of 8 up to 64.
 
@@ -562,9 +563,10 @@ def paged_attention_pallas_gpu(
         ``default_fixed_max`` (on at bf16 in the default kernel).
       mma: the products' instructions: ``"wgmma"`` (Hopper) or ``"tcgen05"`` (Blackwell
         sm100 / sm103: each product is one MMA issued by one thread into tensor memory, then
-        read into registers). tcgen05 runs the ``swap_ab`` form at 128-key tiles (both
-        products M = 128: the keys, the head dim; N = the query columns, rounded up to 16),
-        so it needs head dim 128, ``block_kv`` 128 (its default there), ``swap_ab`` and
+        read into registers). tcgen05 runs the ``swap_ab`` form at 128-key tiles (every
+        product M = 128: the keys, or 128 rows of the head dim; N = the query columns, rounded
+        up to 16), so it needs head dim 128 or 256, ``block_kv`` 128 (its default there),
+        ``swap_ab`` and
         ``split_merge="xla"``, and not ``producer``, ``persistent`` or ``balanced``. Verified
         in the Mosaic GPU interpreter and by lowering for sm100 on the CPU; not yet run on
         Blackwell hardware. Default (None): ``default_mma`` (tcgen05 on Blackwell, else wgmma;
@@ -601,7 +603,7 @@ def paged_attention_pallas_gpu(
     if tcgen05 and (block_kv != TCGEN05_BLOCK_KV or q.shape[-1] not in TCGEN05_HEAD_DIMS):
         raise ValueError(
             f'mma="tcgen05" needs block_kv={TCGEN05_BLOCK_KV} (got {block_kv}) and a head dim in '
-            f"{TCGEN05_HEAD_DIMS} (got {q.shape[-1]}): its two products are M=128 MMAs"
+            f"{TCGEN05_HEAD_DIMS} (got {q.shape[-1]}): its products are M=128 MMAs"
         )
     B, N, H = q.shape
     if k_pages.ndim == 5:
