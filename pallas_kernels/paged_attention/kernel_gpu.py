@@ -123,8 +123,8 @@ with its two wgmmas replaced by tcgen05 MMAs issued by one thread into tensor me
 accumulators of 128 lanes: the tile's 128 keys, 128 rows of the head dim each) and read into
 registers in the TCGEN05 layout; the rest of a tile (softmax, masks, ``fixed_max``, P's store,
 the ring) is the Hopper code. Head dims 128 and 256 (two P @ V products a tile), splits merged
-by XLA. Checked in the Mosaic GPU interpreter
-and by lowering for sm100 on the CPU; not yet run or timed on Blackwell hardware.
+by XLA. Checked in the Mosaic GPU interpreter and by lowering for sm100 on the CPU; not yet run
+or timed on Blackwell hardware.
 
 JAX >= 0.12 (``swap_ab_lowers``): Mosaic GPU 0.12 cannot lower ``swap_ab``'s direct store (a
 unit's G rows copied from a dynamic offset of its transposed output tile), so there each unit
@@ -133,9 +133,9 @@ stores its whole ``qcols``-row block to a staging array and XLA gathers the G re
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dim 64
-on Blackwell, f32, page sizes neither dividing nor divided by the tile (64
-tokens; 128 at H=64 and on Blackwell), head dims other than 64/128/256, groups G > 56 unless a
-multiple of 8 up to 64.
+on Blackwell, f32, page sizes neither dividing nor divided by the tile (64 tokens; 128 at H=64
+and on Blackwell), head dims other than 64/128/256, groups G > 56 unless a multiple of 8 up to
+64.
 
 The code: this module holds the public entry (``paged_attention_pallas_gpu``) and the launch
 (``_paged_attention``); ``_gpu_config`` the kernel instance, SMEM sizes, tuning defaults and
@@ -253,15 +253,22 @@ from pallas_kernels.paged_attention._gpu_tile import (  # noqa: F401  (re-export
 )
 
 
+def _unit_cols(cfg: _Config, xp):
+    """[B, K, G] (``xp``: numpy or jax.numpy): the query columns of a ``swap_ab`` unit's block
+    that its G heads own, qoff .. qoff + G with qoff = (b * N + h * G) % 8."""
+    B, K, N, G = cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group
+    b = xp.arange(B, dtype=xp.int32)[:, None, None]
+    h = xp.arange(K, dtype=xp.int32)[None, :, None]
+    return (b * N + h * G) % 8 + xp.arange(G, dtype=xp.int32)
+
+
 def _swapped_lse(cfg: _Config, lse_SCQ):
     """``swap_ab`` split lse [S, B*K, qcols] per (sequence, KV head) slot -> [S, B*N, 1] (the
     partials themselves are stored as rows). Head h of sequence b owns columns
     qoff .. qoff + G of its slot, qoff = (b * N + h * G) % 8 (a small XLA gather: S x B x N
     floats)."""
-    S, B, K, N, G = (cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads, cfg.group)
-    b = jnp.arange(B, dtype=jnp.int32)[:, None, None]
-    h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
-    cols = (b * N + h * G) % 8 + jnp.arange(G, dtype=jnp.int32)  # [B, K, G]
+    S, B, K, N = cfg.num_splits, cfg.num_seqs, cfg.num_kv_heads, cfg.num_q_heads
+    cols = _unit_cols(cfg, jnp)
     lse = jnp.take_along_axis(lse_SCQ.reshape(S, B, K, -1), cols[None], axis=3)
     return lse.reshape(S, B * N, 1)
 
@@ -280,11 +287,10 @@ def _unblock(cfg: _Config, x):
     (b * N + h * G) % 8: one small XLA gather); ``x`` itself otherwise."""
     if not cfg.out_blocks:
         return x
-    B, N, K, G, R = cfg.num_seqs, cfg.num_q_heads, cfg.num_kv_heads, cfg.group, cfg.q_rows
-    b = np.arange(B)[:, None, None]
-    h = np.arange(K)[None, :, None]
-    rows = (b * K + h) * R + (b * N + h * G) % 8 + np.arange(G)  # [B, K, G]
-    return jnp.take(x, jnp.asarray(rows.reshape(-1), jnp.int32), axis=-2)
+    B, K = cfg.num_seqs, cfg.num_kv_heads
+    block = np.arange(B * K, dtype=np.int32).reshape(B, K, 1)  # b * K + h
+    rows = block * cfg.q_rows + _unit_cols(cfg, np)  # [B, K, G]
+    return jnp.take(x, jnp.asarray(rows.reshape(-1)), axis=-2)
 
 
 def _merge_splits(o_SRH, lse_SRL, dtype):
@@ -566,8 +572,8 @@ def paged_attention_pallas_gpu(
         read into registers). tcgen05 runs the ``swap_ab`` form at 128-key tiles (every
         product M = 128: the keys, or 128 rows of the head dim; N = the query columns, rounded
         up to 16), so it needs head dim 128 or 256, ``block_kv`` 128 (its default there),
-        ``swap_ab`` and
-        ``split_merge="xla"``, and not ``producer``, ``persistent`` or ``balanced``. Verified
+        ``swap_ab`` and ``split_merge="xla"``, and not ``producer``, ``persistent`` or
+        ``balanced``. Verified
         in the Mosaic GPU interpreter and by lowering for sm100 on the CPU; not yet run on
         Blackwell hardware. Default (None): ``default_mma`` (tcgen05 on Blackwell, else wgmma;
         wgmma in the interpreter).
