@@ -913,14 +913,20 @@ def variant_call(variant):
     return f, args, v, B, N, K, H, C, W
 
 
-def _needs_swap_ab(knobs) -> bool:
+def _fills(B, N, K, knobs) -> bool:
+    """Whether a unit's G heads fill its ``qcols``-row tile (G == qcols): the direct store is
+    then the whole tile, which lowers on any JAX."""
+    return kernel_gpu._qcols(B, N, K, knobs.get("mma") == "tcgen05") == N // K
+
+
+def _needs_swap_ab(knobs, fills: bool = False) -> bool:
     """Knobs that need ``swap_ab``'s direct store (``balanced``, the kernel merge; or the direct
-    store asked for): refused where it does not lower (``swap_ab_lowers``), where ``swap_ab``
-    itself stores whole blocks (``out_blocks``)."""
+    store asked for where G does not fill the tile): refused where it does not lower
+    (``swap_ab_lowers``), where ``swap_ab`` itself stores whole blocks (``out_blocks``)."""
     return bool(
         knobs.get("balanced")
         or knobs.get("split_merge") == "kernel"
-        or (knobs.get("swap_ab") and knobs.get("out_blocks") is False)
+        or (knobs.get("swap_ab") and knobs.get("out_blocks") is False and not fills)
     )
 
 
@@ -931,7 +937,8 @@ def variant_id(variant) -> str:
 @pytest.mark.parametrize("variant", _VARIANTS, ids=variant_id)
 def test_cross_lowers_for_cuda(variant):
     f, args, v, B, N, K, H, C, W = variant_call(variant)
-    if _needs_swap_ab(v) and not kernel_gpu.swap_ab_lowers():
+    fills = _fills(B, N, K, v)
+    if _needs_swap_ab(v, fills) and not kernel_gpu.swap_ab_lowers():
         # Refused at once, with the reason, instead of minutes of layout search (a kernel merge
         # asked for alone: swap_ab is off by default there, which the merge needs).
         with pytest.raises(ValueError, match=r"does not lower on jax|merges swap_ab partials"):
@@ -970,8 +977,10 @@ def test_cross_lowers_for_cuda(variant):
     ) and (kernel_gpu.swap_ab_lowers() or v.get("split_merge") != "kernel" or splits == 1)
     swap = v.get("swap_ab", default_swap) or bool(v.get("balanced"))
     assert names and all(("_sw" in name) == swap for name in names), names
-    # Whole output blocks (_ob): with swap_ab where its direct store does not lower, or asked.
-    blocks = swap and v.get("out_blocks", not kernel_gpu.swap_ab_lowers())
+    # Whole output blocks (_ob): with swap_ab where its direct store does not lower (and G does
+    # not fill the block: then the direct store is the whole block), or asked.
+    lowers = kernel_gpu.swap_ab_lowers()
+    blocks = swap and v.get("out_blocks", not lowers and not fills)
     assert all(("_ob" in name) == bool(blocks) for name in names), names
     assert all(("_bal" in name) == bool(v.get("balanced")) for name in names), names
     # deferred_sum (name part _ds): with swap_ab only; by default at 8 query columns.
@@ -991,7 +1000,7 @@ def test_cross_lowers_for_cuda(variant):
     merge = v.get("split_merge") or kernel_gpu.default_split_merge(
         splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
     )
-    if blocks:  # whole blocks are merged by XLA
+    if blocks or not lowers:  # whole blocks are merged by XLA, and so is all on JAX >= 0.12
         merge = "xla"
     in_kernel = merge == "kernel" and splits > 1 and not v.get("balanced")
     assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel
@@ -1781,6 +1790,19 @@ def test_swap_ab_lowers_gate(monkeypatch):
         q, k, v, bt, ln, sm_scale=0.1, swap_ab=True, interpret=True
     )
     assert out.shape == q.shape
+    # G = 8 fills the 8-column tile: its direct store is the whole tile, which 0.12 lowers, so
+    # no whole blocks and no gather; splits merge by XLA, the kernel merge is still refused.
+    q8 = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    seen.clear()
+    monkeypatch.setattr(kernel_gpu, "_paged_attention", lambda cfg, *a: seen.append(cfg))
+    for kw in (dict(), dict(num_splits=3), dict(swap_ab=True, out_blocks=False)):
+        kernel_gpu.paged_attention_pallas_gpu(q8, k, v, bt, ln, sm_scale=0.1, **kw)
+    got = [(c.swap_ab, c.out_blocks, c.kernel_merge, c.qcols, c.group) for c in seen]
+    assert got == [(True, False, False, 8, 8)] * 3, got
+    with pytest.raises(ValueError, match=r"does not lower on jax 0\.12\.0\.1"):
+        kernel_gpu.paged_attention_pallas_gpu(
+            q8, k, v, bt, ln, sm_scale=0.1, num_splits=2, split_merge="kernel", swap_ab=True
+        )
 
 
 @pytest.mark.parametrize(
@@ -1995,7 +2017,7 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
     (cfg,) = seen
     assert (cfg.mma, cfg.block_kv, cfg.swap_ab, cfg.qcols) == ("tcgen05", 128, True, 16)
     assert not cfg.kernel_merge and not cfg.producer and cfg.fixed_max
-    assert cfg.out_blocks == (not kernel_gpu.swap_ab_lowers())
+    assert cfg.out_blocks == (not kernel_gpu.swap_ab_lowers() and cfg.qcols != cfg.group)
 
 
 @pytest.mark.gpu

@@ -236,7 +236,10 @@ def swap_ab_lowers(version: str | None = None) -> bool:
     is solved, newer JAX runs the 64-row tile by default (``default_swap_ab`` is applied only
     where this holds, or in the interpreter, which lowers nothing) and refuses ``swap_ab=True``
     at once. Since then swap_ab stores whole blocks there (``out_blocks``), which that version
-    lowers in about a second; only the kernel merge and the balanced kernel stay refused."""
+    lowers in about a second; only the kernel merge and the balanced kernel stay refused. A
+    static slice of fewer rows than the tile fails the same way, and the whole tile lowers:
+    where the unit's G heads fill it (G == ``qcols``: 8 or 16) the direct store is that whole
+    tile, and it is taken on any JAX (the kernel merge and balanced kernel stay refused)."""
     if version is None:
         import jax
 

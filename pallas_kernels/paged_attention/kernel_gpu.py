@@ -127,9 +127,11 @@ by XLA. Checked in the Mosaic GPU interpreter and by lowering for sm100 on the C
 or timed on Blackwell hardware.
 
 JAX >= 0.12 (``swap_ab_lowers``): Mosaic GPU 0.12 cannot lower ``swap_ab``'s direct store (a
-unit's G rows copied from a dynamic offset of its transposed output tile), so there each unit
-stores its whole ``qcols``-row block to a staging array and XLA gathers the G real rows
-(``out_blocks``); the kernel merge and ``balanced`` are refused there.
+unit's G rows copied out of its transposed output tile, from a dynamic offset or any slice
+short of the whole tile), so where G < ``qcols`` each unit stores its whole ``qcols``-row
+block to a staging array and XLA gathers the G real rows (``out_blocks``), and the kernel
+merge and ``balanced`` are refused. Where G fills the tile (G = 8 or 16; 16 with tcgen05) that
+whole-block copy is the direct store (no gather), on any JAX.
 
 Not covered (``unsupported_reason`` says so and auto dispatch falls back to ``xla``): GPUs
 other than Hopper and Blackwell sm100-sm110 (sm120 has neither wgmma nor tcgen05), head dim 64
@@ -284,8 +286,9 @@ def _out_rows(cfg: _Config) -> int:
 def _unblock(cfg: _Config, x):
     """``out_blocks``: the G real rows of each (sequence, KV head) block of ``x`` [..., rows, H]
     -> [..., B * N, H] (head h of sequence b at row qoff + g of block b * K + h, qoff =
-    (b * N + h * G) % 8: one small XLA gather); ``x`` itself otherwise."""
-    if not cfg.out_blocks:
+    (b * N + h * G) % 8: one small XLA gather); ``x`` itself otherwise, or where G fills the
+    block (``q_rows == G``: the blocks are the rows)."""
+    if not cfg.out_blocks or cfg.q_rows == cfg.group:
         return x
     B, K = cfg.num_seqs, cfg.num_kv_heads
     block = np.arange(B * K, dtype=np.int32).reshape(B, K, 1)  # b * K + h
@@ -581,8 +584,9 @@ def paged_attention_pallas_gpu(
         block of ``qcols`` query rows into a staging array, one block per (sequence, KV head),
         and a small XLA gather picks the G real rows after the kernel, instead of copying the
         G rows at their offset straight to their places. Mosaic GPU 0.12 lowers this form and
-        not the direct one (``swap_ab_lowers``). Default (None): on where the direct store
-        does not lower (JAX >= 0.12), else off. Ignored without ``swap_ab``; not with the
+        not the direct one where G < ``qcols`` (``swap_ab_lowers``; where G == ``qcols`` the
+        two are one). Default (None): on where the direct store does not lower (JAX >= 0.12
+        and G < ``qcols``), else off. Ignored without ``swap_ab``; not with the
         kernel merge or ``balanced``.
 
     Returns:
@@ -690,15 +694,17 @@ def paged_attention_pallas_gpu(
     # The interpreter does not lower the kernel: swap_ab runs there on any JAX.
     lowers = bool(interpret) or swap_ab_lowers()
     # Where the direct store does not lower, swap_ab stores whole blocks (out_blocks), which
-    # neither the kernel merge nor the balanced kernel can take.
+    # neither the kernel merge nor the balanced kernel can take. Where the G heads fill the
+    # block (G == qcols) that whole-block store is the direct store: no gather after it.
     blocks_ok = not (balanced or (split_merge == "kernel" and splits > 1))
+    fills = qcols == N // K
     if swap_ab is None:
         swap_ab = tcgen05 or (
             default_swap_ab(splits, H, qcols, producer, persistent) and (lowers or blocks_ok)
         )
     swap_ab = bool(swap_ab)
     if out_blocks is None:
-        out_blocks = not lowers and blocks_ok
+        out_blocks = not lowers and not fills and blocks_ok
     out_blocks = bool(out_blocks) and swap_ab
     if out_blocks and not blocks_ok:
         raise ValueError(
@@ -729,7 +735,7 @@ def paged_attention_pallas_gpu(
     if split_merge is None:
         split_merge = (
             "xla"
-            if tcgen05 or out_blocks
+            if tcgen05 or out_blocks or not lowers
             else default_split_merge(splits, swap_ab, producer, persistent)
         )
     kernel_merge = splits > 1 and split_merge == "kernel"
@@ -817,12 +823,13 @@ def paged_attention_pallas_gpu(
             "order_method", order_method, B, _packed_order(B), producer, persistent,
             bool(slot_lengths),
         )  # fmt: skip
-    if swap_ab and not lowers and not out_blocks:  # (after every other check: theirs come first)
+    # (after every other check: theirs come first)
+    if swap_ab and not lowers and not ((out_blocks or fills) and blocks_ok):
         raise ValueError(
             f"swap_ab=True{' (balanced=True needs it)' if balanced else ''} does not lower on "
-            f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on its "
-            "transposed output tile (jax 0.11.2 lowers it); pass swap_ab=False or None, and "
-            "balanced=False"
+            f"jax {jax.__version__}: Mosaic GPU's layout inference exhausts its search on a "
+            "slice of its transposed output tile (jax 0.11.2 lowers it); pass swap_ab=False "
+            "or None, and balanced=False"
         )
     cfg = _Config(
         num_seqs=B,
