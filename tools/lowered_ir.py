@@ -63,7 +63,9 @@ def _kernel_texts(lowered) -> tuple[str, list[str]]:
 def fingerprints() -> dict[str, dict]:
     import jax
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    # This checkout's code first: an editable install of another checkout (a git worktree's
+    # venv linked to the main one) would otherwise be what gets fingerprinted.
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import _fast_lowering  # the tests' output-identical layout-inference names: half the time
     import test_paged_attention_gpu as t  # the cross-lowering variants and their calls
 
