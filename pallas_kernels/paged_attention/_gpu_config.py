@@ -139,6 +139,13 @@ class _Config:
         wgmma M tile."""
         return self.qcols if self.swap_ab else _ROWS
 
+    @property
+    def whole_blocks(self) -> bool:
+        """``swap_ab``'s output (or split partial) leaves as whole ``qcols``-row blocks: asked
+        for (``out_blocks``), or where the G heads fill the block (G == qcols), whose block is
+        then exactly the unit's rows of the output: no gather follows."""
+        return self.swap_ab and (self.out_blocks or self.qcols == self.group)
+
 
 def _qcols(num_seqs: int, num_q_heads: int, num_kv_heads: int, tcgen05: bool = False) -> int:
     """Query columns of the ``swap_ab`` products: every unit's G heads from its 8-row aligned

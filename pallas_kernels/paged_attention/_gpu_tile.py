@@ -520,8 +520,8 @@ def _store(
         (o_ref,), (o_smem,) = outs, out_smem
         _store_transposed(o_smem, out, cfg.dtype)
         plgpu.commit_smem()
-        if cfg.out_blocks or cfg.q_rows == G:  # the whole block: to the staging array's
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[block])  # rows, or (G fills it) the G rows
+        if cfg.whole_blocks:  # to the staging array's rows, or (G fills it) the G rows
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[block])
         else:
             plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[pl.ds(unit.qrow, G)])
     elif cfg.swap_ab:
@@ -534,7 +534,7 @@ def _store(
         _store_transposed(o_smem, out, o_smem.dtype)
         lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [1])
         plgpu.commit_smem()
-        if cfg.out_blocks or cfg.q_rows == G:
+        if cfg.whole_blocks:
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[unit.s, block])
         else:
             plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])

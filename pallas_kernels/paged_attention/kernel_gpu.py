@@ -288,7 +288,7 @@ def _unblock(cfg: _Config, x):
     -> [..., B * N, H] (head h of sequence b at row qoff + g of block b * K + h, qoff =
     (b * N + h * G) % 8: one small XLA gather); ``x`` itself otherwise, or where G fills the
     block (``q_rows == G``: the blocks are the rows)."""
-    if not cfg.out_blocks or cfg.q_rows == cfg.group:
+    if not cfg.out_blocks or cfg.qcols == cfg.group:
         return x
     B, K = cfg.num_seqs, cfg.num_kv_heads
     block = np.arange(B * K, dtype=np.int32).reshape(B, K, 1)  # b * K + h
