@@ -560,6 +560,28 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
 
 
 @pytest.mark.parametrize(
+    "tail,extra",
+    [
+        # 8 sequences, the last 3 of the dispatch order split in 2 (11 sequence slots): the
+        # shortest three with the order (0, 1 and 15 tokens: a tile or none, split 1 empty) ...
+        (3, dict(num_splits=2, longest_first=True)),
+        # ... or, without it, the last three of the batch: 17, 150 and 579 tokens
+        (3, dict(num_splits=3, window=300, soft_cap=20.0)),
+        (8, dict(num_splits=4, min_split_tiles=2, longest_first=True)),  # every one: all splits
+        (1, dict(num_splits=2, num_layers=2, layer=jnp.int32(1), out_of_range_tail=True)),
+    ],
+    ids=["T3-order", "T3-window-cap", "T8-floor", "T1-layer-bad-ids"],
+)
+def test_interpret_split_tail(tail, extra):
+    # Only the last ``tail`` sequences of the dispatch order are split (merged in the kernel);
+    # the others are read whole by one CTA and written straight out.
+    rng = np.random.default_rng(tail + 41)
+    lengths = [0, 1, 15, 700, 64 * 9 + 3, 17, 150, 64 * 9 + 3]
+    _run_case(rng, lengths, K=2, G=2, H=64, C=16, interpret=RACE_CHECKED, block_kv=64,
+              split_tail=tail, split_merge="kernel", **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "extra",
     [
         dict(),  # swap_ab: the first tile's max, no reduction across warps after it
@@ -884,6 +906,10 @@ _VARIANTS = [
     dict(out_blocks=True, N=48, K=8, C=1, W=128),  # 16 columns, per-thread copies
     dict(out_blocks=True, H=256, C=256, num_splits=2, swap_ab=True),
     dict(fixed_max=False, num_splits=4, logits_soft_cap=30.0, sliding_window=100, C=64),
+    # Only the last split_tail sequences of the dispatch order split (merged in the kernel)
+    dict(num_splits=2, split_tail=3, split_merge="kernel", longest_first=True),
+    dict(B=40, W=192, num_splits=3, split_tail=16, split_merge="kernel", min_split_tiles=4),
+    dict(num_splits=2, split_tail=4, split_merge="kernel", H=64, K=4, C=64, sliding_window=100),
 ]
 
 
@@ -955,7 +981,7 @@ def test_cross_lowers_for_cuda(variant):
     elif lf is None:
         T0 = v.get("block_kv", kernel_gpu.default_block_kv(H))
         s0 = v.get("num_splits") or kernel_gpu.default_num_splits(B, K, W * C, T0)
-        lf = kernel_gpu.default_longest_first(B, K, s0, W * C)
+        lf = kernel_gpu.default_longest_first(B, K, 1 if v.get("split_tail") else s0, W * C)
     method = v.get("order_method") or kernel_gpu.default_order_method(
         B, bool(v.get("producer")), bool(v.get("persistent")), bool(v.get("slot_lengths"))
     )
@@ -1008,6 +1034,8 @@ def test_cross_lowers_for_cuda(variant):
     if in_kernel:  # the async-proxy fences around the arrival (the balanced kernel has them too)
         assert "fence.proxy.async.global" in text
     assert all(("_km" in name) == in_kernel for name in names), names
+    tail = v.get("split_tail", 0)
+    assert all((f"_tail{tail}_" in name) == bool(tail) for name in names), names
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -1115,6 +1143,15 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(fixed_max=True, producer=True), "fixed_max=True runs in the default kernel"),
         (dict(fixed_max=True, persistent=True), "fixed_max=True .* persistent=True"),
         (dict(fixed_max=True, balanced=True), "fixed_max=True .* balanced=True"),
+        (
+            dict(split_tail=1),
+            r"split_tail=1 must be in \[0, B=2\] and needs num_splits >= 2 \(got 1",
+        ),
+        (dict(split_tail=3, num_splits=2), r"split_tail=3 must be in \[0, B=2\]"),
+        (dict(split_tail=-1, num_splits=2), r"split_tail=-1 must be in"),
+        (dict(split_tail=1, num_splits=2, split_merge="xla"), r"with swap_ab \(got 'xla'"),
+        (dict(split_tail=1, num_splits=2, heads_inner=False), r"heads_inner=True \(got False\)"),
+        (dict(split_tail=2.5), "split_tail=2.5 must be an integer"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
@@ -1631,6 +1668,37 @@ def test_gpu_min_split_tiles(lengths, extra, merge):
     lengths, extra = _page_case(rng, C, dict(extra, lengths=lengths))
     for _ in range(2):
         _run_case(rng, lengths, K=8, C=C, split_merge=merge, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,extra",
+    [
+        (128, dict(split_tail=32)),  # in-kernel order: the 32 shortest sequences split
+        (128, dict(split_tail=128, min_split_tiles=8)),  # every one, with the floor
+        (256, dict(split_tail=50, num_splits=3, longest_first=False)),  # the batch's last 50
+        (64, dict(split_tail=16, window=700, soft_cap=30.0, G=8)),
+        (96, dict(split_tail=24, H=64, K=4, C=64, dtype="float16", num_layers=2, layer=1)),
+        (40, dict(split_tail=1, num_splits=4, order_method="sort", longest_first=True)),
+    ],
+    ids=str,
+)
+def test_gpu_split_tail(B, extra):
+    # Only the last split_tail sequences of the dispatch order are split, merged in the kernel;
+    # the rest are read whole. Each case twice (the arrival counters back at zero),
+    # NaN-poisoned free pages, lengths 0, 1, C-1, C, C+1 and up to 3k.
+    rng = np.random.default_rng(B + len(extra))
+    extra = dict(extra)
+    C, K = extra.pop("C", 16), extra.pop("K", 8)
+    lengths = rng.integers(0, 3000, size=B)
+    lengths[:5] = [0, 1, C - 1, C, C + 1]
+    lengths[-3:] = [2 * C - 1, 1, 0]  # the batch's last (the tail without the order)
+    extra.setdefault("num_splits", 2)
+    extra.setdefault("G", 4)
+    extra.setdefault("H", 128)
+    lengths, extra = _page_case(rng, C, dict(extra, lengths=lengths))
+    for _ in range(2):
+        _run_case(rng, lengths, K=K, C=C, split_merge="kernel", **extra)
 
 
 @pytest.mark.gpu

@@ -140,15 +140,21 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     counters = None  # the pairs' arrival counters of the in-kernel merge
     if cfg.kernel_merge and not cfg.interpret:
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((cfg.num_seqs * cfg.num_kv_heads,)))
-    b_slot = lax.axis_index("b")
+    b_slot, tail, s = lax.axis_index("b"), None, None
+    if cfg.split_tail:
+        # Slots [0, B - tail) read one sequence each (in the dispatch order); the last
+        # split_tail sequences have num_splits consecutive slots each.
+        head, S = cfg.num_seqs - cfg.split_tail, cfg.num_splits
+        j = jnp.maximum(b_slot - head, 0)
+        tail = b_slot >= head
+        b_slot, s = jnp.where(tail, head + j // S, b_slot), jnp.where(tail, j % S, 0)
     seq = None
     if cfg.longest_first and not cfg.xla_order:
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
             seq = _kernel_order(cfg, len_ref, b_slot)
-    unit = _unit(
-        cfg, len_ref, base_ref, order_ref, b_slot, lax.axis_index("h"), lax.axis_index("s"),
-        seq=seq,
-    )  # fmt: skip
+    h = lax.axis_index("h")
+    s = lax.axis_index("s") if s is None else s
+    unit = _unit(cfg, len_ref, base_ref, order_ref, b_slot, h, s, seq=seq, tail=tail)
     n = unit.n
     refs = (q_ref, k_ref, v_ref, bt_ref)
 
@@ -184,7 +190,7 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
                     _store(cfg, unit, parts, out_smem, out, lse)
                     _merge_split(cfg, unit, counters, final_ref, parts, out_smem[0], merge_smem)
 
-                if cfg.min_split_tiles <= 1:
+                if cfg.min_split_tiles <= 1 and not cfg.split_tail:
                     split_store()
                     return
                 # A sequence read by one split: its output goes straight out, no partial and no

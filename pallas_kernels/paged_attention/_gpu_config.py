@@ -82,6 +82,11 @@ class _Config:
     # after the kernel, instead of the G rows at ``qoff`` copied straight to their places: the
     # form newer Mosaic GPU lowers (``swap_ab_lowers``).
     out_blocks: bool = False
+    # Only the last ``split_tail`` sequences of the dispatch order (the shortest, longest
+    # first) are read by ``num_splits`` CTAs each, merged in the kernel; the others by one.
+    # The grid's sequence axis holds B + split_tail * (num_splits - 1) slots (0: every
+    # sequence has ``num_splits`` slots, the (B, S, K) grid).
+    split_tail: int = 0
 
     @property
     def tcgen05(self) -> bool:

@@ -174,9 +174,12 @@ def _tile_span(cfg: _Config, length):
     return lo, t_lo, (length + T - 1) // T - t_lo
 
 
-def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None) -> _Unit:
+def _unit(
+    cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None, tail=None
+) -> _Unit:
     """The unit of grid slot (``b_slot``, ``s``, ``h``); ``seq``: its (sequence, length), as
-    ``_kernel_order`` found them."""
+    ``_kernel_order`` found them; ``tail`` (``split_tail``): whether the sequence is one of the
+    split ones (else it is read by one split)."""
     S = cfg.num_splits
     if seq is not None:
         b = seq[0]
@@ -201,6 +204,8 @@ def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, 
         # sequence in a wide table, or beside long ones, is not cut into slivers; the
         # splits past them read nothing and store nothing (``_kernel_body``).
         splits = jnp.clip(tiles // cfg.min_split_tiles, 1, S)
+    if tail is not None:  # ``split_tail``: the sequences before the tail are read whole
+        splits = jnp.where(tail, splits, 1)
     per_split = (tiles + splits - 1) // splits
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)

@@ -372,6 +372,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ob"  # whole qcols-row output blocks, gathered by XLA
     if cfg.tcgen05:
         name += "_tc05"  # Blackwell's tcgen05 MMAs
+    if cfg.split_tail:
+        name += f"_tail{cfg.split_tail}"  # only the last split_tail sequences split
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -384,6 +386,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         # sequences longest first, then the next head's: the last wave held the longest
         # sequences of the last head (BENCHMARKS.md, sixth session: 4-7% slower at B >= 64).
         grid, grid_names = (B, S, K), ("b", "s", "h")
+        if cfg.split_tail:  # the tail's splits are consecutive sequence slots
+            grid = (B + cfg.split_tail * (S - 1), 1, K)
     else:
         grid, grid_names = (K, S, B), ("h", "s", "b")
     kernel = plgpu.kernel(
@@ -448,6 +452,7 @@ def paged_attention_pallas_gpu(
     fixed_max: bool | None = None,
     mma: str | None = None,
     out_blocks: bool | None = None,
+    split_tail: int = 0,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -588,6 +593,16 @@ def paged_attention_pallas_gpu(
         two are one). Default (None): on where the direct store does not lower (JAX >= 0.12
         and G < ``qcols``), else off. Ignored without ``swap_ab``; not with the
         kernel merge or ``balanced``.
+      split_tail: split only the last ``split_tail`` sequences of the dispatch order (the
+        shortest, with ``longest_first``; the grid's last CTAs either way) into ``num_splits``
+        CTAs each, merged in the kernel, and read every other sequence with one CTA: the grid
+        holds B + split_tail * (num_splits - 1) sequence slots, so the kernel's drain (its last
+        wave, fewer CTAs than slots, each streaming alone) runs shorter units, and the rest of
+        the grid pays no split. With ``min_split_tiles``, a tail sequence is read by
+        ``clip(tiles // min_split_tiles, 1, num_splits)`` of its CTAs. 0 (the default): every
+        sequence has ``num_splits`` CTAs. Needs ``num_splits`` >= 2, ``split_merge="kernel"``
+        (``swap_ab``), at most B, and not ``producer``, ``persistent``, ``balanced`` or
+        ``heads_inner=False``. Opt-in.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -814,8 +829,22 @@ def paged_attention_pallas_gpu(
         num_ctas = min(int(num_ctas), B * K * max(1, -(-W * C // block_kv)))
     else:
         num_ctas = min(B * splits * K, int(num_ctas)) if persistent else 0
+    split_tail = _int_knob("split_tail", split_tail)
+    if split_tail:
+        slots = B + split_tail * (splits - 1)  # blockIdx.z, at most 65535
+        if not 0 < split_tail <= B or splits < 2 or not kernel_merge or not heads_inner:
+            raise ValueError(
+                f"{split_tail=} must be in [0, B={B}] and needs num_splits >= 2 (got {splits}), "
+                f'split_merge="kernel" with swap_ab (got {split_merge!r}, swap_ab={swap_ab}) and '
+                f"heads_inner=True (got {heads_inner})"
+            )
+        if slots > 65535:
+            raise ValueError(f"{split_tail=} gives {slots} sequence slots: at most 65535")
+        if balanced:  # (producer and persistent have no kernel merge: refused above)
+            raise ValueError(f"{split_tail=} cannot take balanced=True")
     if longest_first is None:
-        lf = default_longest_first(B, K, splits, W * C)
+        # With split_tail the units before the tail are whole sequences.
+        lf = default_longest_first(B, K, 1 if split_tail else splits, W * C)
     else:
         lf = bool(longest_first)
     if lf:  # the in-kernel count's limits matter only where there is an order to count
@@ -874,6 +903,7 @@ def paged_attention_pallas_gpu(
         fixed_max=fixed_max,
         mma=mma,
         out_blocks=out_blocks,
+        split_tail=split_tail,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
