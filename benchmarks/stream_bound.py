@@ -35,27 +35,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-_COLS = 128  # elements a row (bf16: 256 bytes, one row of a head-dim-128 page)
-_OUT_ROWS = 8  # rows each CTA writes out (the last tile's first rows: the kernel has a result)
+_COLS = 128  # elements a row by default (bf16: 256 bytes, one row of a head-dim-128 page)
+_OUT_ROWS = 8  # rows each CTA writes out (its slot 0's first rows: the kernel has a result)
 
 # (tile rows, stages, CTAs per SM): the decode kernel's ring (2 x 64 rows of K and of V, three
 # CTAs per SM), deeper rings, and one CTA per SM with most of SMEM in flight.
 CONFIGS = [(128, 2, 3), (128, 4, 1), (128, 6, 1), (64, 4, 3), (128, 3, 2)]
 
 
-def stream_kernel(rows: int, tile_rows: int, stages: int, num_ctas: int, interpret=False):
-    """f(x [rows, 128] bf16) -> [num_ctas * 8, 128]: each CTA copies its equal share of the
-    rows' tiles (``tile_rows`` rows each) into a ring of ``stages`` SMEM slots, waiting for each
-    and refilling its slot at once; the output is each CTA's last slot-0 rows."""
-    if rows % tile_rows:
-        raise ValueError(f"{rows=} must be a multiple of {tile_rows=}")
-    tiles = rows // tile_rows
-    base, extra = divmod(tiles, num_ctas)
+def stream_kernel(tiles_of, tile_rows: int, stages: int, cols: int = _COLS, interpret=False):
+    """f(x [rows, cols] bf16, offsets i32[U], counts i32[U]) -> [U * 8, cols]: CTA u copies
+    tiles [offsets[u], offsets[u] + counts[u]) of ``tile_rows`` rows into a ring of ``stages``
+    SMEM slots, waiting for each and refilling its slot at once (nothing computed); its output
+    is the first rows of the last tile its slot 0 held (zeros where it read none). ``tiles_of``:
+    the number of CTAs U."""
+    U = int(tiles_of)
 
-    def body(x_ref, o_ref, ring, bars):
+    def body(x_ref, off_ref, cnt_ref, o_ref, ring, bars):
         c = lax.axis_index("c")
-        n = base + (c < extra).astype(jnp.int32)
-        start = c * base + jnp.minimum(c, extra)
+        start, n = off_ref[c], cnt_ref[c]
 
         def issue(i, slot):
             src = x_ref.at[pl.ds(pl.multiple_of((start + i) * tile_rows, 8), tile_rows)]
@@ -71,33 +69,124 @@ def stream_kernel(rows: int, tile_rows: int, stages: int, num_ctas: int, interpr
             return carry
 
         lax.fori_loop(0, n, step, jnp.int32(0))
+
+        @pl.when(n == 0)
+        def _():
+            ring[0, pl.ds(0, _OUT_ROWS)] = jnp.zeros((_OUT_ROWS, cols), jnp.bfloat16)
+            plgpu.commit_smem()
+
         plgpu.copy_smem_to_gmem(ring.at[0, pl.ds(0, _OUT_ROWS)], o_ref.at[pl.ds(c * _OUT_ROWS, 8)])
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_ctas * _OUT_ROWS, _COLS), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct((U * _OUT_ROWS, cols), jnp.bfloat16),
         scratch_types=(
-            plgpu.SMEM((stages, tile_rows, _COLS), jnp.bfloat16),
+            plgpu.SMEM((stages, tile_rows, cols), jnp.bfloat16),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         ),
-        grid=(num_ctas,),
+        grid=(U,),
         grid_names=("c",),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return jax.jit(kernel)
 
 
+def equal_shares(tiles: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, counts) of ``tiles`` tiles in ``num_ctas`` equal shares (the first ones one
+    tile more where they do not divide)."""
+    base, extra = divmod(tiles, num_ctas)
+    counts = np.full(num_ctas, base, np.int32) + (np.arange(num_ctas) < extra)
+    return (np.cumsum(counts) - counts).astype(np.int32), counts.astype(np.int32)
+
+
+def decode_units(lengths: np.ndarray, K: int, W: int, C: int, H: int) -> np.ndarray:
+    """Tiles each CTA of the decode kernel's default grid reads, in its dispatch order: the
+    (sequence, split, KV head) units of ``kernel_gpu``'s defaults (block_kv, splits, the split
+    floor, the longest-first order), K and V counted as two tiles each."""
+    from pallas_kernels.paged_attention import kernel_gpu
+
+    B = len(lengths)
+    T = kernel_gpu.default_block_kv(H)
+    S = kernel_gpu.default_num_splits(B, K, W * C, T)
+    floor = kernel_gpu.default_min_split_tiles(B, K, S) if S > 1 else 1
+    tiles = -(-np.maximum(lengths, 0) // T)
+    order = np.arange(B)
+    if kernel_gpu.default_longest_first(B, K, S, W * C):
+        order = np.lexsort((np.arange(B), -tiles))  # longest first, ties by sequence
+    units = []
+    for b in order:
+        t = int(tiles[b])
+        splits = min(max(t // floor, 1), S) if floor > 1 else S
+        per = -(-t // splits)
+        for s in range(S):
+            n = max(min(s * per + per, t) - s * per, 0) if s < splits else 0
+            units += [2 * n] * K
+    return np.asarray(units, np.int32)
+
+
 def _check(interpret: bool) -> None:
     """Each CTA's output is the first rows of a tile it read (CPU interpreter or GPU)."""
-    rows, T, stages, ctas = 64 * 7, 64, 2, 3
+    rows, T, stages = 64 * 7, 64, 2
     x = jnp.arange(rows * _COLS, dtype=jnp.float32).reshape(rows, _COLS).astype(jnp.bfloat16)
-    out = np.asarray(stream_kernel(rows, T, stages, ctas, interpret)(x).astype(jnp.float32))
+    off, cnt = equal_shares(7, 3)
+    off, cnt = np.append(off, 0).astype(np.int32), np.append(cnt, 0).astype(np.int32)  # + empty
+    f = stream_kernel(4, T, stages, interpret=interpret)
+    out = np.asarray(f(x, jnp.asarray(off), jnp.asarray(cnt)).astype(jnp.float32))
     xs = np.asarray(x.astype(jnp.float32))
     # 7 tiles over 3 CTAs: 3, 2, 2 starting at tiles 0, 3, 5; slot 0 last held tile 2, 3, 5
-    # (a CTA's tiles i = 0, 2 land in slot 0: the last even one).
+    # (a CTA's tiles i = 0, 2 land in slot 0: the last even one); the fourth read none.
     for c, tile in enumerate((2, 3, 5)):
         np.testing.assert_array_equal(out[c * 8 : c * 8 + 8], xs[tile * T : tile * T + 8])
+    np.testing.assert_array_equal(out[24:], 0.0)
+
+
+def _time(f, *args):
+    return _timing.cupti_us(f, *args), _timing.wall_us(f, *args, calls=20, rounds=5)
+
+
+def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
+    """For quick-table rows (``decode_attention.QUICK`` indices), on one random draw of each:
+    the decode kernel (default tuning), a stream of its units (each CTA reads its unit's K and
+    V tiles, same order, same ring bytes, no table and no math) and a stream of the same bytes
+    in equal shares (396 CTAs of the decode ring's shape; 132 of 4 x 128-row stages)."""
+    import decode_attention as da
+
+    out = []
+    for idx in indices:
+        case = da.QUICK[idx]
+        rng = np.random.default_rng(seed + idx)
+        inp = da.make_inputs(case, rng, width_multiple=64)
+        nbytes = da.live_bytes(case, inp.lengths_np)
+        units = decode_units(inp.lengths_np, case.K, inp.width, case.C, case.H)
+        from pallas_kernels.paged_attention import kernel_gpu
+
+        T = kernel_gpu.default_block_kv(case.H)  # the decode kernel's tile
+        tile_bytes = T * case.H * 2
+        total = int(units.sum())
+        x = jax.random.normal(jax.random.key(2), (total * T, case.H), jnp.bfloat16)
+        read = total * tile_bytes  # tiles are whole: a little more than the live bytes
+        f, args = da._ours(inp, case)
+        entries = [("decode kernel", f, args, nbytes)]
+        off = (np.cumsum(units) - units).astype(np.int32)
+        entries.append(("stream of its units", stream_kernel(len(units), T, 4, case.H),
+                        (x, jnp.asarray(off), jnp.asarray(units)), read))  # fmt: skip
+        for stages, ctas, rows in ((4, 3 * sms, T), (4, sms, 2 * T)):
+            per = rows // T
+            o2, c2 = equal_shares(total // per, ctas)
+            entries.append((f"equal shares, {ctas} CTAs x {stages} x {rows} rows",
+                            stream_kernel(ctas, rows, stages, case.H),
+                            (x, jnp.asarray(o2), jnp.asarray(c2)), total // per * per * tile_bytes))  # fmt: skip
+        for name, fn, a, nb in entries:
+            k, w = _time(fn, *a)
+            tbs = nb / (k * 1e-6) / 1e12
+            print(f"{case.label:<26} {name:<40} {k:8.1f} us {tbs:5.2f} TB/s "
+                  f"{100 * tbs / roof_cupti:5.1f}% ({nb / 1e9:.3f} GB)")  # fmt: skip
+            out.append({"case": case.label, "name": name, "cupti_us": k, "wall_us": w,
+                        "bytes": nb, "cupti_tbs": tbs, "pct_roofline_cupti": 100 * tbs / roof_cupti,
+                        "units": len(units) if name != "decode kernel" else None})  # fmt: skip
+        del x
+    return out
 
 
 def main(argv=None) -> None:
@@ -106,6 +195,10 @@ def main(argv=None) -> None:
         "--sizes", type=float, nargs="*", default=[0.134, 0.268, 1.07, 4.29], help="GB read"
     )
     p.add_argument("--configs", nargs="*", help="T,stages,ctas_per_sm (default: CONFIGS)")
+    p.add_argument(
+        "--rows", type=int, nargs="*", default=[], help="quick-table rows: kernel vs streams"
+    )
+    p.add_argument("--seed", type=int, default=0, help="lengths and tables of --rows")
     p.add_argument("--interpret", action="store_true", help="check the kernel on the CPU")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
@@ -129,19 +222,15 @@ def main(argv=None) -> None:
         nbytes = rows * _COLS * 2
         x = jax.random.normal(jax.random.key(1), (rows, _COLS), jnp.bfloat16)
         xla = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-        entries = [("xla_sum", xla, None)]
+        entries = [("xla_sum", xla, (x,), None)]
         for T, st, per_sm in configs:
-            entries.append(
-                (
-                    f"T{T}_st{st}_x{per_sm}",
-                    stream_kernel(rows, T, st, per_sm * sms),
-                    (T, st, per_sm),
-                )
-            )
-        for name, f, cfg in entries:
+            off, cnt = equal_shares(rows // T, per_sm * sms)
+            f = stream_kernel(per_sm * sms, T, st)
+            entries.append((f"T{T}_st{st}_x{per_sm}", f, (x, jnp.asarray(off), jnp.asarray(cnt)),
+                            (T, st, per_sm)))  # fmt: skip
+        for name, f, args, cfg in entries:
             try:
-                k = _timing.cupti_us(f, x)
-                w = _timing.wall_us(f, x, calls=20, rounds=5)
+                k, w = _time(f, *args)
             except Exception as e:  # e.g. a ring past SMEM: reported, the others still run
                 print(f"{gb:6.3f} {name}: {type(e).__name__}: {str(e)[:200]}")
                 rows_out.append({"gb": nbytes / 1e9, "name": name, "error": str(e)[:300]})
@@ -156,6 +245,7 @@ def main(argv=None) -> None:
                 "cupti_tbs": tbs, "pct_roofline_cupti": 100 * tbs / roof_cupti,
             })  # fmt: skip
         del x
+    rows_out += rows_mode(ns.rows, ns.seed, roof_cupti, sms)
     if ns.out:
         meta = dict(device=dev.device_kind, jax=jax.__version__, sms=sms,
                     roofline_wall_tbs=roof_wall, roofline_cupti_tbs=roof_cupti)  # fmt: skip

@@ -249,8 +249,20 @@ def test_stream_bound_kernel_reads_each_ctas_share(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import jax
     import jax.numpy as jnp
-    from stream_bound import stream_kernel
+    import numpy as np
+    from stream_bound import decode_units, stream_kernel
 
     x = jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16)
-    text = stream_kernel(4096, 128, 3, 264).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text.lower()
+    idx = jax.ShapeDtypeStruct((264,), jnp.int32)
+    text = stream_kernel(264, 128, 3).trace(x, idx, idx).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in text.as_text().lower()
+    # The decode kernel's units in its dispatch order: 32 x 2k-token sequences at 8 KV heads
+    # are split in two and ordered longest first; every tile of K and V is read once.
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1024, 3073, size=32)
+    units = decode_units(lengths, K=8, W=192, C=16, H=128)
+    assert len(units) == 32 * 2 * 8 and units.sum() == 2 * 8 * (-(-lengths // 64)).sum()
+    assert np.all(np.diff(units[::16]) <= 0)  # longest first (a sequence's first split)
+    # 128 sequences at 4 KV heads and head dim 64: 128-token tiles, unsplit
+    units = decode_units(lengths.repeat(4), K=4, W=192, C=16, H=64)
+    assert len(units) == 128 * 4 and units.sum() == 2 * 4 * 4 * (-(-lengths // 128)).sum()
