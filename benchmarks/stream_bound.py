@@ -20,6 +20,7 @@ Per (size, configuration): CUPTI us, TB/s and % of the CUPTI roofline; JSON with
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -101,16 +102,17 @@ def equal_shares(tiles: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_units(lengths: np.ndarray, K: int, W: int, C: int, H: int) -> np.ndarray:
-    """Tiles each CTA of the decode kernel's default grid reads, in its dispatch order: the
-    (sequence, split, KV head) units of ``kernel_gpu``'s defaults (block_kv, splits, the split
-    floor, the longest-first order), K and V counted as two tiles each."""
+    """Tokens of K (as of V) each CTA of the decode kernel's default grid reads, in its dispatch
+    order: the (sequence, split, KV head) units of ``kernel_gpu``'s defaults (block_kv, splits,
+    the split floor, the longest-first order); 0 for a split past those that read."""
     from pallas_kernels.paged_attention import kernel_gpu
 
     B = len(lengths)
+    lengths = np.maximum(np.asarray(lengths, np.int64), 0)
     T = kernel_gpu.default_block_kv(H)
     S = kernel_gpu.default_num_splits(B, K, W * C, T)
     floor = kernel_gpu.default_min_split_tiles(B, K, S) if S > 1 else 1
-    tiles = -(-np.maximum(lengths, 0) // T)
+    tiles = -(-lengths // T)
     order = np.arange(B)
     if kernel_gpu.default_longest_first(B, K, S, W * C):
         order = np.lexsort((np.arange(B), -tiles))  # longest first, ties by sequence
@@ -120,8 +122,9 @@ def decode_units(lengths: np.ndarray, K: int, W: int, C: int, H: int) -> np.ndar
         splits = min(max(t // floor, 1), S) if floor > 1 else S
         per = -(-t // splits)
         for s in range(S):
-            n = max(min(s * per + per, t) - s * per, 0) if s < splits else 0
-            units += [2 * n] * K
+            lo = s * per * T
+            n = max(min(lo + per * T, int(lengths[b])) - lo, 0) if s < splits else 0
+            units += [n] * K
     return np.asarray(units, np.int32)
 
 
@@ -147,10 +150,13 @@ def _time(f, *args):
 
 def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
     """For quick-table rows (``decode_attention.QUICK`` indices), on one random draw of each:
-    the decode kernel (default tuning), a stream of its units (each CTA reads its unit's K and
-    V tiles, same order, same ring bytes, no table and no math) and a stream of the same bytes
-    in equal shares (396 CTAs of the decode ring's shape; 132 of 4 x 128-row stages)."""
+    the decode kernel (default tuning); a stream of its units (each CTA reads its unit's K and
+    V, in the same order, through a ring of the same bytes, with no table and no math), by
+    whole tiles and by pages (the copies the kernel makes: a page each); and the same tile
+    bytes in equal shares (396 CTAs of the decode ring's shape; 132 of 4 x 2-tile stages)."""
     import decode_attention as da
+
+    from pallas_kernels.paged_attention import kernel_gpu
 
     out = []
     for idx in indices:
@@ -158,25 +164,33 @@ def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
         rng = np.random.default_rng(seed + idx)
         inp = da.make_inputs(case, rng, width_multiple=64)
         nbytes = da.live_bytes(case, inp.lengths_np)
-        units = decode_units(inp.lengths_np, case.K, inp.width, case.C, case.H)
-        from pallas_kernels.paged_attention import kernel_gpu
-
+        tokens = decode_units(inp.lengths_np, case.K, inp.width, case.C, case.H)
         T = kernel_gpu.default_block_kv(case.H)  # the decode kernel's tile
-        tile_bytes = T * case.H * 2
-        total = int(units.sum())
+        row_bytes = case.H * 2
+        tiles = 2 * -(-tokens // T)  # K and V
+        total = int(tiles.sum())
         x = jax.random.normal(jax.random.key(2), (total * T, case.H), jnp.bfloat16)
-        read = total * tile_bytes  # tiles are whole: a little more than the live bytes
         f, args = da._ours(inp, case)
         entries = [("decode kernel", f, args, nbytes)]
-        off = (np.cumsum(units) - units).astype(np.int32)
-        entries.append(("stream of its units", stream_kernel(len(units), T, 4, case.H),
-                        (x, jnp.asarray(off), jnp.asarray(units)), read))  # fmt: skip
+
+        def units_entry(name, counts, rows, stages, x=x, H=case.H, row_bytes=row_bytes):
+            off = (np.cumsum(counts) - counts).astype(np.int32)
+            fn = stream_kernel(len(counts), rows, stages, H)
+            args = (x, jnp.asarray(off), jnp.asarray(counts.astype(np.int32)))
+            return (name, fn, args, int(counts.sum()) * rows * row_bytes)
+
+        entries.append(units_entry("stream of its units, tiles", tiles, T, 4))
+        C = case.C
+        if C < T:  # one copy a page, as the kernel makes them (C >= T: the same as tiles)
+            pages = 2 * -(-tokens // C)
+            entries.append(units_entry("stream of its units, pages", pages, C, 4 * T // C))
         for stages, ctas, rows in ((4, 3 * sms, T), (4, sms, 2 * T)):
             per = rows // T
             o2, c2 = equal_shares(total // per, ctas)
             entries.append((f"equal shares, {ctas} CTAs x {stages} x {rows} rows",
                             stream_kernel(ctas, rows, stages, case.H),
-                            (x, jnp.asarray(o2), jnp.asarray(c2)), total // per * per * tile_bytes))  # fmt: skip
+                            (x, jnp.asarray(o2), jnp.asarray(c2)),
+                            total // per * rows * row_bytes))  # fmt: skip
         for name, fn, a, nb in entries:
             k, w = _time(fn, *a)
             tbs = nb / (k * 1e-6) / 1e12
@@ -184,7 +198,7 @@ def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
                   f"{100 * tbs / roof_cupti:5.1f}% ({nb / 1e9:.3f} GB)")  # fmt: skip
             out.append({"case": case.label, "name": name, "cupti_us": k, "wall_us": w,
                         "bytes": nb, "cupti_tbs": tbs, "pct_roofline_cupti": 100 * tbs / roof_cupti,
-                        "units": len(units) if name != "decode kernel" else None})  # fmt: skip
+                        "ctas": len(tokens) if name.startswith("stream") else None})  # fmt: skip
         del x
     return out
 
@@ -247,7 +261,8 @@ def main(argv=None) -> None:
         del x
     rows_out += rows_mode(ns.rows, ns.seed, roof_cupti, sms)
     if ns.out:
-        meta = dict(device=dev.device_kind, jax=jax.__version__, sms=sms,
+        meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    device=dev.device_kind, jax=jax.__version__, sms=sms,
                     roofline_wall_tbs=roof_wall, roofline_cupti_tbs=roof_cupti)  # fmt: skip
         with open(ns.out, "w") as fh:
             json.dump({"meta": meta, "rows": rows_out}, fh, indent=1)

@@ -261,8 +261,10 @@ def test_stream_bound_kernel_reads_each_ctas_share(tmp_path):
     rng = np.random.default_rng(0)
     lengths = rng.integers(1024, 3073, size=32)
     units = decode_units(lengths, K=8, W=192, C=16, H=128)
-    assert len(units) == 32 * 2 * 8 and units.sum() == 2 * 8 * (-(-lengths // 64)).sum()
+    assert len(units) == 32 * 2 * 8 and units.sum() == 8 * lengths.sum()
     assert np.all(np.diff(units[::16]) <= 0)  # longest first (a sequence's first split)
-    # 128 sequences at 4 KV heads and head dim 64: 128-token tiles, unsplit
+    assert np.all(units[::16] % 64 == 0)  # a first split ends on a tile boundary
+    # 128 sequences at 4 KV heads and head dim 64: unsplit, longest first
     units = decode_units(lengths.repeat(4), K=4, W=192, C=16, H=64)
-    assert len(units) == 128 * 4 and units.sum() == 2 * 4 * 4 * (-(-lengths // 128)).sum()
+    assert len(units) == 128 * 4 and units.sum() == 4 * 4 * lengths.sum()
+    assert np.all(np.diff(-(-units // 128)) <= 0)  # longest first by 128-token tiles

@@ -96,6 +96,15 @@ at B=8 / 32k) and, over split-KV batches, 13-31% slower at one or two sequences,
 schedule, a ring restart per segment and the merges at the end cost more than the drain they
 remove.
 
+``split_tail=N`` (opt-in) splits only the last N sequences of the dispatch order (the shortest,
+longest first) into ``num_splits`` CTAs, merged in the kernel, and reads every other sequence
+with one: the drain runs shorter units and the rest of the grid pays no split. On the H200
+(twentieth session) it was 1.2-1.9% faster on the quick table's B=128 / 2k draw in three runs,
+and tied or slower elsewhere: -1.0% to +1.5% over seven other batches of 96-256 sequences of
+1k-3k tokens, +1.0% at B=64 / 4k, +5% at head dim 64. A stream of the kernel's own units
+(``benchmarks/stream_bound.py``) puts the drain's whole cost at 1.3-3 points of the roofline in
+the big rows.
+
 ``producer=True`` (opt-in) specializes the warpgroups as JAX's FA3 example does: a second,
 40-register warpgroup reads the block table and issues every page copy, refilling a ring slot
 as soon as the computing warpgroup arrives on that slot's K-consumed (after ``Q K^T``) or
