@@ -560,6 +560,24 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
 
 
 @pytest.mark.parametrize(
+    "head,extra",
+    [
+        (3, dict()),  # 3 in batch order, then the other 5 longest first
+        (8, dict()),  # every one in batch order: no count at all
+        (5, dict(num_splits=2, split_tail=2, split_merge="kernel", window=300)),
+    ],
+    ids=["H3", "H8", "H5-tail-window"],
+)
+def test_interpret_order_head(head, extra):
+    # The first ``order_head`` slots take sequences 0 .. head-1 without counting the order,
+    # the later ones the rest longest first: every sequence read once, by the right CTAs.
+    rng = np.random.default_rng(head + 51)
+    lengths = [700, 1, 0, 64 * 9 + 3, 15, 150, 17, 300]
+    _run_case(rng, lengths, K=2, G=2, H=64, C=16, interpret=RACE_CHECKED, block_kv=64,
+              longest_first=True, order_method="kernel", order_head=head, **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "tail,extra",
     [
         # 8 sequences, the last 3 of the dispatch order split in 2 (11 sequence slots): the
@@ -910,6 +928,9 @@ _VARIANTS = [
     dict(num_splits=2, split_tail=3, split_merge="kernel", longest_first=True),
     dict(B=40, W=192, num_splits=3, split_tail=16, split_merge="kernel", min_split_tiles=4),
     dict(num_splits=2, split_tail=4, split_merge="kernel", H=64, K=4, C=64, sliding_window=100),
+    # The first order_head sequences in batch order, the rest counted longest first
+    dict(B=40, W=192, order_head=12, longest_first=True),
+    dict(B=128, order_head=48, longest_first=True, order_method="kernel"),
 ]
 
 
@@ -1036,6 +1057,8 @@ def test_cross_lowers_for_cuda(variant):
     assert all(("_km" in name) == in_kernel for name in names), names
     tail = v.get("split_tail", 0)
     assert all((f"_tail{tail}_" in name) == bool(tail) for name in names), names
+    head = v.get("order_head", 0)
+    assert all((f"_oh{head}_" in name) == bool(head) for name in names), names
 
 
 # --------------------------------------------------------------------------- CPU: checks
@@ -1152,6 +1175,8 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(split_tail=1, num_splits=2, split_merge="xla"), r"with swap_ab \(got 'xla'"),
         (dict(split_tail=1, num_splits=2, heads_inner=False), r"heads_inner=True \(got False\)"),
         (dict(split_tail=2.5), "split_tail=2.5 must be an integer"),
+        (dict(order_head=1), r"order_head=1 must be in \[0, B=2\] and needs the longest-first"),
+        (dict(order_head=3, longest_first=True), r"order_head=3 must be in \[0, B=2\]"),
     ],
 )
 def test_bad_arguments_raise(kw, match):

@@ -99,7 +99,7 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
     over the warpgroup. B compares of B / 128 keys a thread (128 at B = 128), where ``"rank"``
     runs two [B, B] reductions in XLA kernels.
     """
-    B, T = cfg.num_seqs, cfg.block_kv
+    B, T, head = cfg.num_seqs, cfg.block_kv, cfg.order_head
     Bp = -(-B // 128) * 128  # a strided register layout covers 128 * k elements
     layout = plgpu.Layout.WG_STRIDED((Bp,), vec_size=Bp // 128)
 
@@ -108,9 +108,10 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
         plgpu.barrier_wait(bar)
         seqs = plgpu.broadcasted_iota(jnp.int32, (Bp,), 0, layout=layout)
         lengths = plgpu.load(len_smem, layout=layout)  # entries >= B: never written
-        keys = jnp.where(
-            seqs < B, _packed_key(lengths, seqs, T), jnp.int32(0x7FFFFFFF)
-        )  # ranks >= B
+        # Sequences past B (and with ``order_head`` the head's, which come first in batch
+        # order): ranks past the others'.
+        counted = (seqs < B) & (seqs >= head) if head else seqs < B
+        keys = jnp.where(counted, _packed_key(lengths, seqs, T), jnp.int32(0x7FFFFFFF))
         key_smem[...] = keys  # each key computed once, read back as a scalar by every thread
         plgpu.commit_smem()  # (its warpgroup barrier orders the stores before the loads)
 
@@ -122,7 +123,7 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
 
         zeros = plgpu.layout_cast(jnp.zeros((Bp,), jnp.int32), layout)
         rank = lax.fori_loop(0, B // 4, smaller, zeros)
-        b = jnp.sum(jnp.where(rank == b_slot, seqs, 0))
+        b = jnp.sum(jnp.where(rank == (b_slot - head if head else b_slot), seqs, 0))
         return b, len_smem[b]
 
     return pl.run_scoped(
@@ -151,7 +152,14 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     seq = None
     if cfg.longest_first and not cfg.xla_order:
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)
-            seq = _kernel_order(cfg, len_ref, b_slot)
+            if cfg.order_head:  # the head in batch order: no count
+                seq = lax.cond(
+                    b_slot < cfg.order_head,
+                    lambda: (b_slot, len_ref[b_slot]),
+                    lambda: _kernel_order(cfg, len_ref, b_slot),
+                )
+            else:
+                seq = _kernel_order(cfg, len_ref, b_slot)
     h = lax.axis_index("h")
     s = lax.axis_index("s") if s is None else s
     unit = _unit(cfg, len_ref, base_ref, order_ref, b_slot, h, s, seq=seq, tail=tail)

@@ -87,6 +87,10 @@ class _Config:
     # The grid's sequence axis holds B + split_tail * (num_splits - 1) slots (0: every
     # sequence has ``num_splits`` slots, the (B, S, K) grid).
     split_tail: int = 0
+    # With the in-kernel order: the first ``order_head`` sequence slots take sequences 0 ..
+    # order_head - 1 in batch order, without counting the order (the first wave starts
+    # streaming at once); the later slots take the other sequences longest first.
+    order_head: int = 0
 
     @property
     def tcgen05(self) -> bool:

@@ -383,6 +383,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_tc05"  # Blackwell's tcgen05 MMAs
     if cfg.split_tail:
         name += f"_tail{cfg.split_tail}"  # only the last split_tail sequences split
+    if cfg.order_head:
+        name += f"_oh{cfg.order_head}"  # the first order_head sequences unordered
     body_fn = _balanced_body if cfg.balanced else _persistent_body if cfg.persistent else None
     body = functools.partial(body_fn or _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
@@ -462,6 +464,7 @@ def paged_attention_pallas_gpu(
     mma: str | None = None,
     out_blocks: bool | None = None,
     split_tail: int = 0,
+    order_head: int = 0,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Mosaic GPU kernel.
 
@@ -612,6 +615,11 @@ def paged_attention_pallas_gpu(
         sequence has ``num_splits`` CTAs. Needs ``num_splits`` >= 2, ``split_merge="kernel"``
         (``swap_ab``), at most B, and not ``producer``, ``persistent``, ``balanced`` or
         ``heads_inner=False``. Opt-in.
+      order_head: with the in-kernel longest-first order (``order_method="kernel"``), the
+        first ``order_head`` sequence slots take sequences 0 .. order_head - 1 in batch order
+        without counting the order, so the first wave of CTAs starts its copies at once; the
+        later slots take the other sequences longest first. 0 (the default): every slot counts.
+        At most B; needs the order on and counted in the kernel. Opt-in.
 
     Returns:
       [B, N, H] in ``q.dtype``.
@@ -861,6 +869,12 @@ def paged_attention_pallas_gpu(
             "order_method", order_method, B, _packed_order(B), producer, persistent,
             bool(slot_lengths),
         )  # fmt: skip
+    order_head = _int_knob("order_head", order_head)
+    if order_head and not (0 < order_head <= B and lf and order_method == "kernel"):
+        raise ValueError(
+            f"{order_head=} must be in [0, B={B}] and needs the longest-first order counted in "
+            f"the kernel (got longest_first={lf}, order_method={order_method!r})"
+        )
     # (after every other check: theirs come first)
     if swap_ab and not lowers and not ((out_blocks or fills) and blocks_ok):
         raise ValueError(
@@ -913,6 +927,7 @@ def paged_attention_pallas_gpu(
         mma=mma,
         out_blocks=out_blocks,
         split_tail=split_tail,
+        order_head=order_head,
     )
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
