@@ -1699,6 +1699,29 @@ def test_gpu_min_split_tiles(lengths, extra, merge):
 @pytest.mark.parametrize(
     "B,extra",
     [
+        (128, dict(order_head=48)),  # about the first wave at 8 KV heads unordered
+        (256, dict(order_head=100, window=700, soft_cap=30.0)),
+        (40, dict(order_head=12, num_splits=2, split_tail=8, split_merge="kernel")),
+        (64, dict(order_head=64, G=8, dtype="float16")),  # all in batch order
+    ],
+    ids=str,
+)
+def test_gpu_order_head(B, extra):
+    # The first order_head slots in batch order without counting, the rest longest first
+    # (counted in each CTA); each case twice, NaN-poisoned free pages, lengths 0, 1, C-1, C,
+    # C+1 among random ones up to 3k.
+    rng = np.random.default_rng(B + 7)
+    lengths = rng.integers(0, 3000, size=B)
+    lengths[:5] = [0, 1, 15, 16, 17]
+    lengths, extra = _page_case(rng, 16, dict(extra, lengths=lengths))
+    for _ in range(2):
+        _run_case(rng, lengths, K=8, C=16, longest_first=True, order_method="kernel", **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,extra",
+    [
         (128, dict(split_tail=32)),  # in-kernel order: the 32 shortest sequences split
         (128, dict(split_tail=128, min_split_tiles=8)),  # every one, with the floor
         (256, dict(split_tail=50, num_splits=3, longest_first=False)),  # the batch's last 50
