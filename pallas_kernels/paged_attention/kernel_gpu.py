@@ -619,7 +619,8 @@ def paged_attention_pallas_gpu(
         first ``order_head`` sequence slots take sequences 0 .. order_head - 1 in batch order
         without counting the order, so the first wave of CTAs starts its copies at once; the
         later slots take the other sequences longest first. 0 (the default): every slot counts.
-        At most B; needs the order on and counted in the kernel. Opt-in.
+        At most B; needs the order on and counted in the kernel. Opt-in: on the H200
+        (twentieth session) 0.2-0.8% faster at B=128 / 2k, 0.8-2.9% slower at B=64 / 4k.
 
     Returns:
       [B, N, H] in ``q.dtype``.
