@@ -1,20 +1,23 @@
 """What any streaming kernel of a given size reaches on this GPU: a Mosaic GPU kernel that only
 reads, beside the roofline measured in the same run.
 
-    python benchmarks/stream_bound.py --out OUT.json            # on a GPU
+    python benchmarks/stream_bound.py --out OUT.json            # on a GPU: sizes x ring shapes
+    python benchmarks/stream_bound.py --sizes --rows 2 3 8      # quick rows vs their streams
     python benchmarks/stream_bound.py --interpret               # CPU: checks the copies
 
 The decode kernel's percentages are of the HBM read roofline: a 4 GiB ``jnp.sum``, whose
 launch, ramp and tail are amortized over about 900 us. The quick table's small rows read
 about 268 MB (57 us at the roofline), where a kernel's start (launch, the first copies'
 latency) and its end (the last CTAs running alone) are a larger share. This kernel reads
-``--sizes`` bytes of one contiguous bf16 array through a TMA ring in each CTA, every CTA an
+``--sizes`` GB of one contiguous bf16 array through a TMA ring in each CTA, every CTA an
 equal share (the perfect balance no decode batch has), with no math and no table lookups: the
-best a streaming kernel of that size can do with ``--ctas-per-sm`` CTAs of ``--stages``
-tiles of ``--tile-rows`` x 128 elements. Its time against the roofline is the share of the
-roofline that a same-size read can reach; the rest of a decode row's gap is the kernel's own.
+best a streaming kernel of that size can do in each ``--configs`` shape (tile rows x 128
+elements, stages, CTAs per SM). Its time against the roofline is the share of the roofline that
+a same-size read can reach; the rest of a decode row's gap is the kernel's own. ``--rows``
+times quick-table rows beside streams of their own units (``rows_mode``).
 
-Per (size, configuration): CUPTI us, TB/s and % of the CUPTI roofline; JSON with ``--out``.
+Per (size, configuration) and per row: CUPTI us, TB/s and % of the CUPTI roofline; JSON with
+``--out``.
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ _OUT_ROWS = 8  # rows each CTA writes out (its slot 0's first rows: the kernel h
 CONFIGS = [(128, 2, 3), (128, 4, 1), (128, 6, 1), (64, 4, 3), (128, 3, 2)]
 
 
-def stream_kernel(tiles_of, tile_rows: int, stages: int, cols: int = _COLS, interpret=False):
+def stream_kernel(num_ctas, tile_rows: int, stages: int, cols: int = _COLS, interpret=False):
     """f(x [rows, cols] bf16, offsets i32[U], counts i32[U]) -> [U * 8, cols]: CTA u copies
     tiles [offsets[u], offsets[u] + counts[u]) of ``tile_rows`` rows into a ring of ``stages``
     SMEM slots, waiting for each and refilling its slot at once (nothing computed); its output
-    is the first rows of the last tile its slot 0 held (zeros where it read none). ``tiles_of``:
-    the number of CTAs U."""
-    U = int(tiles_of)
+    is the first rows of the last tile its slot 0 held (zeros where it read none); U =
+    ``num_ctas``."""
+    U = int(num_ctas)
 
     def body(x_ref, off_ref, cnt_ref, o_ref, ring, bars):
         c = lax.axis_index("c")

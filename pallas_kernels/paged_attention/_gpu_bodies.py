@@ -145,10 +145,10 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     if cfg.split_tail:
         # Slots [0, B - tail) read one sequence each (in the dispatch order); the last
         # split_tail sequences have num_splits consecutive slots each.
-        head, S = cfg.num_seqs - cfg.split_tail, cfg.num_splits
-        j = jnp.maximum(b_slot - head, 0)
-        tail = b_slot >= head
-        b_slot, s = jnp.where(tail, head + j // S, b_slot), jnp.where(tail, j % S, 0)
+        whole, S = cfg.num_seqs - cfg.split_tail, cfg.num_splits
+        j = jnp.maximum(b_slot - whole, 0)
+        tail = b_slot >= whole
+        b_slot, s = jnp.where(tail, whole + j // S, b_slot), jnp.where(tail, j % S, 0)
     seq = None
     if cfg.longest_first and not cfg.xla_order:
         with jax.named_scope("order"):  # the profiler's regions (``profile_dir``)

@@ -858,8 +858,6 @@ def paged_attention_pallas_gpu(
             )
         if slots > 65535:
             raise ValueError(f"{split_tail=} gives {slots} sequence slots: at most 65535")
-        if balanced:  # (producer and persistent have no kernel merge: refused above)
-            raise ValueError(f"{split_tail=} cannot take balanced=True")
     if longest_first is None:
         # With split_tail the units before the tail are whole sequences.
         lf = default_longest_first(B, K, 1 if split_tail else splits, W * C)
