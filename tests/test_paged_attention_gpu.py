@@ -445,6 +445,33 @@ def test_interpret_kernel_merge_matches_reference(C, G, lengths, extra):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "C,G,lengths,extra",
+    [
+        (16, 2, [0, 1, 15, 16, 17, 150], dict(num_splits=2)),
+        # Splits past a sequence's end (no tile: lse -inf, zero partials), soft cap, window.
+        (8, 4, [0, 1, 9, 150, 300], dict(num_splits=5, soft_cap=20.0, window=100)),
+        # 18 splits: two merge rounds (16 pieces, then 2), in a 5-D pool.
+        (16, 1, [1200, 0, 65], dict(num_splits=18, num_layers=2, layer=jnp.int32(1))),
+        (16, 8, [300, 0, 17, 150], dict(num_splits=3)),  # G fills the 8 query columns
+        (16, 2, [5, 200, 0, 64], dict(num_splits=3, out_blocks=True)),  # whole-block partials
+        # G=3 at head dim 64: a fourth row loaded (whole 128-element rows), 40 splits in
+        # rounds of 32 and 8
+        (16, 3, [2600, 1, 700], dict(num_splits=40)),
+    ],
+    ids=["C16-G2-split2", "C8-G4-split5-cap-window", "C16-G1-split18-layer", "C16-G8-split3",
+         "C16-G2-split3-out-blocks", "C16-G3-split40"],
+)  # fmt: skip
+def test_interpret_mosaic_merge_matches_reference(C, G, lengths, extra):
+    # split_merge="mosaic": the partials of every pair merged by a second Mosaic GPU kernel,
+    # one CTA a (sequence, KV head) pair, both kernels race-checked.
+    rng = np.random.default_rng(170 + C + G)
+    _run_case(
+        rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
+        split_merge="mosaic", block_kv=64, **extra,
+    )  # fmt: skip
+
+
 def _skip_unless_swap_ab_lowers():
     if not kernel_gpu.swap_ab_lowers():
         pytest.skip(f"swap_ab does not lower on jax {jax.__version__} (swap_ab_lowers)")
@@ -455,7 +482,10 @@ def test_kernel_merge_default_and_lowering():
     # in the kernel exactly when it merges, and no XLA merge follows it then.
     assert kernel_gpu.default_split_merge(4, True) == "kernel"
     assert kernel_gpu.default_split_merge(16, True) == "kernel"
-    assert kernel_gpu.default_split_merge(17, True) == "xla"  # slower at 32 on the H200
+    assert kernel_gpu.default_split_merge(17, True) == "mosaic"  # a second kernel, 17-32
+    assert kernel_gpu.default_split_merge(32, True) == "mosaic"
+    assert kernel_gpu.default_split_merge(33, True) == "xla"  # two rounds: slower
+    assert kernel_gpu.default_split_merge(32, False) == "xla"
     assert kernel_gpu.default_split_merge(1, True) == "xla"
     assert kernel_gpu.default_split_merge(4, False) == "xla"
     assert kernel_gpu.default_split_merge(4, True, producer=True) == "xla"
@@ -468,16 +498,18 @@ def test_kernel_merge_default_and_lowering():
         jax.ShapeDtypeStruct((4, 8), jnp.int32),
         jax.ShapeDtypeStruct((4,), jnp.int32),
     )
-    for merge in (None, "kernel", "xla"):
+    for merge in (None, "kernel", "xla", "mosaic"):
         f = functools.partial(
             kernel_gpu.paged_attention_pallas_gpu, sm_scale=0.1, num_splits=3, split_merge=merge
         )
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        in_kernel = merge != "xla"
+        in_kernel = merge in (None, "kernel")
         assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel, merge
         assert bool(re.search(r"_km(_[a-z0-9]+)*_mosaic_gpu", text)) == in_kernel, merge
         # The XLA merge: a max over the splits of the lse, then exp2 and the weighted sum.
-        assert ("stablehlo.exponential" in text) != in_kernel, merge
+        assert ("stablehlo.exponential" in text) == (merge == "xla"), merge
+        # "mosaic": a second Mosaic GPU kernel, one CTA a (sequence, KV head) pair
+        assert ("paged_decode_merge_S3_" in text) == (merge == "mosaic"), merge
 
 
 @pytest.mark.parametrize("H", [64, 128, 256])
@@ -538,7 +570,7 @@ def test_interpret_order_methods(order_method):
               longest_first=True, order_method=order_method)  # fmt: skip
 
 
-@pytest.mark.parametrize("merge", ["kernel", "xla"])
+@pytest.mark.parametrize("merge", ["kernel", "xla", "mosaic"])
 @pytest.mark.parametrize(
     "min_tiles,extra",
     [
@@ -898,6 +930,11 @@ _VARIANTS = [
     dict(num_splits=3, split_merge="xla"),
     dict(num_splits=40, B=1, H=64, C=8, K=4),  # XLA by default past 16 splits
     dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="kernel"),  # rounds of 16, 16, 8
+    # ... or by a second Mosaic GPU kernel (one CTA a pair)
+    dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="mosaic"),  # rounds of 16, 16, 8
+    dict(num_splits=4, split_merge="mosaic", logits_soft_cap=30.0, sliding_window=100),
+    dict(num_splits=3, split_merge="mosaic", N=64, K=8),  # G=8 fills the query columns
+    dict(out_blocks=True, num_splits=3, split_merge="mosaic"),
     # With Pallas's automatic warpgroup barriers (off by default: the kernel places its own)
     dict(auto_barriers=True),
     dict(auto_barriers=True, B=40, num_splits=3, longest_first=True, sliding_window=100),
@@ -1044,11 +1081,18 @@ def test_cross_lowers_for_cuda(variant):
     assert ("nvvm.cp.async.shared.global" in text) == (copy == "_cpa")
     assert ("nvvm.cp.async.wait.group" in text) == (copy == "_cpa")
     # Splits with swap_ab merge in the kernel by default (arrival atomics, name part _km).
-    merge = v.get("split_merge") or kernel_gpu.default_split_merge(
-        splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
+    merge = v.get("split_merge") or (
+        "xla"  # by default whole blocks are merged by XLA, and so is all on JAX >= 0.12
+        if blocks or not lowers
+        else kernel_gpu.default_split_merge(
+            splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
+        )
     )
-    if blocks or not lowers:  # whole blocks are merged by XLA, and so is all on JAX >= 0.12
-        merge = "xla"
+    # A second Mosaic GPU kernel merges (and no XLA exp2 of the lse) exactly when asked.
+    second = merge == "mosaic" and splits > 1
+    assert ("paged_decode_merge_S" in text) == second
+    if second:
+        assert "stablehlo.exponential" not in text
     in_kernel = merge == "kernel" and splits > 1 and not v.get("balanced")
     assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel
     assert ("st.relaxed.gpu.global.u32" in text) == in_kernel  # the counter's reset
@@ -1154,6 +1198,7 @@ def test_unsupported_reason_needs_a_hopper_gpu_off_gpu():
         (dict(C=1, page_copy="gather4"), "page_copy='gather4' must be one of"),
         (dict(split_merge="host"), "split_merge='host' must be one of"),
         (dict(split_merge="kernel", num_splits=2, swap_ab=False), 'split_merge="kernel" merges'),
+        (dict(split_merge="mosaic", num_splits=2, swap_ab=False), 'split_merge="mosaic" merges'),
         (dict(C=2, early_k=True), r"cannot take l2_prefetch=0, early_k=True"),
         (dict(C=4, k_stages=3), r"k_stages=3 != num_stages=2 \(page_copy=\"tma\" can\)"),
         (dict(C=1, l2_prefetch=1), "cannot take l2_prefetch=1"),
@@ -1716,6 +1761,34 @@ def test_gpu_order_head(B, extra):
     lengths, extra = _page_case(rng, 16, dict(extra, lengths=lengths))
     for _ in range(2):
         _run_case(rng, lengths, K=8, C=16, longest_first=True, order_method="kernel", **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,extra",
+    [
+        (1, dict(num_splits=32)),  # B=1 at 32k: 32 splits, two merge rounds of 16
+        (2, dict(num_splits=16, window=5000, soft_cap=30.0)),
+        (8, dict(num_splits=8, G=8, dtype="float16")),  # G fills the 8 query columns
+        (4, dict(num_splits=40, H=64, K=4, C=64, num_layers=2, layer=1, min_split_tiles=2)),
+        (16, dict(num_splits=4, H=256, C=32, swap_ab=True)),
+    ],
+    ids=str,
+)
+def test_gpu_mosaic_merge(B, extra):
+    # split_merge="mosaic": the splits' partials merged by a second Mosaic GPU kernel (one CTA
+    # a pair). Each case twice, NaN-poisoned free pages, lengths 0, 1, C-1, C, C+1 and up to
+    # 32k (splits past a short sequence's end: lse -inf, zero partials).
+    rng = np.random.default_rng(B + 300)
+    extra = dict(extra)
+    C, K = extra.pop("C", 16), extra.pop("K", 8)
+    lengths = rng.integers(0, 32768, size=max(B, 1))
+    lengths[: min(B, 5)] = [32768, 0, C - 1, C, C + 1][: min(B, 5)]
+    extra.setdefault("G", 4)
+    extra.setdefault("H", 128)
+    lengths, extra = _page_case(rng, C, dict(extra, lengths=lengths))
+    for _ in range(2):
+        _run_case(rng, lengths, K=K, C=C, split_merge="mosaic", **extra)
 
 
 @pytest.mark.gpu

@@ -64,6 +64,7 @@ class _Config:
     balanced: bool = False  # num_ctas CTAs share the stream of tiles equally (``_balanced_body``)
     page_copy: str = "tma"  # "cp_async" (per thread, the default below 8 tokens) or "tma"
     kernel_merge: bool = False  # splits merged by the last CTA of each pair (``_merge_split``)
+    mosaic_merge: bool = False  # splits merged by a second kernel (``_merge_gpu.merge_partials``)
     # Pallas's automatic warpgroup barriers around every SMEM store and before every copy; off:
     # the few the kernel needs are placed by hand (``_gpu_tile.wg_barrier``).
     auto_barriers: bool = True
@@ -284,9 +285,10 @@ def default_swap_ab(
 def default_split_merge(
     num_splits: int, swap_ab: bool, producer: bool = False, persistent: bool = False
 ) -> str:
-    """``"kernel"`` (the last split CTA of a pair merges, ``_merge_split``) at 2 to
-    ``_KERNEL_MERGE_MAX_SPLITS`` splits with ``swap_ab`` and neither ``producer`` nor
-    ``persistent``; else ``"xla"``.
+    """With ``swap_ab`` (and neither ``producer`` nor ``persistent``): ``"kernel"`` (the last
+    split CTA of a pair merges, ``_merge_split``) at 2 to ``_KERNEL_MERGE_MAX_SPLITS`` splits,
+    ``"mosaic"`` (a second Mosaic GPU kernel, ``_merge_gpu.merge_partials``) up to
+    ``_MOSAIC_MERGE_MAX_SPLITS``; else ``"xla"``.
 
     H200, thirteenth session (BENCHMARKS.md, ``decode_cases_s13_merge*.json``): at the default
     4-16 splits of six batches the kernel's CUPTI time tied the XLA path's attention and merge
@@ -295,9 +297,22 @@ def default_split_merge(
     timed so (1-13%, where the same configuration varied up to 10% between runs); at 32 splits
     the last CTA's merge, two rounds of 16 pieces after the slowest split, made the kernel
     12-14% slower (B=1 and B=2 at 32k: 54.4 vs 47.6 us, 55.9 vs 49.6).
-    """
-    ok = 1 < num_splits <= _KERNEL_MERGE_MAX_SPLITS and swap_ab and not (producer or persistent)
-    return "kernel" if ok else "xla"
+
+    Twenty-first session (``decode_quick_s21_mm3.json``, 2026-12-03): at B=1 / 32k (32 splits)
+    the second kernel (one round of 32 splits in two TMA copies a CTA) took 47.0 us CUPTI for
+    the pair of kernels against 48.8 for the attention kernel and the XLA epilogue's three
+    (83.9% of the roofline against 80.8%), and the call's wall time 61.3 us against 73.3: the
+    host dispatches two kernels, not four (``benchmarks/dispatch_cost.py``: 15-17 us less host
+    time a call, ``dispatch_s21_mm*.json``). At 2-16 splits it was 0.9-1.1% faster on CUPTI
+    than the in-kernel merge at B=8 / 32k and B=32 / 2k but 0.8% slower on wall (two launches
+    either way: the in-kernel merge's counters are zeroed by an XLA memset), so the in-kernel
+    merge stays the default there. An earlier form (two copies a split, ``decode_cases_s21_mm2
+    .json``) took 20.6 -> 28.3 us at 64 splits (two rounds): past 32 splits, XLA."""
+    if num_splits < 2 or not swap_ab or producer or persistent:
+        return "xla"
+    if num_splits <= _KERNEL_MERGE_MAX_SPLITS:
+        return "kernel"
+    return "mosaic" if num_splits <= _MOSAIC_MERGE_MAX_SPLITS else "xla"
 
 
 def default_auto_barriers(
@@ -450,10 +465,13 @@ ORDER_METHODS = ("sort", "rank", "kernel")
 # pieces (the default below 8 tokens), or by TMA a page (into a staging ring below 8 tokens).
 PAGE_COPIES = ("cp_async", "tma")
 
-# How split partials are merged (``split_merge``): by the last split CTA of each pair, or by an
-# XLA epilogue; in the kernel by default up to this many splits (``default_split_merge``).
-SPLIT_MERGES = ("kernel", "xla")
+# How split partials are merged (``split_merge``): by the last split CTA of each pair, by an
+# XLA epilogue, or by a second Mosaic GPU kernel (``_merge_gpu.merge_partials``); by default in
+# the kernel up to the first many splits, by the second kernel up to the second
+# (``default_split_merge``).
+SPLIT_MERGES = ("kernel", "xla", "mosaic")
 _KERNEL_MERGE_MAX_SPLITS = 16
+_MOSAIC_MERGE_MAX_SPLITS = 32
 
 # The products' instructions (``mma``): Hopper's wgmma, or Blackwell's tcgen05 MMA.
 MMAS = ("wgmma", "tcgen05")

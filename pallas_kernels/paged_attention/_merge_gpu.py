@@ -1,4 +1,5 @@
-"""In-kernel log-sum-exp merge of split partials for the Mosaic GPU decode kernel.
+"""The log-sum-exp merge of split partials for the Mosaic GPU decode kernel: in the kernel, or
+by a second kernel.
 
 Split-KV leaves each (sequence, KV head) pair's output in ``num_splits`` partials (a normalised
 output in ``q.dtype`` and a base-2 log-sum-exp). Merged by XLA, that is three more kernels
@@ -19,11 +20,18 @@ in the same stream).
 Mosaic GPU's interpreter runs the grid one CTA after the other in grid order and cannot run
 inline Mosaic GPU code, so there the last split (``s == num_splits - 1``) is the last to
 arrive and merges without a counter.
+
+``merge_partials`` is the other way (``split_merge="mosaic"``, the default at 17-32 splits): a
+second, small Mosaic GPU kernel after the attention kernel, one CTA a pair, no atomics. It
+replaces the XLA epilogue's three kernels with one (fewer launches for the host to dispatch and
+for the GPU to space out) and, unlike the in-kernel merge, leaves the last split CTA nothing
+to do after its own tiles.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -160,3 +168,102 @@ def merge(
     )
     _, s_run, acc = lax.fori_loop(0, (pieces + batch - 1) // batch, round_, init)
     return acc / jnp.where(s_run == 0.0, 1.0, s_run)
+
+
+def merge_partials(
+    o_part,
+    lse_part,
+    *,
+    num_seqs: int,
+    num_q_heads: int,
+    out_blocks: bool,
+    dtype,
+    batch: int = 32,
+    interpret=None,
+):
+    """``split_merge="mosaic"``: a second Mosaic GPU kernel merges ``swap_ab`` split partials,
+    one CTA a (sequence, KV head) pair, in place of the XLA epilogue's three kernels.
+
+    ``o_part`` [S, rows, H] (``q.dtype``): each split's partial rows, the G rows of pair
+    ``b * K + h`` at row ``b * N + h * G`` (or, ``out_blocks``, at ``qoff`` in the pair's
+    ``qcols``-row block); ``lse_part`` f32[S, B * K, qcols]: each split's base-2 lse, the pair's
+    G columns at ``qoff = (b * N + h * G) % 8`` (-inf for a split that read no key, whose
+    partial rows are zeros). Returns [B * N, H] in ``dtype``.
+
+    Each CTA brings a round of up to ``batch`` splits' rows in one TMA copy ([n, G, H]; one
+    row more at head dim 64 and odd G, for a register layout of whole 128-element rows) and
+    their lse rows in another ([n, 1, qcols]), then merges the round in registers without a
+    chain through the pieces: the round's max first, then every piece's weight and weighted
+    rows, independent of each other. S is static, so every split is merged (an empty one weighs
+    0): no atomics, no counters to zero, one launch.
+    """
+    S, _, H = o_part.shape
+    _, pairs, Q = lse_part.shape
+    B, N = num_seqs, num_q_heads
+    K = pairs // B
+    G = N // K
+    Rm = G + (G * H % 128 != 0)  # rows loaded a piece: G, or G + 1 (H = 64, odd G)
+    per_thread = Rm * H // 128
+    layout = plgpu.Layout.WG_STRIDED((Rm, H), vec_size=math.gcd(per_thread, 8))
+    nb = max(1, min(batch, S))
+    rounds = [(g, min(nb, S - g)) for g in range(0, S, nb)]
+
+    def body(o_ref, lse_ref, out_ref, mo_smem, ml_smem, bar, o_smem):
+        b, h = lax.axis_index("b"), lax.axis_index("h")
+        pair = b * K + h
+        qrow = b * N + h * G
+        qoff = lax.rem(qrow, 8)
+        src = pair * Q + qoff if out_blocks else qrow
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (Rm, H), 0, layout=layout)
+
+        def lse_of(j):  # piece j's lse of row g on row g (selected: -inf * 0 is NaN)
+            col = lambda g: jnp.minimum(qoff + g, Q - 1)  # noqa: E731  (row G: any column)
+            lse = jnp.where(row_ids == 0, ml_smem[j, 0, col(0)], 0.0)
+            for g in range(1, Rm):
+                lse = jnp.where(row_ids == g, ml_smem[j, 0, col(g)], lse)
+            return jnp.maximum(lse, -jnp.finfo(jnp.float32).max)  # -inf: weight 0, no NaN
+
+        m_run = s_run = acc = None
+        for first, n in rounds:
+            if first:  # the last round's SMEM reads before this round's TMA writes
+                plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(
+                o_ref.at[pl.ds(first, n), pl.ds(src, Rm)], mo_smem.at[pl.ds(0, n)], bar
+            )
+            plgpu.copy_gmem_to_smem(
+                lse_ref.at[pl.ds(first, n), pl.ds(pair, 1)], ml_smem.at[pl.ds(0, n)], bar
+            )
+            plgpu.barrier_wait(bar)
+            lses = [lse_of(j) for j in range(n)]
+            m_new = functools.reduce(jnp.maximum, lses if m_run is None else [m_run, *lses])
+            ws = [jnp.exp2(lse - m_new) for lse in lses]
+            os_ = [plgpu.load(mo_smem.at[j], layout=layout).astype(jnp.float32) for j in range(n)]
+            s_new = functools.reduce(jnp.add, ws)
+            acc_new = functools.reduce(jnp.add, [w * o for w, o in zip(ws, os_, strict=True)])
+            if m_run is not None:
+                alpha = jnp.exp2(m_run - m_new)
+                s_new, acc_new = s_run * alpha + s_new, acc * alpha + acc_new
+            m_run, s_run, acc = m_new, s_new, acc_new
+        o_smem[...] = (acc / s_run).astype(dtype)  # s_run >= 1: the max piece weighs 1
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], out_ref.at[pl.ds(qrow, G)])
+        plgpu.wait_smem_to_gmem(0)
+
+    body.__name__ = f"paged_decode_merge_S{S}_G{G}_H{H}"
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((B * N, H), dtype),
+        scratch_types=(
+            plgpu.SMEM((nb, Rm, H), o_part.dtype),
+            plgpu.SMEM((nb, 1, Q), jnp.float32),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.SMEM((Rm, H), dtype),
+        ),
+        grid=(K, B),
+        grid_names=("h", "b"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )
+    if interpret and Rm > G:  # hardware TMA zero-fills the extra row past the end
+        o_part = jnp.pad(o_part, ((0, 0), (0, 1), (0, 0)))
+    return kernel(o_part, lse_part)
