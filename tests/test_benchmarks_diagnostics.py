@@ -268,3 +268,31 @@ def test_stream_bound_kernel_reads_each_ctas_share(tmp_path):
     units = decode_units(lengths.repeat(4), K=4, W=192, C=16, H=64)
     assert len(units) == 128 * 4 and units.sum() == 4 * 4 * lengths.sum()
     assert np.all(np.diff(-(-units // 128)) <= 0)  # longest first by 128-token tiles
+
+
+def test_dispatch_cost_runs_its_cases_and_checks_its_kernel(tmp_path):
+    # On CPU: the host and wall figures of the no-op and of the Mosaic GPU copy kernel in the
+    # interpreter (one process per XLA setting; the GPU cases are reported as skipped); the
+    # copy kernel sums its inputs and lowers for CUDA with one TMA descriptor an input.
+    out = tmp_path / "dc.json"
+    stdout = _run(["benchmarks/dispatch_cost.py", "--cases", "noop,mgpu_copy2,ours",
+                   "--interpret", "--flags", "default", "--calls", "3", "--rounds", "1",
+                   "--out", str(out)], tmp_path)  # fmt: skip
+    assert "noop" in stdout and "needs a GPU" in stdout
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]["default"]}
+    assert rows["noop"]["host_us"] > 0 and rows["noop"]["wall_us"] >= rows["noop"]["host_us"]
+    assert rows["mgpu_copy2"]["wall_us"] > 0
+    assert rows["ours"] == {"case": "ours", "skipped": "needs a GPU"}
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from dispatch_cost import mgpu_copy
+
+    xs = [jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(3)]
+    got = jax.jit(mgpu_copy(3, interpret=True))(*xs)
+    want = sum(x.astype(jnp.float32) for x in xs).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), 0.02)
+    spec = [jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)] * 3
+    text = jax.jit(mgpu_copy(3)).trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text.lower()
