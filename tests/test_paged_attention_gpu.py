@@ -935,6 +935,9 @@ _VARIANTS = [
     dict(num_splits=4, split_merge="mosaic", logits_soft_cap=30.0, sliding_window=100),
     dict(num_splits=3, split_merge="mosaic", N=64, K=8),  # G=8 fills the query columns
     dict(out_blocks=True, num_splits=3, split_merge="mosaic"),
+    dict(B=1, W=2048),  # B=1 / 32k: 32 splits, the second kernel by default
+    # G=16 at head dim 256: rounds of 4 splits (32 live f32 a thread a split)
+    dict(B=1, N=128, K=8, H=256, C=256, num_splits=32, split_merge="mosaic", swap_ab=True),
     # With Pallas's automatic warpgroup barriers (off by default: the kernel places its own)
     dict(auto_barriers=True),
     dict(auto_barriers=True, B=40, num_splits=3, longest_first=True, sliding_window=100),

@@ -170,6 +170,12 @@ def merge(
     return acc / jnp.where(s_run == 0.0, 1.0, s_run)
 
 
+# The second merge kernel's SMEM for a round (of the H200's 227 KB a CTA) and the f32 values a
+# thread may hold for a round's lse rows (of its 255 registers).
+_MERGE_KERNEL_SMEM = 192 * 1024
+_MERGE_KERNEL_LIVE = 128
+
+
 def merge_partials(
     o_part,
     lse_part,
@@ -190,7 +196,8 @@ def merge_partials(
     G columns at ``qoff = (b * N + h * G) % 8`` (-inf for a split that read no key, whose
     partial rows are zeros). Returns [B * N, H] in ``dtype``.
 
-    Each CTA brings a round of up to ``batch`` splits' rows in one TMA copy ([n, G, H]; one
+    Each CTA brings a round of up to ``batch`` splits' rows (fewer where SMEM or registers
+    would not hold them: 32 at G=4 and head dim 128) in one TMA copy ([n, G, H]; one
     row more at head dim 64 and odd G, for a register layout of whole 128-element rows) and
     their lse rows in another ([n, 1, qcols]), then merges the round in registers without a
     chain through the pieces: the round's max first, then every piece's weight and weighted
@@ -205,7 +212,11 @@ def merge_partials(
     Rm = G + (G * H % 128 != 0)  # rows loaded a piece: G, or G + 1 (H = 64, odd G)
     per_thread = Rm * H // 128
     layout = plgpu.Layout.WG_STRIDED((Rm, H), vec_size=math.gcd(per_thread, 8))
-    nb = max(1, min(batch, S))
+    # A round's splits: at most ``batch``, within SMEM (its rows and lse rows beside the output
+    # rows) and within registers (every split's lse rows are live until the round's max).
+    piece = Rm * H * o_part.dtype.itemsize + Q * 4
+    fit = (_MERGE_KERNEL_SMEM - Rm * H * jnp.dtype(dtype).itemsize) // piece
+    nb = max(1, min(batch, S, fit, _MERGE_KERNEL_LIVE // per_thread))
     rounds = [(g, min(nb, S - g)) for g in range(0, S, nb)]
 
     def body(o_ref, lse_ref, out_ref, mo_smem, ml_smem, bar, o_smem):
