@@ -419,56 +419,46 @@ def test_interpret_small_pages_match_reference(C, extra):
     )  # fmt: skip
 
 
+_KM, _MM, _BOTH = ("kernel",), ("mosaic",), ("kernel", "mosaic")
+_MERGE_CASES = [  # (id, C, G, lengths, options, merges)
+    ("C16-G2-split2", 16, 2, [0, 1, 15, 16, 17, 150], dict(num_splits=2), _BOTH),
+    # Splits past a sequence's end (no tile: lse -inf, zero partials), soft cap and window.
+    ("C8-G4-split5-cap-window", 8, 4, [0, 1, 9, 150, 300],
+     dict(num_splits=5, soft_cap=20.0, window=100), _BOTH),
+    # 18 splits: two rounds of the in-kernel merge (16 pieces, then 2), in a 5-D pool.
+    ("C16-G1-split18-layer", 16, 1, [1200, 0, 65],
+     dict(num_splits=18, num_layers=2, layer=jnp.int32(1)), _BOTH),
+    ("C16-G3-split3", 16, 3, [5, 200, 0, 64], dict(num_splits=3, longest_first=True), _KM),
+    ("C4-G2-split2", 4, 2, [0, 3, 5, 150], dict(num_splits=2), _KM),  # staging ring
+    ("C16-G2-split3-heads-outer", 16, 2, [300, 0, 17, 150],
+     dict(num_splits=3, heads_inner=False), _KM),  # grid (head, split, seq)
+    ("C16-G8-split3", 16, 8, [300, 0, 17, 150], dict(num_splits=3), _MM),  # G fills 8 columns
+    ("C16-G2-split3-out-blocks", 16, 2, [5, 200, 0, 64],
+     dict(num_splits=3, out_blocks=True), _MM),  # whole-block partials
+    # G=3 at head dim 64 (16 query columns): a fourth row loaded (whole 128-element rows), 40
+    # splits in rounds of 32 and 8
+    ("C16-G3-split40", 16, 3, [2600, 1, 700], dict(num_splits=40), _MM),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "C,G,lengths,extra",
+    "merge,C,G,lengths,extra",
     [
-        (16, 2, [0, 1, 15, 16, 17, 150], dict(num_splits=2)),
-        # Splits past a sequence's end (no tile: lse -inf), soft cap and window.
-        (8, 4, [0, 1, 9, 150, 300], dict(num_splits=5, soft_cap=20.0, window=100)),
-        # 18 splits: two merge rounds (16 pieces, then 2), in a 5-D pool.
-        (16, 1, [1200, 0, 65], dict(num_splits=18, num_layers=2, layer=jnp.int32(1))),
-        (16, 3, [5, 200, 0, 64], dict(num_splits=3, longest_first=True)),  # 16 query columns
-        (4, 2, [0, 3, 5, 150], dict(num_splits=2)),  # pages below 8 tokens (staging ring)
-        (16, 2, [300, 0, 17, 150], dict(num_splits=3, heads_inner=False)),  # (head, split, seq)
+        pytest.param(m, C, G, lengths, extra, id=f"{m}-{name}")
+        for name, C, G, lengths, extra, merges in _MERGE_CASES
+        for m in merges
     ],
-    ids=["C16-G2-split2", "C8-G4-split5-cap-window", "C16-G1-split18-layer", "C16-G3-split3",
-         "C4-G2-split2", "C16-G2-split3-heads-outer"],
-)  # fmt: skip
-def test_interpret_kernel_merge_matches_reference(C, G, lengths, extra):
-    # split_merge="kernel" (the default with splits and swap_ab): the pair's last split CTA
+)
+def test_interpret_split_merge_matches_reference(merge, C, G, lengths, extra):
+    # split_merge="kernel" (the default at 2-16 splits with swap_ab): the pair's last split CTA
     # merges the partials in the kernel (the interpreter runs the grid in order: the last
     # split); race-checked but for the handover of the partials (``_merge_handover_ordered``).
-    rng = np.random.default_rng(70 + C + G)
+    # "mosaic" (the default at 17-32): a second Mosaic GPU kernel merges every pair's partials,
+    # one CTA a pair; both kernels race-checked.
+    rng = np.random.default_rng((70 if merge == "kernel" else 170) + C + G)
     _run_case(
         rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
-        split_merge="kernel", block_kv=64, **extra,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "C,G,lengths,extra",
-    [
-        (16, 2, [0, 1, 15, 16, 17, 150], dict(num_splits=2)),
-        # Splits past a sequence's end (no tile: lse -inf, zero partials), soft cap, window.
-        (8, 4, [0, 1, 9, 150, 300], dict(num_splits=5, soft_cap=20.0, window=100)),
-        # 18 splits: two merge rounds (16 pieces, then 2), in a 5-D pool.
-        (16, 1, [1200, 0, 65], dict(num_splits=18, num_layers=2, layer=jnp.int32(1))),
-        (16, 8, [300, 0, 17, 150], dict(num_splits=3)),  # G fills the 8 query columns
-        (16, 2, [5, 200, 0, 64], dict(num_splits=3, out_blocks=True)),  # whole-block partials
-        # G=3 at head dim 64: a fourth row loaded (whole 128-element rows), 40 splits in
-        # rounds of 32 and 8
-        (16, 3, [2600, 1, 700], dict(num_splits=40)),
-    ],
-    ids=["C16-G2-split2", "C8-G4-split5-cap-window", "C16-G1-split18-layer", "C16-G8-split3",
-         "C16-G2-split3-out-blocks", "C16-G3-split40"],
-)  # fmt: skip
-def test_interpret_mosaic_merge_matches_reference(C, G, lengths, extra):
-    # split_merge="mosaic": the partials of every pair merged by a second Mosaic GPU kernel,
-    # one CTA a (sequence, KV head) pair, both kernels race-checked.
-    rng = np.random.default_rng(170 + C + G)
-    _run_case(
-        rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
-        split_merge="mosaic", block_kv=64, **extra,
+        split_merge=merge, block_kv=64, **extra,
     )  # fmt: skip
 
 
