@@ -2154,6 +2154,7 @@ def test_tcgen05_lowers_for_sm100(sm100, variant):
         (dict(mma="tcgen05", persistent=True), r"persistent=True"),
         (dict(mma="tcgen05", balanced=True), r"balanced=True"),
         (dict(mma="tcgen05", split_merge="kernel", num_splits=2), "merges splits in XLA"),
+        (dict(mma="tcgen05", split_merge="mosaic", num_splits=2), "merges splits in XLA"),
     ],
 )
 def test_tcgen05_bad_arguments_raise(kw, match):

@@ -573,8 +573,8 @@ def paged_attention_pallas_gpu(
         the launch; with ``swap_ab``, not with ``producer`` or ``persistent``), ``"xla"`` (a
         small XLA epilogue, ``_split_merge.merge_splits``: three kernels) or ``"mosaic"`` (a
         second Mosaic GPU kernel, one CTA a (sequence, KV head) pair,
-        ``_merge_gpu.merge_partials``: one launch, no counters; with ``swap_ab``). Ignored
-        without splits. Default (None): ``default_split_merge``.
+        ``_merge_gpu.merge_partials``: one launch, no counters; with ``swap_ab``, not with
+        ``mma="tcgen05"``). Ignored without splits. Default (None): ``default_split_merge``.
       auto_barriers: True compiles with Pallas's automatic warpgroup barriers (one before
         every page copy and two around every SMEM store: about 11 a tile at 16-token pages);
         False without them, the kernel placing the three it needs by hand
@@ -759,9 +759,10 @@ def paged_attention_pallas_gpu(
         )
     if tcgen05 and not swap_ab:
         raise ValueError('mma="tcgen05" runs the swap_ab form only: pass swap_ab=None or True')
-    if tcgen05 and split_merge == "kernel" and splits > 1:
+    if tcgen05 and split_merge in ("kernel", "mosaic") and splits > 1:
         raise ValueError(
-            'mma="tcgen05" merges splits in XLA: pass split_merge=None or "xla" (got "kernel")'
+            f'mma="tcgen05" merges splits in XLA: pass split_merge=None or "xla" (got '
+            f"{split_merge!r})"
         )
     if swap_ab and (producer or persistent):
         raise ValueError(
