@@ -438,6 +438,8 @@ _MERGE_CASES = [  # (id, C, G, lengths, options, merges)
     # G=3 at head dim 64 (16 query columns): a fourth row loaded (whole 128-element rows), 40
     # splits in rounds of 32 and 8
     ("C16-G3-split40", 16, 3, [2600, 1, 700], dict(num_splits=40), _MM),
+    # One sequence, one KV head, G=3: fewer partial rows (3) than a piece loads (4)
+    ("C16-G3-K1-B1", 16, 3, [700], dict(num_splits=4, K=1), _MM),
 ]  # fmt: skip
 
 
@@ -456,8 +458,10 @@ def test_interpret_split_merge_matches_reference(merge, C, G, lengths, extra):
     # "mosaic" (the default at 17-32): a second Mosaic GPU kernel merges every pair's partials,
     # one CTA a pair; both kernels race-checked.
     rng = np.random.default_rng((70 if merge == "kernel" else 170) + C + G)
+    extra = dict(extra)
+    K = extra.pop("K", 2)
     _run_case(
-        rng, lengths, K=2, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
+        rng, lengths, K=K, G=G, H=64, C=C, interpret=RACE_CHECKED, swap_ab=True,
         split_merge=merge, block_kv=64, **extra,
     )  # fmt: skip
 
@@ -921,7 +925,12 @@ _VARIANTS = [
     dict(num_splits=40, B=1, H=64, C=8, K=4),  # XLA by default past 16 splits
     dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="kernel"),  # rounds of 16, 16, 8
     # ... or by a second Mosaic GPU kernel (one CTA a pair)
-    dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="mosaic"),  # rounds of 16, 16, 8
+    dict(num_splits=40, B=1, H=64, C=8, K=4, split_merge="mosaic"),  # rounds of 32 and 8
+    # Head dim 64 with odd G (16 query columns): one row more loaded, 2 and 3 values a thread
+    dict(H=64, N=24, K=8, num_splits=3, split_merge="mosaic", swap_ab=True),
+    dict(H=64, N=40, K=8, num_splits=3, split_merge="mosaic", swap_ab=True),
+    # 3 partial rows in all, 4 loaded a piece: padded
+    dict(B=1, N=3, K=1, H=64, num_splits=4, split_merge="mosaic", swap_ab=True),
     dict(num_splits=4, split_merge="mosaic", logits_soft_cap=30.0, sliding_window=100),
     dict(num_splits=3, split_merge="mosaic", N=64, K=8),  # G=8 fills the query columns
     dict(out_blocks=True, num_splits=3, split_merge="mosaic"),
@@ -1760,7 +1769,7 @@ def test_gpu_order_head(B, extra):
 @pytest.mark.parametrize(
     "B,extra",
     [
-        (1, dict(num_splits=32)),  # B=1 at 32k: 32 splits, two merge rounds of 16
+        (1, dict(num_splits=32)),  # B=1 at 32k: 32 splits, one merge round of 32
         (2, dict(num_splits=16, window=5000, soft_cap=30.0)),
         (8, dict(num_splits=8, G=8, dtype="float16")),  # G fills the 8 query columns
         (4, dict(num_splits=40, H=64, K=4, C=64, num_layers=2, layer=1, min_split_tiles=2)),

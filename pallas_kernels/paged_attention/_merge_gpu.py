@@ -275,6 +275,10 @@ def merge_partials(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    if interpret and Rm > G:  # hardware TMA zero-fills the extra row past the end
-        o_part = jnp.pad(o_part, ((0, 0), (0, 1), (0, 0)))
+    # The last pair's extra row lies past the end: hardware TMA zero-fills it, the interpreter
+    # raises. A piece taller than all the rows (B * N < G + 1) is padded on every backend.
+    rows = o_part.shape[1]
+    pad = max(Rm - rows, 1 if interpret and Rm > G else 0)
+    if pad:
+        o_part = jnp.pad(o_part, ((0, 0), (0, pad), (0, 0)))
     return kernel(o_part, lse_part)
