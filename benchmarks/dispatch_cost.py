@@ -69,7 +69,6 @@ def mgpu_copy(n: int, interpret: bool = False):
     each into SMEM, one TMA store of their sum): n + 1 TMA descriptors."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     shape = (64, 128)
@@ -88,7 +87,6 @@ def mgpu_copy(n: int, interpret: bool = False):
         plgpu.copy_smem_to_gmem(smem.at[0], o_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    del pl
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(shape, jnp.bfloat16),

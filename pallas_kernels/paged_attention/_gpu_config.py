@@ -301,7 +301,7 @@ def default_split_merge(
     Twenty-first session (``decode_quick_s21_mm3.json``, 2026-12-03): at B=1 / 32k (32 splits)
     the second kernel (one round of 32 splits in two TMA copies a CTA) took 47.0 us CUPTI for
     the pair of kernels against 48.8 for the attention kernel and the XLA epilogue's three
-    (83.9% of the roofline against 80.8%), and the call's wall time 61.3 us against 73.3: the
+    (83.8% of the roofline against 80.8%), and the call's wall time 61.3 us against 73.3: the
     host dispatches two kernels, not four (``benchmarks/dispatch_cost.py``: 15-17 us less host
     time a call, ``dispatch_s21_mm*.json``). At 2-16 splits it was 0.9-1.1% faster on CUPTI
     than the in-kernel merge at B=8 / 32k and B=32 / 2k but 0.8% slower on wall (two launches

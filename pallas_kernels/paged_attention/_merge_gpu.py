@@ -106,6 +106,16 @@ def arrive(counters, flag_smem, index, total: int, *, split, interpret: bool):
     return last
 
 
+def _on_rows(row_ids, rows: int, value_of):
+    """``value_of(r)`` (a scalar) on every element of row r of a [rows, H] register array:
+    selected row by row, not multiplied by a 0/1 mask (0 * -inf, a piece that saw no key, is
+    NaN)."""
+    out = jnp.where(row_ids == 0, value_of(0), 0.0)
+    for r in range(1, rows):
+        out = jnp.where(row_ids == r, value_of(r), out)
+    return out
+
+
 def merge(
     pieces,
     load_piece: Callable[[int, jax.Array], None],
@@ -139,9 +149,7 @@ def merge(
         # This piece's lse of query row r, on row r: selected, not multiplied by a 0/1 mask
         # (0 * -inf, a piece that saw no key, is NaN; XLA on CPU simplifies the product to a
         # select, Mosaic GPU does not).
-        lse = jnp.where(row_ids == 0, ml_smem[j * lse_step, 0], 0.0)
-        for r in range(1, R):
-            lse = jnp.where(row_ids == r, ml_smem[j * lse_step, r], lse)
+        lse = _on_rows(row_ids, R, lambda r: ml_smem[j * lse_step, r])
         m_new = jnp.maximum(m_run, lse)
         ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha, w = jnp.exp2(m_run - ref), jnp.exp2(lse - ref)
@@ -227,11 +235,8 @@ def merge_partials(
         src = pair * Q + qoff if out_blocks else qrow
         row_ids = plgpu.broadcasted_iota(jnp.int32, (Rm, H), 0, layout=layout)
 
-        def lse_of(j):  # piece j's lse of row g on row g (selected: -inf * 0 is NaN)
-            col = lambda g: jnp.minimum(qoff + g, Q - 1)  # noqa: E731  (row G: any column)
-            lse = jnp.where(row_ids == 0, ml_smem[j, 0, col(0)], 0.0)
-            for g in range(1, Rm):
-                lse = jnp.where(row_ids == g, ml_smem[j, 0, col(g)], lse)
+        def lse_of(j):  # piece j's lse of row g on row g (row G, if loaded: any column)
+            lse = _on_rows(row_ids, Rm, lambda g: ml_smem[j, 0, jnp.minimum(qoff + g, Q - 1)])
             return jnp.maximum(lse, -jnp.finfo(jnp.float32).max)  # -inf: weight 0, no NaN
 
         m_run = s_run = acc = None

@@ -45,7 +45,7 @@ split CTA of each pair to finish merges them in the kernel (``split_merge="kerne
 acquire-release atomic; the one that sees the others all there loads the partials, merges and
 stores; no CTA waits for another); at 17-32 splits a second Mosaic GPU kernel merges them
 (``"mosaic"``, ``_merge_gpu.merge_partials``: one CTA a pair, two TMA copies and a merge in
-registers; at B=1 / 32k on the H200 83.9% of the roofline and 61.3 us wall against 80.8% and
+registers; at B=1 / 32k on the H200 83.8% of the roofline and 61.3 us wall against 80.8% and
 73.3 us for the XLA epilogue's three kernels); otherwise a small XLA epilogue merges them
 (``"xla"``; ``default_split_merge`` has the H200 figures). The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe), so from the block table's width; with about one
