@@ -14,8 +14,12 @@ session and again after one (``wall_after_cupti_us``). Cases:
 
 - ``noop``: ``x + 1`` on 8 floats (JAX's and the runtime's own floor);
 - ``mgpu_copy1`` / ``mgpu_copy8``: a one-CTA Mosaic GPU kernel issuing 1 or 8 TMA loads of
-  distinct inputs and one TMA store (2 or 9 TMA descriptors, encoded on the host at every
-  launch): the Mosaic GPU custom call's own cost and each descriptor's;
+  distinct inputs and one bulk store of their sum (1 or 8 TMA descriptors, encoded on the host
+  at every launch; the whole-array store takes none): the Mosaic GPU custom call's own cost;
+- ``mgpu_args8``: the same kernel with 8 inputs of which it loads one (1 descriptor): what
+  each input costs the host without a descriptor;
+- ``mgpu_desc8``: one input loaded 8 times, each a different number of rows (8, 16, .. 64:
+  a descriptor each; 8 descriptors): what each descriptor costs the host without an input;
 - ``mgpu_copy1_x20``: 20 of those chained in one jitted program (per call: a launch inside a
   program);
 - ``ours`` / ``ours_km`` / ``ours_mosaic`` / ``ours_x20``: jpaged's decode kernel at ``--case``
@@ -53,6 +57,8 @@ CASES = [
     "noop",
     "mgpu_copy1",
     "mgpu_copy8",
+    "mgpu_args8",
+    "mgpu_desc8",
     "mgpu_copy1_x20",
     "ours",
     "ours_km",
@@ -64,23 +70,26 @@ CASES = [
 _CHAIN = 20
 
 
-def mgpu_copy(n: int, interpret: bool = False):
-    """A one-CTA Mosaic GPU kernel: f(x_0 .. x_{n-1} [64, 128] bf16) -> x_0 + ... (TMA loads of
-    each into SMEM, one TMA store of their sum): n + 1 TMA descriptors."""
+def mgpu_copy(n: int, interpret: bool = False, loads: int | None = None):
+    """A one-CTA Mosaic GPU kernel: f(x_0 .. x_{n-1} [64, 128] bf16) -> x_0 + ... + x_{loads-1}
+    (TMA loads of the first ``loads`` inputs, default all, into SMEM, one bulk store of their
+    sum): ``loads`` TMA descriptors (the whole-array store takes none)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    shape = (64, 128)
+    shape, loads = (64, 128), n if loads is None else loads
+    if not 1 <= loads <= n:
+        raise ValueError(f"loads={loads} must be in [1, n={n}]")
 
     def body(*refs):
-        xs, o_ref, smem, bars = refs[:n], refs[n], refs[n + 1], refs[n + 2]
+        xs, o_ref, smem, bars = refs[:loads], refs[n], refs[n + 1], refs[n + 2]
         for i, x in enumerate(xs):
             plgpu.copy_gmem_to_smem(x, smem.at[i], bars.at[i])
-        for i in range(n):
+        for i in range(loads):
             plgpu.barrier_wait(bars.at[i])
         acc = smem[0].astype(jnp.float32)
-        for i in range(1, n):
+        for i in range(1, loads):
             acc = acc + smem[i].astype(jnp.float32)
         smem[0] = acc.astype(jnp.bfloat16)
         plgpu.commit_smem()
@@ -91,7 +100,46 @@ def mgpu_copy(n: int, interpret: bool = False):
         body,
         out_type=jax.ShapeDtypeStruct(shape, jnp.bfloat16),
         scratch_types=(
-            plgpu.SMEM((n, *shape), jnp.bfloat16),
+            plgpu.SMEM((loads, *shape), jnp.bfloat16),
+            plgpu.Barrier(num_arrivals=1, num_barriers=loads),
+        ),
+        grid=(1,),
+        grid_names=("c",),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
+def mgpu_descriptors(n: int, interpret: bool = False):
+    """A one-CTA Mosaic GPU kernel: f(x [64, 128] bf16) -> n * x[:8] by n TMA loads of x's
+    first 8, 16, .. 8 n rows (each slice shape its own descriptor) and one bulk store of 8
+    rows: n TMA descriptors for one input (``n`` <= 8)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not 1 <= n <= 8:
+        raise ValueError(f"n={n} must be in [1, 8]")
+
+    def body(x, o_ref, smem, out_smem, bars):
+        for i in range(n):
+            rows = 8 * (i + 1)
+            plgpu.copy_gmem_to_smem(x.at[:rows], smem.at[i, :rows], bars.at[i])
+        for i in range(n):
+            plgpu.barrier_wait(bars.at[i])
+        acc = smem[0, :8].astype(jnp.float32)
+        for i in range(1, n):
+            acc = acc + smem[i, :8].astype(jnp.float32)
+        out_smem[...] = acc.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((8, 128), jnp.bfloat16),
+        scratch_types=(
+            plgpu.SMEM((n, 64, 128), jnp.bfloat16),
+            plgpu.SMEM((8, 128), jnp.bfloat16),
             plgpu.Barrier(num_arrivals=1, num_barriers=n),
         ),
         grid=(1,),
@@ -110,6 +158,14 @@ def build(name: str, case, interpret: bool):
 
     if name == "noop":
         return jax.jit(lambda x: x + 1), (jnp.arange(8, dtype=jnp.float32),), 1
+    if name.startswith("mgpu_args"):  # n inputs, the first loaded: 1 descriptor
+        n = int(name.removeprefix("mgpu_args"))
+        xs = [jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(n)]
+        return jax.jit(mgpu_copy(n, interpret, loads=1)), tuple(xs), 1
+    if name.startswith("mgpu_desc"):
+        n = int(name.removeprefix("mgpu_desc"))
+        x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+        return jax.jit(mgpu_descriptors(n, interpret)), (x,), 1
     if name.startswith("mgpu_copy"):
         n = int(name.removeprefix("mgpu_copy").split("_")[0])
         xs = [jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(n)]

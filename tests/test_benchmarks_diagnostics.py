@@ -287,12 +287,32 @@ def test_dispatch_cost_runs_its_cases_and_checks_its_kernel(tmp_path):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from dispatch_cost import mgpu_copy
+    from dispatch_cost import mgpu_copy, mgpu_descriptors
+
+    from pallas_kernels.paged_attention import kernel_gpu
 
     xs = [jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(3)]
     got = jax.jit(mgpu_copy(3, interpret=True))(*xs)
     want = sum(x.astype(jnp.float32) for x in xs).astype(jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), 0.02)
+    # The per-input and per-descriptor cases: 3 inputs of which one is loaded (x_0); one
+    # input loaded 3 times with 8, 16 and 24 rows (3 * its first 8 rows).
+    got = jax.jit(mgpu_copy(3, interpret=True, loads=1))(*xs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(xs[0]))
+    got = jax.jit(mgpu_descriptors(3, interpret=True))(xs[0])
+    want = 3 * xs[0][:8].astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), 0.02, 0.05)
     spec = [jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)] * 3
-    text = jax.jit(mgpu_copy(3)).trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text.lower()
+    for f, args, descriptors in [
+        (mgpu_copy(3), spec, 3),
+        (mgpu_copy(3, loads=1), spec, 1),
+        (mgpu_descriptors(3), spec[:1], 3),
+    ]:
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text().lower()
+        if kernel_gpu.swap_ab_lowers():  # tools/lowered_ir.py reads jax 0.11.2's modules
+            sys.path.insert(0, os.path.join(ROOT, "tools"))
+            import lowered_ir
+
+            [kernel] = lowered_ir._kernel_texts(lowered)[1]
+            assert kernel.count("callee = @mosaic_gpu_init_tma_desc") == descriptors

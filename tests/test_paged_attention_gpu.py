@@ -1774,6 +1774,12 @@ def test_gpu_order_head(B, extra):
         (8, dict(num_splits=8, G=8, dtype="float16")),  # G fills the 8 query columns
         (4, dict(num_splits=40, H=64, K=4, C=64, num_layers=2, layer=1, min_split_tiles=2)),
         (16, dict(num_splits=4, H=256, C=32, swap_ab=True)),
+        # Whole output blocks (jax >= 0.12's swap_ab form), forced on jax 0.11.2: B=1 at 32
+        # splits, and odd G at head dim 64 (a piece loads G + 1 rows)
+        (1, dict(num_splits=32, out_blocks=True)),
+        (3, dict(num_splits=20, H=64, G=5, swap_ab=True, out_blocks=True, window=9000)),
+        (2, dict(num_splits=24, H=64, G=3, K=4, swap_ab=True)),  # odd G, direct stores
+        (2, dict(num_splits=17, G=16, K=2, swap_ab=True)),  # 16 query columns
     ],
     ids=str,
 )
