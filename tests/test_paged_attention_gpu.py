@@ -472,11 +472,11 @@ def _skip_unless_swap_ab_lowers():
 
 
 def test_kernel_merge_default_and_lowering():
-    # The default with splits and swap_ab; "xla" otherwise. Lowered: the arrival atomics are
-    # in the kernel exactly when it merges, and no XLA merge follows it then.
-    assert kernel_gpu.default_split_merge(4, True) == "kernel"
-    assert kernel_gpu.default_split_merge(16, True) == "kernel"
-    assert kernel_gpu.default_split_merge(17, True) == "mosaic"  # a second kernel, 17-32
+    # The second kernel by default with 2-32 splits and swap_ab; "xla" otherwise; the in-kernel
+    # merge opt-in (and with split_tail). Lowered: the arrival atomics are in the kernel exactly
+    # when it merges, and no XLA merge follows it then.
+    assert kernel_gpu.default_split_merge(2, True) == "mosaic"
+    assert kernel_gpu.default_split_merge(16, True) == "mosaic"
     assert kernel_gpu.default_split_merge(32, True) == "mosaic"
     assert kernel_gpu.default_split_merge(33, True) == "xla"  # two rounds: slower
     assert kernel_gpu.default_split_merge(32, False) == "xla"
@@ -497,13 +497,19 @@ def test_kernel_merge_default_and_lowering():
             kernel_gpu.paged_attention_pallas_gpu, sm_scale=0.1, num_splits=3, split_merge=merge
         )
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        in_kernel = merge in (None, "kernel")
+        in_kernel = merge == "kernel"
         assert ("atom.acq_rel.gpu.global.add.u32" in text) == in_kernel, merge
         assert bool(re.search(r"_km(_[a-z0-9]+)*_mosaic_gpu", text)) == in_kernel, merge
         # The XLA merge: a max over the splits of the lse, then exp2 and the weighted sum.
         assert ("stablehlo.exponential" in text) == (merge == "xla"), merge
-        # "mosaic": a second Mosaic GPU kernel, one CTA a (sequence, KV head) pair
-        assert ("paged_decode_merge_S3_" in text) == (merge == "mosaic"), merge
+        # "mosaic" (the default): a second Mosaic GPU kernel, one CTA a (sequence, KV head) pair
+        assert ("paged_decode_merge_S3_" in text) == (merge in (None, "mosaic")), merge
+    # split_tail merges its tail's splits in the kernel, by default too
+    f = functools.partial(
+        kernel_gpu.paged_attention_pallas_gpu, sm_scale=0.1, num_splits=3, split_tail=2
+    )
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "atom.acq_rel.gpu.global.add.u32" in text and "paged_decode_merge_" not in text
 
 
 @pytest.mark.parametrize("H", [64, 128, 256])
@@ -1082,15 +1088,21 @@ def test_cross_lowers_for_cuda(variant):
     # ... and the per-thread copies are in the kernel exactly then.
     assert ("nvvm.cp.async.shared.global" in text) == (copy == "_cpa")
     assert ("nvvm.cp.async.wait.group" in text) == (copy == "_cpa")
-    # Splits with swap_ab merge in the kernel by default (arrival atomics, name part _km).
+    # Splits with swap_ab are merged by a second kernel by default, and in the kernel (arrival
+    # atomics, name part _km) with split_tail or when asked; the balanced kernel merges itself.
+    tcgen05 = v.get("mma") == "tcgen05"
     merge = v.get("split_merge") or (
-        "xla"  # by default whole blocks are merged by XLA, and so is all on JAX >= 0.12
-        if blocks or not lowers
+        "xla"
+        if tcgen05
+        else "kernel"
+        if v.get("split_tail") and lowers and not blocks
         else kernel_gpu.default_split_merge(
             splits, swap, bool(v.get("producer")), bool(v.get("persistent"))
         )
     )
-    # A second Mosaic GPU kernel merges (and no XLA exp2 of the lse) exactly when asked.
+    if v.get("balanced"):
+        splits = 1
+    # A second Mosaic GPU kernel merges (and no XLA exp2 of the lse) exactly then.
     second = merge == "mosaic" and splits > 1
     assert ("paged_decode_merge_S" in text) == second
     if second:

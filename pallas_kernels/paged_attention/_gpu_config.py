@@ -285,33 +285,32 @@ def default_swap_ab(
 def default_split_merge(
     num_splits: int, swap_ab: bool, producer: bool = False, persistent: bool = False
 ) -> str:
-    """With ``swap_ab`` (and neither ``producer`` nor ``persistent``): ``"kernel"`` (the last
-    split CTA of a pair merges, ``_merge_split``) at 2 to ``_KERNEL_MERGE_MAX_SPLITS`` splits,
-    ``"mosaic"`` (a second Mosaic GPU kernel, ``_merge_gpu.merge_partials``) up to
-    ``_MOSAIC_MERGE_MAX_SPLITS``; else ``"xla"``.
+    """With ``swap_ab`` (and neither ``producer`` nor ``persistent``): ``"mosaic"`` (a second
+    Mosaic GPU kernel, ``_merge_gpu.merge_partials``) at 2 to ``_MOSAIC_MERGE_MAX_SPLITS``
+    splits; else ``"xla"``. The in-kernel merge (``"kernel"``) is opt-in, and what
+    ``split_tail`` takes.
 
-    H200, thirteenth session (BENCHMARKS.md, ``decode_cases_s13_merge*.json``): at the default
-    4-16 splits of six batches the kernel's CUPTI time tied the XLA path's attention and merge
-    kernels (-3.1% to +1.8% over two runs), and 50 calls chained in one program (no host dispatch; the
-    merge's two XLA kernels and their launch gaps gone) were faster or tied in all five batches
-    timed so (1-13%, where the same configuration varied up to 10% between runs); at 32 splits
-    the last CTA's merge, two rounds of 16 pieces after the slowest split, made the kernel
-    12-14% slower (B=1 and B=2 at 32k: 54.4 vs 47.6 us, 55.9 vs 49.6).
+    H200, twenty-second session (2026-12-03, JAX 0.11.2): at 2-16 splits the second kernel was
+    faster than the in-kernel merge on CUPTI in all 15 comparisons of 10 batches
+    (``decode_cases_s22_splits.json``, ``decode_quick_s22_mm*.json``, ``decode_cases_s22_mm
+    .json``: 0.2-2.6%; B=4 / 32k 138.3 vs 142.0 us, B=8 / 32k 210.0-223.1 vs 210.5-225.0, B=32
+    / 2k 67.5-67.8 vs 68.6-68.8, B=32 / 4k 126.6 vs 128.0, B=16 / 8k 118.8 vs 119.6), and on
+    wall in 10 of 15 (B=2 / 32k, host-bound, 1.8 us slower). The in-kernel merge needs an XLA
+    memset of its counters before the kernel and leaves the last split CTA of a pair the merge
+    after its own tiles; the second kernel needs neither. It also takes whole output blocks
+    (``out_blocks``, newer JAX's ``swap_ab`` form, where the in-kernel merge does not lower):
+    with them, against the XLA merge, B=1 / 32k 46.8 vs 50.3 us, B=8 / 32k 216.2 vs 219.4,
+    B=32 / 2k 69.2 vs 71.9 (``decode_cases_s22_ob.json``).
 
-    Twenty-first session (``decode_quick_s21_mm3.json``, 2026-12-03): at B=1 / 32k (32 splits)
-    the second kernel (one round of 32 splits in two TMA copies a CTA) took 47.0 us CUPTI for
-    the pair of kernels against 48.8 for the attention kernel and the XLA epilogue's three
-    (83.8% of the roofline against 80.8%), and the call's wall time 61.3 us against 73.3: the
-    host dispatches two kernels, not four (``benchmarks/dispatch_cost.py``: 15-17 us less host
-    time a call, ``dispatch_s21_mm*.json``). At 2-16 splits it was 0.9-1.1% faster on CUPTI
-    than the in-kernel merge at B=8 / 32k and B=32 / 2k but 0.8% slower on wall (two launches
-    either way: the in-kernel merge's counters are zeroed by an XLA memset), so the in-kernel
-    merge stays the default there. An earlier form (two copies a split, ``decode_cases_s21_mm2
-    .json``) took 20.6 -> 28.3 us at 64 splits (two rounds): past 32 splits, XLA."""
+    Twenty-first session (``decode_quick_s21_mm3.json``): at B=1 / 32k (32 splits) 47.0 us
+    CUPTI for the pair of kernels against 48.8 for the attention kernel and the XLA epilogue's
+    three (83.8% of the roofline against 80.8%), and the call's wall time 61.3 us against
+    73.3: the host dispatches two kernels, not four. An earlier form (two copies a split,
+    ``decode_cases_s21_mm2.json``) took 20.6 -> 28.3 us at 64 splits (two rounds): past 32
+    splits, XLA. Thirteenth session (``decode_cases_s13_merge*.json``): the in-kernel merge
+    tied the XLA merge at 4-16 splits on CUPTI and was 12-14% slower at 32."""
     if num_splits < 2 or not swap_ab or producer or persistent:
         return "xla"
-    if num_splits <= _KERNEL_MERGE_MAX_SPLITS:
-        return "kernel"
     return "mosaic" if num_splits <= _MOSAIC_MERGE_MAX_SPLITS else "xla"
 
 
@@ -466,11 +465,10 @@ ORDER_METHODS = ("sort", "rank", "kernel")
 PAGE_COPIES = ("cp_async", "tma")
 
 # How split partials are merged (``split_merge``): by the last split CTA of each pair, by an
-# XLA epilogue, or by a second Mosaic GPU kernel (``_merge_gpu.merge_partials``); by default in
-# the kernel up to the first many splits, by the second kernel up to the second
+# XLA epilogue, or by a second Mosaic GPU kernel (``_merge_gpu.merge_partials``); by default by
+# the second kernel up to this many splits (one round), past them by XLA
 # (``default_split_merge``).
 SPLIT_MERGES = ("kernel", "xla", "mosaic")
-_KERNEL_MERGE_MAX_SPLITS = 16
 _MOSAIC_MERGE_MAX_SPLITS = 32
 
 # The products' instructions (``mma``): Hopper's wgmma, or Blackwell's tcgen05 MMA.

@@ -39,14 +39,15 @@ kernel where there were 45 at 16-token pages; a lone CTA streams 2.5-4.7% faster
 
 Long sequences are split across ``num_splits`` CTAs (split-KV) when the (sequence, KV head)
 programs are fewer than about one wave; each writes its normalised partial output (``q.dtype``
-with ``swap_ab``, else f32) and base-2 log-sum-exp. At 2-16 splits with ``swap_ab`` the last
-split CTA of each pair to finish merges them in the kernel (``split_merge="kernel"``,
+with ``swap_ab``, else f32) and base-2 log-sum-exp. At 2-32 splits with ``swap_ab`` a second
+Mosaic GPU kernel merges them (``split_merge="mosaic"``, ``_merge_gpu.merge_partials``: one CTA
+a (sequence, KV head) pair, two TMA copies and a merge in registers; at B=1 / 32k on the H200
+83.8% of the roofline and 61.3 us wall against 80.8% and 73.3 us for the XLA epilogue's three
+kernels, and 0.2-2.6% less kernel time than the in-kernel merge at 2-16 splits). Opt-in, the
+last split CTA of each pair to finish merges them in the kernel (``"kernel"``,
 ``_merge_split``: each CTA stores its partial and bumps the pair's arrival counter with an
 acquire-release atomic; the one that sees the others all there loads the partials, merges and
-stores; no CTA waits for another); at 17-32 splits a second Mosaic GPU kernel merges them
-(``"mosaic"``, ``_merge_gpu.merge_partials``: one CTA a pair, two TMA copies and a merge in
-registers; at B=1 / 32k on the H200 83.8% of the roofline and 61.3 us wall against 80.8% and
-73.3 us for the XLA epilogue's three kernels); otherwise a small XLA epilogue merges them
+stores; no CTA waits for another). Otherwise a small XLA epilogue merges them
 (``"xla"``; ``default_split_merge`` has the H200 figures). The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe), so from the block table's width; with about one
 wave of pairs each CTA then reads only if its sequence's real length gives its split 8+ tiles
@@ -189,7 +190,6 @@ from pallas_kernels.paged_attention._gpu_bodies import (  # noqa: F401  (re-expo
 )
 from pallas_kernels.paged_attention._gpu_config import (  # noqa: F401  (re-exported)
     _COMPUTE_REGISTERS,
-    _KERNEL_MERGE_MAX_SPLITS,
     _KERNEL_ORDER_MAX_SEQS,
     _LOG2E,
     _LONGEST_FIRST_MIN_TOKENS,
@@ -574,7 +574,8 @@ def paged_attention_pallas_gpu(
         small XLA epilogue, ``_split_merge.merge_splits``: three kernels) or ``"mosaic"`` (a
         second Mosaic GPU kernel, one CTA a (sequence, KV head) pair,
         ``_merge_gpu.merge_partials``: one launch, no counters; with ``swap_ab``, not with
-        ``mma="tcgen05"``). Ignored without splits. Default (None): ``default_split_merge``.
+        ``mma="tcgen05"``). Ignored without splits. Default (None): ``default_split_merge``
+        (``"mosaic"`` at 2-32 splits with ``swap_ab``), ``"kernel"`` with ``split_tail``.
       auto_barriers: True compiles with Pallas's automatic warpgroup barriers (one before
         every page copy and two around every SMEM store: about 11 a tile at 16-token pages);
         False without them, the kernel placing the three it needs by hand
@@ -785,11 +786,12 @@ def paged_attention_pallas_gpu(
             f'persistent={persistent}); use split_merge="xla"'
         )
     if split_merge is None:
-        split_merge = (
-            "xla"
-            if tcgen05 or out_blocks or not lowers
-            else default_split_merge(splits, swap_ab, producer, persistent)
-        )
+        if tcgen05:
+            split_merge = "xla"
+        elif split_tail and lowers and not out_blocks:  # the tail's splits: in the kernel
+            split_merge = "kernel"
+        else:
+            split_merge = default_split_merge(splits, swap_ab, producer, persistent)
     kernel_merge = splits > 1 and split_merge == "kernel"
     mosaic_merge = splits > 1 and split_merge == "mosaic"
     qcols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
