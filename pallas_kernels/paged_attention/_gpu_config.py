@@ -294,8 +294,10 @@ def default_split_merge(
     faster than the in-kernel merge on CUPTI in all 15 comparisons of 10 batches
     (``decode_cases_s22_splits.json``, ``decode_quick_s22_mm*.json``, ``decode_cases_s22_mm
     .json``: 0.2-2.6%; B=4 / 32k 138.3 vs 142.0 us, B=8 / 32k 210.0-223.1 vs 210.5-225.0, B=32
-    / 2k 67.5-67.8 vs 68.6-68.8, B=32 / 4k 126.6 vs 128.0, B=16 / 8k 118.8 vs 119.6), and on
-    wall in 10 of 15 (B=2 / 32k, host-bound, 1.8 us slower). The in-kernel merge needs an XLA
+    / 2k 67.5-67.8 vs 68.6-68.8, B=32 / 4k 126.6 vs 128.0, B=16 / 8k 118.8 vs 119.6; the
+    twenty-first session's two included), and faster or tied on wall in 11 of 15 (slower: B=2 /
+    32k by 1.8 us, host-bound; B=8 / 8k at 32 KV heads by 0.6 us; the twenty-first session's
+    B=8 / 32k and B=32 / 2k rows by 0.8%). The in-kernel merge needs an XLA
     memset of its counters before the kernel and leaves the last split CTA of a pair the merge
     after its own tiles; the second kernel needs neither. It also takes whole output blocks
     (``out_blocks``, newer JAX's ``swap_ab`` form, where the in-kernel merge does not lower):
