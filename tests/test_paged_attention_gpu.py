@@ -1682,14 +1682,15 @@ def test_gpu_many_sequences_default_tuning():
 @pytest.mark.parametrize("B", [32, 48])
 def test_gpu_one_wave_default_tuning(B):
     # About one wave of (sequence, KV head) pairs with 48+ tile tables: by default 2 splits,
-    # longest first (counted in each CTA), merged in the kernel; lengths 0, 1, C-1, C, C+1.
+    # longest first (counted in each CTA), merged by the second kernel; lengths 0, 1, C-1, C,
+    # C+1.
     rng = np.random.default_rng(12 + B)
     lengths = rng.integers(1000, 3072, size=B)
     lengths[:6] = [0, 1, 15, 16, 17, 3072]
     width = 3072 // 16  # make_paged_kv's table: as wide as the longest sequence needs
     assert kernel_gpu.default_num_splits(B, 8, width * 16, 64) == 2
     assert kernel_gpu.default_longest_first(B, 8, 2, width * 16)
-    assert kernel_gpu.default_split_merge(2, True) == "kernel"
+    assert kernel_gpu.default_split_merge(2, True) == "mosaic"
     _run_case(rng, lengths, K=8, G=4, H=128, C=16)
 
 

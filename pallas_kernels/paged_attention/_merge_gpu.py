@@ -21,7 +21,7 @@ Mosaic GPU's interpreter runs the grid one CTA after the other in grid order and
 inline Mosaic GPU code, so there the last split (``s == num_splits - 1``) is the last to
 arrive and merges without a counter.
 
-``merge_partials`` is the other way (``split_merge="mosaic"``, the default at 17-32 splits): a
+``merge_partials`` is the other way (``split_merge="mosaic"``, the default at 2-32 splits): a
 second, small Mosaic GPU kernel after the attention kernel, one CTA a pair, no atomics. It
 replaces the XLA epilogue's three kernels with one (fewer launches for the host to dispatch and
 for the GPU to space out) and, unlike the in-kernel merge, leaves the last split CTA nothing
