@@ -452,10 +452,10 @@ _MERGE_CASES = [  # (id, C, G, lengths, options, merges)
     ],
 )
 def test_interpret_split_merge_matches_reference(merge, C, G, lengths, extra):
-    # split_merge="kernel" (the default at 2-16 splits with swap_ab): the pair's last split CTA
+    # split_merge="kernel" (opt-in, and split_tail's): the pair's last split CTA
     # merges the partials in the kernel (the interpreter runs the grid in order: the last
     # split); race-checked but for the handover of the partials (``_merge_handover_ordered``).
-    # "mosaic" (the default at 17-32): a second Mosaic GPU kernel merges every pair's partials,
+    # "mosaic" (the default at 2-32): a second Mosaic GPU kernel merges every pair's partials,
     # one CTA a pair; both kernels race-checked.
     rng = np.random.default_rng((70 if merge == "kernel" else 170) + C + G)
     extra = dict(extra)

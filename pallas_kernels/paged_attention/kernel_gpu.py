@@ -47,8 +47,8 @@ kernels, and 0.2-2.6% less kernel time than the in-kernel merge at 2-16 splits).
 last split CTA of each pair to finish merges them in the kernel (``"kernel"``,
 ``_merge_split``: each CTA stores its partial and bumps the pair's arrival counter with an
 acquire-release atomic; the one that sees the others all there loads the partials, merges and
-stores; no CTA waits for another). Otherwise a small XLA epilogue merges them
-(``"xla"``; ``default_split_merge`` has the H200 figures). The split count is chosen from static shapes
+stores; no CTA waits for another). Otherwise a small XLA epilogue merges them (``"xla"``;
+``default_split_merge`` has the H200 figures). The split count is chosen from static shapes
 only (no host sync; jit- and CUDA-graph safe), so from the block table's width; with about one
 wave of pairs each CTA then reads only if its sequence's real length gives its split 8+ tiles
 (``min_split_tiles``): a short sequence in a table as wide as an engine's longest is read by
@@ -157,8 +157,9 @@ The code: this module holds the public entry (``paged_attention_pallas_gpu``) an
 ``unsupported_reason``; ``_gpu_tile`` a unit's tiles (copies, products, softmax, store);
 ``_gpu_bodies`` the default and persistent CTA bodies; ``_gpu_balanced`` the balanced one;
 ``_cp_async`` and ``_merge_gpu`` the inline Mosaic GPU pieces (per-thread page copies, the
-split merge) and the second merge kernel. Every private name is re-exported here. ``tools/lowered_ir.py`` fingerprints the
-lowered device code of every cross-lowering variant, so a refactor can be checked on CPU.
+split merge) and the second merge kernel. Every private name is re-exported here.
+``tools/lowered_ir.py`` fingerprints the lowered device code of every cross-lowering variant, so
+a refactor can be checked on CPU.
 """
 
 from __future__ import annotations
