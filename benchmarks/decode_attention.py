@@ -112,19 +112,17 @@ class Inputs:
     width: int
 
 
-def make_inputs(
+def _draw(
     case: Case,
     rng: np.random.Generator,
     *,
     width_multiple: int = 1,
     sequential: bool = False,
     table_tokens: int = 0,
-) -> Inputs:
-    """Random q/K/V and lengths; page tables randomly permuted, or (``sequential``) each
-    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head.
-    ``table_tokens``: the table is at least this many tokens wide (as an engine's, sized for
-    its longest allowed sequence), its extra entries valid random pages."""
-    B, K, C, H = case.B, case.K, case.C, case.H
+):
+    """The host side of a row's draw: (lengths, block tables, pool pages, key seed), taking
+    from ``rng`` exactly what ``make_inputs`` takes."""
+    B, C = case.B, case.C
     lengths = rng.integers(case.ctx // 2, case.ctx * 3 // 2 + 1, size=B).astype(np.int32)
     pages = -(-lengths // C)
     W = max(int(pages.max()), -(-table_tokens // C))
@@ -138,7 +136,26 @@ def make_inputs(
         tables[b, :n] = perm[cur : cur + n]
         tables[b, n:] = perm[rng.integers(0, P, W - n)]  # unused slots: valid random ids
         cur += n
-    key = jax.random.key(int(rng.integers(1 << 30)))
+    return lengths, tables, P, int(rng.integers(1 << 30))
+
+
+def make_inputs(
+    case: Case,
+    rng: np.random.Generator,
+    *,
+    width_multiple: int = 1,
+    sequential: bool = False,
+    table_tokens: int = 0,
+) -> Inputs:
+    """Random q/K/V and lengths; page tables randomly permuted, or (``sequential``) each
+    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head.
+    ``table_tokens``: the table is at least this many tokens wide (as an engine's, sized for
+    its longest allowed sequence), its extra entries valid random pages."""
+    B, K, C, H = case.B, case.K, case.C, case.H
+    lengths, tables, P, seed = _draw(
+        case, rng, width_multiple=width_multiple, sequential=sequential, table_tokens=table_tokens
+    )
+    key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     dt = jnp.bfloat16
     return Inputs(
@@ -148,8 +165,27 @@ def make_inputs(
         block_tables=jnp.asarray(tables),
         lengths=jnp.asarray(lengths),
         lengths_np=lengths,
-        width=W,
+        width=tables.shape[1],
     )
+
+
+def table_inputs(cases, indices=None, seed: int = 0, **kw):
+    """(index, case, Inputs) for ``cases[i]``, i in ``indices`` (default: all, in order), each
+    row drawn as a run of the whole list from ``default_rng(seed)`` draws it: the rows before
+    it take their lengths and tables from the generator first (host arrays only), so
+    ``--only 3`` times the same lengths and tables as row 3 of the full table. ``kw`` goes to
+    ``make_inputs``."""
+    indices = range(len(cases)) if indices is None else indices
+    rng, pos = None, 0
+    for i in indices:
+        if not 0 <= i < len(cases):
+            raise SystemExit(f"row index {i} is out of range: the table has {len(cases)} rows")
+        if rng is None or i < pos:
+            rng, pos = np.random.default_rng(seed), 0
+        for c in cases[pos:i]:
+            _draw(c, rng, **kw)
+        yield i, cases[i], make_inputs(cases[i], rng, **kw)
+        pos = i + 1
 
 
 def live_bytes(case: Case, lengths: np.ndarray) -> int:
@@ -288,10 +324,7 @@ def parse_case(spec: str) -> Case:
     return Case(*nums)
 
 
-def run_case(case: Case, rng, ns, roofline, roofline_loop=None) -> dict:
-    inp = make_inputs(
-        case, rng, width_multiple=64, sequential=ns.sequential_pages, table_tokens=ns.table_tokens
-    )
+def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
     nbytes = live_bytes(case, inp.lengths_np)
     res: dict = {}
     row = {"case": dataclasses.asdict(case), "label": case.label, "live_bytes": nbytes}
@@ -463,7 +496,12 @@ def main(argv=None):
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
-    p.add_argument("--only", type=int, nargs="*", help="indices of cases to run")
+    p.add_argument(
+        "--only",
+        type=int,
+        nargs="*",
+        help="indices of rows to run, each with the lengths and tables it has in the whole table",
+    )
     p.add_argument(
         "--cases", nargs="*", default=[], help='cases instead of a table: "B,ctx,K[,C[,H]]"'
     )
@@ -476,8 +514,6 @@ def main(argv=None):
         if ns.quick
         else full_sweep(ns.max_live_gb)
     )
-    if ns.only:
-        cases = [cases[i] for i in ns.only]
     dev = jax.devices()[0]
     roof_wall, roof_cupti = _timing.read_roofline_tbs()
     roof_loop = _timing.read_roofline_loop_tbs() if ns.loop else None
@@ -486,7 +522,6 @@ def main(argv=None):
         f"{roof_cupti:.2f} TB/s cupti, {_fmt(roof_loop, '.2f')} TB/s loop",
         flush=True,
     )
-    rng = np.random.default_rng(0)
     rows = []
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -507,9 +542,17 @@ def main(argv=None):
         os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
         f"decode_{tag}.json",
     )
-    for c in cases:
+    draws = table_inputs(
+        cases,
+        ns.only or None,
+        width_multiple=64,
+        sequential=ns.sequential_pages,
+        table_tokens=ns.table_tokens,
+    )
+    for _, c, inp in draws:
         print(f"-- {c.label}", flush=True)
-        rows.append(run_case(c, rng, ns, roof_wall, roof_loop))
+        rows.append(run_case(c, inp, ns, roof_wall, roof_loop))
+        del inp  # before the next row's arrays are drawn
         r = rows[-1]["results"].get("pallas_gpu", {})
         print(f"   ours {r.get('wall_tbs', r.get('error'))}", flush=True)
         with open(out, "w") as f:  # after every case: a time-limited run keeps what it measured

@@ -45,13 +45,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
 
-    rng = np.random.default_rng(ns.seed)
     x = jax.random.normal(jax.random.key(0), (1 << 19, 4096), jnp.bfloat16)  # 4 GiB
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     runs = [("roofline jnp.sum 4 GiB", total, (x,))]
-    for i in ns.only:
-        case = da.QUICK[i]
-        inp = da.make_inputs(case, rng, width_multiple=64)
+    for _, case, inp in da.table_inputs(da.QUICK, ns.only, ns.seed, width_multiple=64):
         live = da.live_bytes(case, inp.lengths_np)
         print(f"{case.label}: live K/V {live / 1e9:.3f} GB (compare ncu's dram__bytes_read)")
         runs.append((f"{case.label} pallas_gpu", *da._ours(inp, case)))

@@ -33,13 +33,9 @@ def run(ns) -> None:
     import _timing
     import decode_attention as da
     import jax
-    import numpy as np
 
-    rng = np.random.default_rng(0)
     groups = []
-    for i in ns.only:
-        case = da.QUICK[i]
-        inp = da.make_inputs(case, rng, width_multiple=64)
+    for _, case, inp in da.table_inputs(da.QUICK, ns.only, width_multiple=64):
         impls = [("pallas_gpu", *da._ours(inp, case))]
         if not ns.skip_cudnn:
             kd, vd = da._dense_kv(inp, case)

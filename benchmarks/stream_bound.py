@@ -152,7 +152,8 @@ def _time(f, *args):
 
 
 def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
-    """For quick-table rows (``decode_attention.QUICK`` indices), on one random draw of each:
+    """For quick-table rows (``decode_attention.QUICK`` indices), on the draw each has in the
+    quick table (``decode_attention.table_inputs``; ``seed`` 0 is the table's own):
     the decode kernel (default tuning); a stream of its units (each CTA reads its unit's K and
     V, in the same order, through a ring of the same bytes, with no table and no math), by
     whole tiles and by pages (the copies the kernel makes: a page each); and the same tile
@@ -162,10 +163,7 @@ def rows_mode(indices, seed: int, roof_cupti: float, sms: int) -> list[dict]:
     from pallas_kernels.paged_attention import kernel_gpu
 
     out = []
-    for idx in indices:
-        case = da.QUICK[idx]
-        rng = np.random.default_rng(seed + idx)
-        inp = da.make_inputs(case, rng, width_multiple=64)
+    for _, case, inp in da.table_inputs(da.QUICK, indices, seed, width_multiple=64):
         nbytes = da.live_bytes(case, inp.lengths_np)
         tokens = decode_units(inp.lengths_np, case.K, inp.width, case.C, case.H)
         T = kernel_gpu.default_block_kv(case.H)  # the decode kernel's tile
@@ -215,7 +213,9 @@ def main(argv=None) -> None:
     p.add_argument(
         "--rows", type=int, nargs="*", default=[], help="quick-table rows: kernel vs streams"
     )
-    p.add_argument("--seed", type=int, default=0, help="lengths and tables of --rows")
+    p.add_argument(
+        "--seed", type=int, default=0, help="lengths and tables of --rows (0: the quick table's)"
+    )
     p.add_argument("--interpret", action="store_true", help="check the kernel on the CPU")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)

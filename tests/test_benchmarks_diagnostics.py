@@ -142,6 +142,37 @@ def test_decode_attention_case_and_variant_parsing():
         decode_attention._parse_kwargs("num_stages")
 
 
+def test_decode_attention_only_rows_keep_the_whole_tables_draws():
+    """``--only`` (``table_inputs``) gives a row the lengths, tables and data it has in a run of
+    the whole table, in any order of rows; an index past the table is an error naming it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import decode_attention as da
+    import numpy as np
+    import pytest
+
+    cases = [da.Case(2, 64, 2), da.Case(3, 128, 1, C=8), da.Case(1, 32, 2, H=64), da.Case(4, 48, 1)]
+    whole = {i: inp for i, _, inp in da.table_inputs(cases, width_multiple=4)}
+    for order in ([2], [3, 1], [1, 3, 0, 2], [2, 2]):
+        got = list(da.table_inputs(cases, order, width_multiple=4))
+        assert [i for i, _, _ in got] == order
+        for i, case, inp in got:
+            assert case == cases[i]
+            np.testing.assert_array_equal(inp.lengths_np, whole[i].lengths_np)
+            np.testing.assert_array_equal(inp.block_tables, whole[i].block_tables)
+            np.testing.assert_array_equal(inp.q, whole[i].q)
+            np.testing.assert_array_equal(inp.k_pages, whole[i].k_pages)
+    # rows differ from one another (the draws are not all the same)
+    assert not np.array_equal(whole[0].lengths_np, whole[3].lengths_np[:2])
+    # another seed, other draws; sequential pages keep each sequence's pages consecutive
+    other = next(da.table_inputs(cases, [0], seed=1, width_multiple=4))[2]
+    assert not np.array_equal(other.q, whole[0].q)
+    seq = next(da.table_inputs(cases, [1], sequential=True))[2]
+    n = -(-int(seq.lengths_np[0]) // 8)
+    np.testing.assert_array_equal(seq.block_tables[0, :n], np.arange(n))
+    with pytest.raises(SystemExit, match="row index 4 is out of range: the table has 4 rows"):
+        list(da.table_inputs(cases, [4]))
+
+
 def test_decode_timeline_reading_and_plot(tmp_path):
     # The profiler trace of a decode kernel (Mosaic GPU, GPU only) as the timeline script reads
     # it: 2 SMs x 2 slots, 8 CTAs of 4 regions; at 1.5 GHz each CTA ends as the next on its
