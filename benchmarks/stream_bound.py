@@ -209,7 +209,11 @@ def main(argv=None) -> None:
     p.add_argument(
         "--sizes", type=float, nargs="*", default=[0.134, 0.268, 1.07, 4.29], help="GB read"
     )
-    p.add_argument("--configs", nargs="*", help="T,stages,ctas_per_sm (default: CONFIGS)")
+    p.add_argument(
+        "--configs",
+        nargs="*",
+        help="T,stages,ctas_per_sm: T rows of 256 bytes a copy, stages <= 32 (default: CONFIGS)",
+    )
     p.add_argument(
         "--rows", type=int, nargs="*", default=[], help="quick-table rows: kernel vs streams"
     )
