@@ -15,6 +15,8 @@
 #   bash tools/gpu_kernels.sh gaps OUT [ARGS...]                  # launch gaps (JAX profiler)
 #     (ARGS go to benchmarks/profile_launch_gaps.py, e.g. --only 0 2; writes OUT/gaps.txt)
 #
+# In one device call, run the benchmarks before the tests: right after a pytest run the wall
+# columns ran 20-70 us over their usual (twenty-second session), CUPTI unchanged.
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
 # BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
 set -u
