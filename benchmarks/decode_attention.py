@@ -121,7 +121,11 @@ def _draw(
     table_tokens: int = 0,
 ):
     """The host side of a row's draw: (lengths, block tables, pool pages, key seed), taking
-    from ``rng`` exactly what ``make_inputs`` takes."""
+    from ``rng`` exactly what ``make_inputs`` takes. Page tables randomly permuted, or
+    (``sequential``) each sequence's pages consecutive in the pool, so its K/V is one
+    contiguous range per head; ``table_tokens``: the table is at least this many tokens wide
+    (as an engine's, sized for its longest allowed sequence), its extra entries valid random
+    pages; its width a multiple of ``width_multiple``."""
     B, C = case.B, case.C
     lengths = rng.integers(case.ctx // 2, case.ctx * 3 // 2 + 1, size=B).astype(np.int32)
     pages = -(-lengths // C)
@@ -139,22 +143,10 @@ def _draw(
     return lengths, tables, P, int(rng.integers(1 << 30))
 
 
-def make_inputs(
-    case: Case,
-    rng: np.random.Generator,
-    *,
-    width_multiple: int = 1,
-    sequential: bool = False,
-    table_tokens: int = 0,
-) -> Inputs:
-    """Random q/K/V and lengths; page tables randomly permuted, or (``sequential``) each
-    sequence's pages consecutive in the pool, so its K/V is one contiguous range per head.
-    ``table_tokens``: the table is at least this many tokens wide (as an engine's, sized for
-    its longest allowed sequence), its extra entries valid random pages."""
+def make_inputs(case: Case, rng: np.random.Generator, **draw) -> Inputs:
+    """Random q/K/V, lengths and page tables (``draw``: ``_draw``'s keywords)."""
     B, K, C, H = case.B, case.K, case.C, case.H
-    lengths, tables, P, seed = _draw(
-        case, rng, width_multiple=width_multiple, sequential=sequential, table_tokens=table_tokens
-    )
+    lengths, tables, P, seed = _draw(case, rng, **draw)
     key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     dt = jnp.bfloat16
