@@ -9,22 +9,22 @@ from jpaged._errors import AllocatorError as AllocatorError
 from jpaged._errors import OutOfPagesError as OutOfPagesError
 
 # --- device state (foundation) ---
-from jpaged._block_table import BlockTable as BlockTable
-from jpaged._block_table import BlockTableDelta as BlockTableDelta
-from jpaged._block_table import HostBlockTable as HostBlockTable
-from jpaged._block_table import apply_delta as apply_delta
-from jpaged._cache import PagedKVCache as PagedKVCache
-from jpaged._cache import copy_pages as copy_pages
-from jpaged._cache import gather_pages as gather_pages
-from jpaged._cache import pages_for_budget as pages_for_budget
-from jpaged._cache import scatter_pages as scatter_pages
-from jpaged._cache import write_kv as write_kv
-from jpaged._cache import write_kv_layer as write_kv_layer
+from jpaged.kv.block_table import BlockTable as BlockTable
+from jpaged.kv.block_table import BlockTableDelta as BlockTableDelta
+from jpaged.kv.block_table import HostBlockTable as HostBlockTable
+from jpaged.kv.block_table import apply_delta as apply_delta
+from jpaged.kv.cache import PagedKVCache as PagedKVCache
+from jpaged.kv.cache import copy_pages as copy_pages
+from jpaged.kv.cache import gather_pages as gather_pages
+from jpaged.kv.cache import pages_for_budget as pages_for_budget
+from jpaged.kv.cache import scatter_pages as scatter_pages
+from jpaged.kv.cache import write_kv as write_kv
+from jpaged.kv.cache import write_kv_layer as write_kv_layer
 
 # --- host allocator (foundation) ---
-from jpaged._allocator import AllocatorInvariantError as AllocatorInvariantError
-from jpaged._allocator import AllocatorStats as AllocatorStats
-from jpaged._allocator import BlockAllocator as BlockAllocator
+from jpaged.kv.allocator import AllocatorInvariantError as AllocatorInvariantError
+from jpaged.kv.allocator import AllocatorStats as AllocatorStats
+from jpaged.kv.allocator import BlockAllocator as BlockAllocator
 
 # --- models ---
 from jpaged import models as models

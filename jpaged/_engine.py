@@ -29,8 +29,6 @@ import jax
 import numpy as np
 
 from jpaged import _beam
-from jpaged._allocator import BlockAllocator
-from jpaged._cache import PagedKVCache, pages_for_budget
 from jpaged._detokenize import Detokenizer
 from jpaged._engine_loop import DecodeLoopMixin
 from jpaged._engine_setup import _default_kv_bytes, _model_dtype, _read_eos, _with_params
@@ -48,6 +46,8 @@ from jpaged._step import (
     build_step_batch,
     default_compiler_options,
 )
+from jpaged.kv.allocator import BlockAllocator
+from jpaged.kv.cache import PagedKVCache, pages_for_budget
 
 Prompt = Sequence[int] | str
 
@@ -520,7 +520,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         space `gather_pages` / `scatter_pages`) for every page-count bucket up to one
         sequence of ``max_model_len``, on ids that touch nothing; returns how many. Swapping
         a group of more pages compiles its bucket on first use."""
-        from jpaged._cache import copy_pages, gather_pages, scatter_pages
+        from jpaged.kv.cache import copy_pages, gather_pages, scatter_pages
 
         num = 0
         for M in (8 << i for i in range(bucket(self.width, 8, 1 << 30).bit_length() - 3)):

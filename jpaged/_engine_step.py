@@ -15,11 +15,11 @@ import time
 import numpy as np
 
 from jpaged import _beam
-from jpaged._cache import copy_pages, gather_pages, scatter_pages
 from jpaged._errors import OutOfPagesError
 from jpaged._scheduler import Request
 from jpaged._scheduler import Sequence as Seq
 from jpaged._step import SamplingArrays, bucket, build_step_batch, pad_to
+from jpaged.kv.cache import copy_pages, gather_pages, scatter_pages
 
 
 class StepMixin:

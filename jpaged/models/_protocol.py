@@ -28,7 +28,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-import jpaged
+from jpaged._attention import paged_attention, ragged_paged_attention
+from jpaged.kv.cache import write_kv_layer
 
 
 @jax.tree_util.register_dataclass
@@ -110,8 +111,6 @@ def paged_attention_layer(
       ``(o_TNH, cache)``: attention output [T, N, H] in ``q_TNH.dtype`` (zeros for padding
       rows) and the updated cache.
     """
-    from jpaged._cache import write_kv_layer
-
     k_TKH = k_TKH.astype(cache.k_pages.dtype)
     v_TKH = v_TKH.astype(cache.v_pages.dtype)
     cache = write_kv_layer(cache, layer, k_TKH, v_TKH, metadata.slot_mapping)
@@ -125,12 +124,12 @@ def paged_attention_layer(
         implementation=implementation,
     )
     if decode:
-        out = jpaged.paged_attention(
+        out = paged_attention(
             q_TNH_cache, cache.k_pages, cache.v_pages, metadata.block_tables, metadata.kv_lens,
             **common,
         )  # fmt: skip
     else:
-        out = jpaged.ragged_paged_attention(
+        out = ragged_paged_attention(
             q_TNH_cache, cache.k_pages, cache.v_pages, metadata.block_tables, metadata.kv_lens,
             metadata.cu_q_lens, metadata.num_seqs, **common,
         )  # fmt: skip

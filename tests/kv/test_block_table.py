@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jpaged import BlockAllocator, BlockTable, HostBlockTable, _block_table, apply_delta
-from jpaged._block_table import bucket_size
+from jpaged.kv.block_table import bucket_size
 
 B, W, C = 6, 5, 4
 

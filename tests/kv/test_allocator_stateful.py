@@ -46,9 +46,9 @@ def _snapshot(alloc: BlockAllocator):
     return (
         seqs,
         stats,
-        list(alloc._free),
-        list(alloc._cache.evictable),
-        dict(alloc._cache.page_hash),
+        list(alloc._pool.free),
+        list(alloc._pool.cache.evictable),
+        dict(alloc._pool.cache.page_hash),
     )
 
 
@@ -82,8 +82,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         slots = self.alloc.slots(seq_id, start, len(values))
         for slot in slots.tolist():
             page = slot // C
-            assert self.alloc._refcount[page] == 1, f"write to shared page {page}"
-            assert not self.alloc._cache.is_cached(page), f"write to cached page {page}"
+            assert self.alloc._pool.refcount[page] == 1, f"write to shared page {page}"
+            assert not self.alloc._pool.cache.is_cached(page), f"write to cached page {page}"
         self.content[slots] = values
 
     def _copy(self, pairs) -> None:

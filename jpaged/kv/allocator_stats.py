@@ -1,16 +1,17 @@
 """Diagnostics of the block allocator: its stats snapshot and its invariant checker.
 
-Kept apart from `jpaged._allocator` so the allocator module holds the operations only; both
-functions here read the allocator's state and change nothing.
+Both functions read the allocator's parts (its `SeqRecord`s, `PagePool` and
+`HostSwapSpace`) and change nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterable, Mapping
 
-if TYPE_CHECKING:
-    from jpaged._allocator import BlockAllocator
+from jpaged.kv.page_pool import PagePool
+from jpaged.kv.seq_record import SeqRecord, pages_for
+from jpaged.kv.swap_space import HostSwapSpace
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "collect_stats", "invariant_errors"]
 
@@ -72,57 +73,70 @@ class AllocatorStats:
     swapped_in_bytes: int
 
 
-def collect_stats(alloc: BlockAllocator) -> AllocatorStats:
-    """A snapshot of ``alloc`` (O(pages held))."""
+def collect_stats(
+    seqs: Iterable[SeqRecord],
+    pool: PagePool,
+    host: HostSwapSpace,
+    page_size: int,
+    bytes_per_page: int,
+    *,
+    cow_copies: int,
+    prefix_queries: int,
+    prefix_query_tokens: int,
+    prefix_hit_tokens: int,
+) -> AllocatorStats:
+    """A snapshot of an allocator's parts and counters (O(pages held))."""
+    seqs = list(seqs)
     occupancy: dict[int, int] = {}
     logical = 0
-    for seq in alloc._seqs.values():
+    for seq in seqs:
         if seq.swapped:
             continue
         logical += seq.num_tokens
         for i, page in enumerate(seq.pages):
-            held = min(max(seq.num_tokens - i * alloc.page_size, 0), alloc.page_size)
+            held = min(max(seq.num_tokens - i * page_size, 0), page_size)
             occupancy[page] = max(occupancy.get(page, 0), held)
-    used = sum(1 for r in alloc._refcount if r > 0)
+    used = sum(1 for r in pool.refcount if r > 0)
     live = sum(occupancy.values())
-    allocated = used * alloc.page_size
-    swapped_seqs = sum(1 for s in alloc._seqs.values() if s.swapped)
+    allocated = used * page_size
     return AllocatorStats(
-        total_pages=alloc.num_pages,
-        free_pages=len(alloc._free),
+        total_pages=pool.num_pages,
+        free_pages=len(pool.free),
         used_pages=used,
-        shared_pages=sum(1 for r in alloc._refcount if r > 1),
-        cached_pages=len(alloc._cache),
-        evictable_pages=len(alloc._cache.evictable),
-        num_seqs=len(alloc._seqs),
+        shared_pages=sum(1 for r in pool.refcount if r > 1),
+        cached_pages=len(pool.cache),
+        evictable_pages=len(pool.cache.evictable),
+        num_seqs=len(seqs),
         live_tokens=live,
         logical_tokens=logical,
         allocated_slots=allocated,
         utilisation=live / allocated if allocated else 1.0,
-        cow_copies=alloc._cow_copies,
-        prefix_queries=alloc._prefix_queries,
-        prefix_query_tokens=alloc._prefix_query_tokens,
-        prefix_hit_tokens=alloc._prefix_hit_tokens,
-        evictions=alloc._cache.evictions,
-        host_pages=alloc.num_host_pages,
-        host_free_pages=len(alloc._host_free),
-        swapped_seqs=swapped_seqs,
-        swapped_out_pages=alloc._swapped_out_pages,
-        swapped_in_pages=alloc._swapped_in_pages,
-        swapped_out_bytes=alloc._swapped_out_pages * alloc.bytes_per_page,
-        swapped_in_bytes=alloc._swapped_in_pages * alloc.bytes_per_page,
+        cow_copies=cow_copies,
+        prefix_queries=prefix_queries,
+        prefix_query_tokens=prefix_query_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        evictions=pool.cache.evictions,
+        host_pages=host.num_slots,
+        host_free_pages=len(host.free),
+        swapped_seqs=sum(1 for s in seqs if s.swapped),
+        swapped_out_pages=host.swapped_out_pages,
+        swapped_in_pages=host.swapped_in_pages,
+        swapped_out_bytes=host.swapped_out_pages * bytes_per_page,
+        swapped_in_bytes=host.swapped_in_pages * bytes_per_page,
     )
 
 
-def invariant_errors(alloc: BlockAllocator) -> list[str]:
-    """Every inconsistency in ``alloc``'s bookkeeping, as messages (empty when sound)."""
+def invariant_errors(
+    seqs: Mapping[Hashable, SeqRecord], pool: PagePool, host: HostSwapSpace, page_size: int
+) -> list[str]:
+    """Every inconsistency in an allocator's bookkeeping, as messages (empty when sound)."""
 
     errors: list[str] = []
-    C = alloc.page_size
-    holders = [0] * alloc.num_pages
-    host_holders = [0] * alloc.num_host_pages
-    for seq_id, seq in alloc._seqs.items():
-        if len(seq.pages) < alloc._pages_for(seq.num_tokens):
+    C = page_size
+    holders = [0] * pool.num_pages
+    host_holders = [0] * host.num_slots
+    for seq_id, seq in seqs.items():
+        if len(seq.pages) < pages_for(seq.num_tokens, C):
             errors.append(f"seq {seq_id!r}: {len(seq.pages)} pages < {seq.num_tokens} tokens")
         if len(set(seq.pages)) != len(seq.pages):
             errors.append(f"seq {seq_id!r}: repeated page in {seq.pages}")
@@ -134,39 +148,39 @@ def invariant_errors(alloc: BlockAllocator) -> list[str]:
                 counts[page] += 1
             else:
                 errors.append(f"seq {seq_id!r}: page {page} out of range")
-        if seq.swapped and len(seq.pages) != alloc._pages_for(seq.num_tokens):
+        if seq.swapped and len(seq.pages) != pages_for(seq.num_tokens, C):
             errors.append(f"swapped seq {seq_id!r} holds reserved slots")
-    free, evictable = set(alloc._free), set(alloc._cache.evictable)
-    if len(free) != len(alloc._free):
+    free, evictable = set(pool.free), set(pool.cache.evictable)
+    if len(free) != len(pool.free):
         errors.append("free list has duplicates")
-    referenced = {p for p in range(alloc.num_pages) if alloc._refcount[p] > 0}
-    for page in range(alloc.num_pages):
-        if alloc._refcount[page] != holders[page]:
-            errors.append(f"page {page}: refcount {alloc._refcount[page]} != {holders[page]}")
+    referenced = {p for p in range(pool.num_pages) if pool.refcount[p] > 0}
+    for page in range(pool.num_pages):
+        if pool.refcount[page] != holders[page]:
+            errors.append(f"page {page}: refcount {pool.refcount[page]} != {holders[page]}")
     if free & referenced or free & evictable or evictable & referenced:
         errors.append(
             f"pages in two states: free&referenced={sorted(free & referenced)}, "
             f"free&evictable={sorted(free & evictable)}, "
             f"evictable&referenced={sorted(evictable & referenced)}"
         )
-    if len(free) + len(referenced) + len(evictable) != alloc.num_pages:
+    if len(free) + len(referenced) + len(evictable) != pool.num_pages:
         errors.append(
             f"free {len(free)} + referenced {len(referenced)} + evictable "
-            f"{len(evictable)} != pool {alloc.num_pages}"
+            f"{len(evictable)} != pool {pool.num_pages}"
         )
-    if any(p not in alloc._cache.page_hash for p in evictable):
+    if any(p not in pool.cache.page_hash for p in evictable):
         errors.append("an evictable page is not cached")
-    if free & set(alloc._cache.page_hash):
-        errors.append(f"free pages still cached: {sorted(free & set(alloc._cache.page_hash))}")
-    if {h: p for p, h in alloc._cache.page_hash.items()} != alloc._cache.hash_page:
+    if free & set(pool.cache.page_hash):
+        errors.append(f"free pages still cached: {sorted(free & set(pool.cache.page_hash))}")
+    if {h: p for p, h in pool.cache.page_hash.items()} != pool.cache.hash_page:
         errors.append("prefix cache hash maps are not inverse")
-    host_free = set(alloc._host_free)
-    if len(host_free) != len(alloc._host_free):
+    host_free = set(host.free)
+    if len(host_free) != len(host.free):
         errors.append("host free list has duplicates")
-    for slot in range(alloc.num_host_pages):
-        if alloc._host_refcount[slot] != host_holders[slot]:
+    for slot in range(host.num_slots):
+        if host.refcount[slot] != host_holders[slot]:
             errors.append(
-                f"host slot {slot}: refcount {alloc._host_refcount[slot]} != {host_holders[slot]}"
+                f"host slot {slot}: refcount {host.refcount[slot]} != {host_holders[slot]}"
             )
         if (slot in host_free) == (host_holders[slot] > 0):
             errors.append(f"host slot {slot}: free={slot in host_free}, holders>0 disagree")

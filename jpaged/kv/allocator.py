@@ -44,9 +44,10 @@ run out; `jpaged.AllocatorError` for misuse (unknown or duplicate id, double fre
 an unknown sequence, operations on a swapped-out sequence, bad counts);
 `AllocatorInvariantError` from ``check_invariants``.
 
-Layout: the swap operations live in `jpaged._allocator_swap` (a mixin over this state), the
-stats snapshot and the invariant checker in `jpaged._allocator_stats`, the hash chain and the
-LRU of evictable pages in `jpaged._prefix_cache`.
+Parts: `BlockAllocator` holds a `PagePool` (device page ids, refcounts, free list and the
+prefix cache of `jpaged.kv.prefix_cache`), a `HostSwapSpace` (host slots and the moves to
+them) and a `SeqRecord` per sequence; the stats snapshot and the invariant checker
+(`jpaged.kv.allocator_stats`) read those parts.
 
 >>> alloc = BlockAllocator(num_pages=8, page_size=4)
 >>> alloc.allocate("a", 6)
@@ -61,37 +62,29 @@ LRU of evictable pages in `jpaged._prefix_cache`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from jpaged._allocator_stats import (
+from jpaged._errors import AllocatorError
+from jpaged.kv.allocator_stats import (
     AllocatorInvariantError,
     AllocatorStats,
     collect_stats,
     invariant_errors,
 )
-from jpaged._allocator_swap import SwapMixin
-from jpaged._errors import AllocatorError, OutOfPagesError
-from jpaged._prefix_cache import PrefixCache, hash_chain
+from jpaged.kv.page_pool import PagePool
+from jpaged.kv.prefix_cache import hash_chain
+from jpaged.kv.seq_record import SeqRecord, pages_for
+from jpaged.kv.swap_space import HostSwapSpace, group_pages
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "BlockAllocator"]
 
 CopyPairs = list[tuple[int, int]]
 
 
-@dataclasses.dataclass
-class _Seq:
-    pages: list[int]  # device pages, or host slots while swapped
-    num_tokens: int
-    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its first full pages
-    salt: bytes | str | None = None
-    swapped: bool = False
-
-
-class BlockAllocator(SwapMixin):
+class BlockAllocator:
     """Pages, refcounts, block tables, copy-on-write, lookahead, prefix cache and swap.
 
     Args:
@@ -129,24 +122,20 @@ class BlockAllocator(SwapMixin):
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.watermark_pages = int(watermark * num_pages)
         self.num_host_pages, self.bytes_per_page = int(num_host_pages), int(bytes_per_page)
-        self._refcount = [0] * self.num_pages
-        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
-        self._cache = PrefixCache()
-        self._seqs: dict[Hashable, _Seq] = {}
+        self._pool = PagePool(self.num_pages)
+        self._host = HostSwapSpace(self.num_host_pages)
+        self._seqs: dict[Hashable, SeqRecord] = {}
         self._freed_ids: OrderedDict[Hashable, None] = OrderedDict()  # for "double free"
         self._dirty: set[Hashable] = set()
-        self._host_refcount = [0] * self.num_host_pages
-        self._host_free = list(range(self.num_host_pages - 1, -1, -1))
         self._cow_copies = 0
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
-        self._swapped_out_pages = self._swapped_in_pages = 0
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free_pages(self) -> int:
         """Pages available to new allocations: free plus evictable cached ones."""
-        return len(self._free) + len(self._cache.evictable)
+        return self._pool.num_free
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -212,7 +201,12 @@ class BlockAllocator(SwapMixin):
 
     def stats(self) -> AllocatorStats:
         """A snapshot of the pool, the sharing and the counters (O(pages held))."""
-        return collect_stats(self)
+        return collect_stats(
+            self._seqs.values(), self._pool, self._host, self.page_size, self.bytes_per_page,
+            cow_copies=self._cow_copies, prefix_queries=self._prefix_queries,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+        )  # fmt: skip
 
     def take_dirty(self) -> set[Hashable]:
         """Ids whose block table or length changed since the last call (freed ones too)."""
@@ -230,9 +224,9 @@ class BlockAllocator(SwapMixin):
         """
         self._check_new(seq_id, "allocate")
         needed = self._pages_for(self._count(num_tokens, "allocate"))
-        self._ensure_available(needed, f"allocate({seq_id!r}, {num_tokens})")
-        pages = [self._take_page() for _ in range(needed)]
-        self._add_seq(seq_id, _Seq(pages=pages, num_tokens=num_tokens))
+        self._pool.ensure_available(needed, f"allocate({seq_id!r}, {num_tokens})")
+        pages = [self._pool.take() for _ in range(needed)]
+        self._add_seq(seq_id, SeqRecord(pages=pages, num_tokens=num_tokens))
 
     def allocate_with_prefix(
         self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
@@ -254,14 +248,14 @@ class BlockAllocator(SwapMixin):
         """
         self._check_new(seq_id, "allocate_with_prefix")
         hashes, hit_pages, needed = self._prefix_plan(token_ids, salt)
-        self._ensure_available(needed, f"allocate_with_prefix({seq_id!r}, {len(token_ids)})")
+        self._pool.ensure_available(needed, f"allocate_with_prefix({seq_id!r}, {len(token_ids)})")
         for page in hit_pages:
-            if self._refcount[page] == 0:
-                self._cache.take_back(page)
-            self._refcount[page] += 1
+            if self._pool.refcount[page] == 0:
+                self._pool.cache.take_back(page)
+            self._pool.refcount[page] += 1
         fresh = self._pages_for(len(token_ids)) - len(hit_pages)
-        pages = hit_pages + [self._take_page() for _ in range(fresh)]
-        seq = _Seq(pages=pages, num_tokens=len(token_ids), hashes=hashes[: len(hit_pages)])
+        pages = hit_pages + [self._pool.take() for _ in range(fresh)]
+        seq = SeqRecord(pages=pages, num_tokens=len(token_ids), hashes=hashes[: len(hit_pages)])
         seq.salt = salt
         self._add_seq(seq_id, seq)
         cached = len(hit_pages) * self.page_size
@@ -278,7 +272,7 @@ class BlockAllocator(SwapMixin):
         At most ``len(token_ids) - 1`` tokens match (the last one must be computed).
         """
         hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
-        pages = self._cache.lookup(hashes)
+        pages = self._pool.cache.lookup(hashes)
         return len(pages) * self.page_size, pages
 
     def commit_full_pages(
@@ -309,13 +303,15 @@ class BlockAllocator(SwapMixin):
         old = len(seq.hashes)
         hashes = hash_chain(token_ids, self.page_size, full, salt, parents=seq.hashes)
         for i in range(old, full):
-            cached = self._cache.page_hash.get(seq.pages[i])
+            cached = self._pool.cache.page_hash.get(seq.pages[i])
             if cached is not None and cached != hashes[i]:
                 raise AllocatorError(
                     f"commit_full_pages({seq_id!r}): token ids of page {i} disagree with "
                     f"the cached contents of page {seq.pages[i]}"
                 )
-        registered = sum(self._cache.register(seq.pages[i], hashes[i]) for i in range(old, full))
+        registered = sum(
+            self._pool.cache.register(seq.pages[i], hashes[i]) for i in range(old, full)
+        )
         seq.hashes = hashes if full > old else seq.hashes
         return registered
 
@@ -362,14 +358,14 @@ class BlockAllocator(SwapMixin):
             )
         keep = self._pages_for(num_tokens)
         for page in reversed(seq.pages[keep:]):
-            self._release(page)
+            self._pool.release(page)
         del seq.pages[keep:]
         seq.num_tokens = num_tokens
         del seq.hashes[num_tokens // self.page_size :]
         if num_tokens % self.page_size and keep:
             last = seq.pages[-1]  # now partial: it will be written again
-            if self._refcount[last] == 1 and self._cache.is_cached(last):
-                self._cache.uncache(last)
+            if self._pool.refcount[last] == 1 and self._pool.cache.is_cached(last):
+                self._pool.cache.uncache(last)
         self._dirty.add(seq_id)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -382,8 +378,10 @@ class BlockAllocator(SwapMixin):
         self._check_new(child_id, "fork")
         pages = parent.pages[: self._pages_for(parent.num_tokens)]
         for page in pages:
-            self._refcount[page] += 1
-        child = _Seq(pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes))
+            self._pool.refcount[page] += 1
+        child = SeqRecord(
+            pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes)
+        )
         child.salt = parent.salt
         self._add_seq(child_id, child)
 
@@ -398,13 +396,78 @@ class BlockAllocator(SwapMixin):
                 raise AllocatorError(f"free({seq_id!r}): double free (already freed)")
             self._unknown(seq_id, "free")
         seq = self._seqs.pop(seq_id)
-        release = self._release_host if seq.swapped else self._release
+        release = self._host.release if seq.swapped else self._pool.release
         for page in reversed(seq.pages):
             release(page)
         self._freed_ids[seq_id] = None
         if len(self._freed_ids) > 65536:
             self._freed_ids.popitem(last=False)
         self._dirty.add(seq_id)
+
+    # ------------------------------------------------------------------ swap
+
+    def host_block_table(self, seq_id: Hashable) -> list[int]:
+        """The host swap slots holding a swapped-out ``seq_id``'s pages (a copy).
+
+        Raises:
+          AllocatorError: unknown sequence, or the sequence is not swapped out.
+        """
+        seq = self._get(seq_id, "host_block_table", allow_swapped=True)
+        if not seq.swapped:
+            raise AllocatorError(f"host_block_table({seq_id!r}): sequence is not swapped out")
+        return list(seq.pages)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._get(seq_id, "is_swapped", allow_swapped=True).swapped
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        """Whether the host pool has room for the (distinct) pages of ``seq_ids``."""
+        seqs = self._group(seq_ids, "can_swap_out", swapped=False)
+        return len(group_pages(seqs, self.page_size)) <= len(self._host.free)
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable], *, keep_free: int = 0) -> bool:
+        """Whether the device pool has room (above the watermark and ``keep_free`` more
+        pages) to swap ``seq_ids`` in."""
+        seqs = self._group(seq_ids, "can_swap_in", swapped=True)
+        needed = len(group_pages(seqs, self.page_size))
+        return needed <= self.num_free_pages - self.watermark_pages - keep_free
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> CopyPairs:
+        """Moves the sequences ``seq_ids`` to the host pool.
+
+        Pages shared inside the group move once; reserved lookahead pages are released.
+
+        Returns:
+          ``(device_page, host_slot)`` pairs: gather these pages (`jpaged.gather_pages`) into
+          the host slots before anything else writes to the pool.
+
+        Raises:
+          AllocatorError: unknown, repeated or already swapped sequences.
+          OutOfPagesError: the host pool has too few free slots (nothing changes).
+        """
+        ids = list(seq_ids)
+        seqs = self._group(ids, "swap_out", swapped=False)
+        op = f"swap_out({ids!r}) on the host pool"
+        pairs = self._host.swap_out(seqs, self._pool, self.page_size, op)
+        self._dirty.update(ids)
+        return pairs
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> CopyPairs:
+        """Moves swapped-out sequences back to device pages (the watermark is not applied).
+
+        Returns:
+          ``(host_slot, device_page)`` pairs to copy to the device (`jpaged.scatter_pages`)
+          before the sequences run.
+
+        Raises:
+          AllocatorError: unknown, repeated or not swapped sequences.
+          OutOfPagesError: the device pool has too few pages (nothing changes).
+        """
+        ids = list(seq_ids)
+        seqs = self._group(ids, "swap_in", swapped=True)
+        pairs = self._host.swap_in(seqs, self._pool, self.page_size, f"swap_in({ids!r})")
+        self._dirty.update(ids)
+        return pairs
 
     # ------------------------------------------------------------------ invariants
 
@@ -415,14 +478,14 @@ class BlockAllocator(SwapMixin):
         tables holding it; no page is both free and referenced or cached; the hash maps
         are inverse; tables cover their lengths; the same for the host pool.
         """
-        errors = invariant_errors(self)
+        errors = invariant_errors(self._seqs, self._pool, self._host, self.page_size)
         if errors:
             raise AllocatorInvariantError("; ".join(errors))
 
     # ------------------------------------------------------------------ internals
 
     def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def _count(self, n: int, op: str) -> int:
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
@@ -432,7 +495,7 @@ class BlockAllocator(SwapMixin):
     def _unknown(self, seq_id: Hashable, op: str = "num_tokens"):
         raise AllocatorError(f"{op}({seq_id!r}): unknown sequence {seq_id!r}")
 
-    def _get(self, seq_id: Hashable, op: str, *, allow_swapped: bool = False) -> _Seq:
+    def _get(self, seq_id: Hashable, op: str, *, allow_swapped: bool = False) -> SeqRecord:
         seq = self._seqs.get(seq_id)
         if seq is None:
             self._unknown(seq_id, op)
@@ -440,75 +503,58 @@ class BlockAllocator(SwapMixin):
             raise AllocatorError(f"{op}({seq_id!r}): sequence is swapped out; swap it in first")
         return seq
 
+    def _group(self, seq_ids: Iterable[Hashable], op: str, *, swapped: bool) -> list[SeqRecord]:
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise AllocatorError(f"{op}: repeated sequence ids in {ids!r}")
+        seqs = [self._get(i, op, allow_swapped=True) for i in ids]
+        for seq_id, seq in zip(ids, seqs, strict=True):
+            if seq.swapped != swapped:
+                state = "already swapped out" if seq.swapped else "not swapped out"
+                raise AllocatorError(f"{op}({seq_id!r}): sequence is {state}")
+        return seqs
+
     def _check_new(self, seq_id: Hashable, op: str) -> None:
         if seq_id in self._seqs:
             raise AllocatorError(f"{op}: sequence {seq_id!r} already exists")
 
-    def _add_seq(self, seq_id: Hashable, seq: _Seq) -> None:
+    def _add_seq(self, seq_id: Hashable, seq: SeqRecord) -> None:
         self._seqs[seq_id] = seq
         self._freed_ids.pop(seq_id, None)
         self._dirty.add(seq_id)
 
-    def _out_of_pages(self, op: str, needed: int, free: int, total: int) -> OutOfPagesError:
-        err = OutOfPagesError(
-            f"{op} needs {needed} pages but only {free} of {total} are available "
-            f"(free plus evictable cached pages)"
-        )
-        err.needed, err.free, err.total = needed, free, total
-        return err
-
-    def _ensure_available(self, needed: int, op: str) -> None:
-        if needed > self.num_free_pages:
-            raise self._out_of_pages(op, needed, self.num_free_pages, self.num_pages)
-
-    def _take_page(self, refcount: int = 1) -> int:
-        page = self._free.pop() if self._free else self._cache.evict()
-        self._refcount[page] = refcount
-        return page
-
-    def _release(self, page: int) -> None:
-        self._refcount[page] -= 1
-        if self._refcount[page] == 0:
-            if self._cache.is_cached(page):
-                self._cache.park(page)
-            else:
-                self._free.append(page)
-
-    def _writable(self, page: int) -> bool:
-        return self._refcount[page] == 1 and not self._cache.is_cached(page)
-
-    def _growth_pages(self, seq: _Seq, end: int) -> int:
+    def _growth_pages(self, seq: SeqRecord, end: int) -> int:
         """New pages needed so positions ``[num_tokens, end)`` are on private pages."""
         if end <= seq.num_tokens:
             return 0
         first = seq.num_tokens // self.page_size
         needed = max(0, self._pages_for(end) - len(seq.pages))
         for i in range(first, min(len(seq.pages), self._pages_for(end))):
-            needed += not self._writable(seq.pages[i])
+            needed += not self._pool.writable(seq.pages[i])
         return needed
 
-    def _make_writable(self, seq: _Seq, end: int, op: str) -> CopyPairs:
+    def _make_writable(self, seq: SeqRecord, end: int, op: str) -> CopyPairs:
         if end <= seq.num_tokens:
             return []
         first, last = seq.num_tokens // self.page_size, self._pages_for(end)
         if last <= len(seq.pages) and all(
-            self._writable(seq.pages[i]) for i in range(first, last)
+            self._pool.writable(seq.pages[i]) for i in range(first, last)
         ):  # within pages already held and private (e.g. a reservation): nothing to do
             return []
-        self._ensure_available(self._growth_pages(seq, end), op)
+        self._pool.ensure_available(self._growth_pages(seq, end), op)
         pairs: CopyPairs = []
         first, last = seq.num_tokens // self.page_size, self._pages_for(end)
         for i in range(first, min(len(seq.pages), last)):
             old = seq.pages[i]
-            if self._writable(old):
+            if self._pool.writable(old):
                 continue
-            new = self._take_page()
+            new = self._pool.take()
             if i * self.page_size < seq.num_tokens:  # holds tokens this sequence keeps
                 pairs.append((old, new))
                 self._cow_copies += 1
-            self._release(old)
+            self._pool.release(old)
             seq.pages[i] = new
-        seq.pages.extend(self._take_page() for _ in range(last - len(seq.pages)))
+        seq.pages.extend(self._pool.take() for _ in range(last - len(seq.pages)))
         return pairs
 
     def _max_hit_pages(self, token_ids: Sequence[int]) -> int:
@@ -519,6 +565,6 @@ class BlockAllocator(SwapMixin):
     ) -> tuple[list[bytes], list[int], int]:
         """(hashes, cached pages, pages needed from the pool) for a prompt."""
         hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
-        hit = self._cache.lookup(hashes)
-        revived = sum(1 for p in hit if self._refcount[p] == 0)  # leave the evictable LRU
+        hit = self._pool.cache.lookup(hashes)
+        revived = sum(1 for p in hit if self._pool.refcount[p] == 0)  # leave the evictable LRU
         return hashes, hit, self._pages_for(len(token_ids)) - len(hit) + revived

@@ -388,7 +388,7 @@ def test_written_cache_feeds_paged_attention():
         assert_close(out, want, jnp.float32, err_msg=f"layer {layer}")
 
 
-@pytest.mark.parametrize("module", ["jpaged._cache", "jpaged._block_table"])
+@pytest.mark.parametrize("module", ["jpaged.kv.cache", "jpaged.kv.block_table"])
 def test_doctests(module):
     import doctest
     import importlib

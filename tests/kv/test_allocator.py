@@ -21,7 +21,7 @@ C = 4
 
 def _state(alloc: BlockAllocator):
     seqs = {k: (list(s.pages), s.num_tokens, s.swapped) for k, s in alloc._seqs.items()}
-    return seqs, list(alloc._free), list(alloc._refcount), alloc.stats()
+    return seqs, list(alloc._pool.free), list(alloc._pool.refcount), alloc.stats()
 
 
 # ----------------------------------------------------------------------------- basics
@@ -252,8 +252,8 @@ def test_check_invariants_reports_corruption():
     alloc = BlockAllocator(6, C, num_host_pages=2)
     alloc.allocate("a", 5)
     alloc.check_invariants()
-    alloc._refcount[1] += 1  # a leaked reference
-    alloc._free.append(0)  # a page both free and referenced
+    alloc._pool.refcount[1] += 1  # a leaked reference
+    alloc._pool.free.append(0)  # a page both free and referenced
     with pytest.raises(AllocatorInvariantError, match=r"page 1: refcount 2 != 1") as info:
         alloc.check_invariants()
     assert "free&referenced=[0]" in str(info.value)
@@ -475,7 +475,9 @@ def test_public_names_exported():
     assert jpaged.AllocatorStats is type(BlockAllocator(1, 1).stats())
 
 
-@pytest.mark.parametrize("module", ["jpaged._allocator", "jpaged._prefix_cache"])
+@pytest.mark.parametrize(
+    "module", ["jpaged.kv.allocator", "jpaged.kv.prefix_cache", "jpaged.kv.seq_record"]
+)
 def test_doctests(module):
     import doctest
     import importlib
