@@ -31,11 +31,11 @@ from jpaged import models as models
 from jpaged.models._protocol import AttentionMetadata as AttentionMetadata
 
 # --- engine ---
-from jpaged._sampling import BeamSearchParams as BeamSearchParams
-from jpaged._sampling import SamplingParams as SamplingParams
-from jpaged._engine import LLM as LLM
-from jpaged._engine import CompletionOutput as CompletionOutput
-from jpaged._engine import RequestOutput as RequestOutput
-from jpaged._step import default_compiler_options as default_compiler_options
+from jpaged.engine.sampling import BeamSearchParams as BeamSearchParams
+from jpaged.engine.sampling import SamplingParams as SamplingParams
+from jpaged.engine.llm import LLM as LLM
+from jpaged.engine.outputs import CompletionOutput as CompletionOutput
+from jpaged.engine.outputs import RequestOutput as RequestOutput
+from jpaged.engine.runner import default_compiler_options as default_compiler_options
 
 __version__ = "0.1.0"

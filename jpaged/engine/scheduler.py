@@ -1,11 +1,4 @@
-"""Requests and the scheduler: continuous batching, chunked prefill, admission, preemption.
-
-One scheduling unit is a *request* (a prompt with its ``n`` completions or its beams); its
-*sequences* are the token streams that own pages in the allocator. Each sequence carries
-``tokens`` (prompt + generated) and ``num_computed`` (tokens whose K/V are in the cache);
-a step computes ``num_new`` more of them, so prefill, chunked prefill, decode and
-recomputation after preemption are one mechanism (vLLM v1's). A sequence samples a token
-in the step where its ``num_computed`` reaches ``len(tokens)``.
+"""The scheduler: continuous batching, chunked prefill, admission and preemption, as a plan.
 
 Per step (``Scheduler.schedule``), under a token budget ``max_num_batched_tokens`` and at
 most ``max_num_seqs`` sequences:
@@ -13,16 +6,20 @@ most ``max_num_seqs`` sequences:
 1. Running requests, oldest first, get their next tokens (one per decoding sequence, a chunk
    for a prefilling one). When the pool runs out, the youngest running request is
    preempted, by recompute (pages freed, tokens computed again later) or by swap (pages
-   copied to host memory, restored later), chosen per request by cost; see ``_preempt``.
+   moved to the host swap space, restored later), chosen per request by cost; see
+   ``_preempt``.
 2. If nothing was preempted, waiting requests (swapped ones first, then new ones, FCFS)
    are admitted while the pool has room above the watermark and the running sequences'
    lookahead (``lookahead_tokens`` each: the engine's multi-step decode reserves that many
    positions ahead; admitting into that room would turn every decode loop back into single
    steps once the pool fills).
 
-The allocator is the single authority over pages; the scheduler never writes a page
-itself. Copy-on-write pairs and swap transfers are handed to callbacks that run them on
-device immediately, so they are ordered before any later use of the pages.
+The scheduler works on the host only: it changes the allocator (the single authority over
+pages) and returns a `StepPlan`, data the engine applies: the sequences and token counts
+that run, the preemptions, and the device page operations the allocator emitted (swap-outs,
+copy-on-write copies, swap-ins) in the order it emitted them. The engine runs those page
+operations in that order, and before the step writes the pool: a swap-out's gather reads
+its pages before a later copy or write can reuse them.
 """
 
 from __future__ import annotations
@@ -30,116 +27,12 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import enum
-from collections.abc import Callable
-from typing import Any
 
 from jpaged._errors import OutOfPagesError
-from jpaged._sampling import BeamSearchParams, SamplingParams
+from jpaged.engine.requests import Request, Sequence, Status
+from jpaged.kv.allocator import BlockAllocator
 
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One token stream with pages in the allocator.
-
-    Attributes:
-      seq_id: the allocator's id.
-      index: completion index within its request (n > 1), or beam slot.
-      tokens: prompt + generated token ids.
-      num_prompt: prompt length.
-      seed: sampling seed.
-      num_computed: tokens whose K/V are in the cache.
-      finish_reason: None while running; "stop", "length", "abort" or "error".
-      cumulative_logprob: sum of the log-probabilities of the generated tokens.
-    """
-
-    seq_id: int
-    index: int
-    tokens: list[int]
-    num_prompt: int
-    seed: int
-    num_computed: int = 0
-    finish_reason: str | None = None
-    cumulative_logprob: float = 0.0
-    num_committed: int = 0  # tokens of full pages registered in the prefix cache
-    detokenizer: Any = None  # the engine's incremental ``Detokenizer`` of the output text
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """A prompt and its completions (or beams).
-
-    Attributes:
-      request_id: caller's id.
-      prompt: prompt token ids.
-      params: ``SamplingParams`` or ``BeamSearchParams``.
-      arrival: admission order key (monotone).
-      seqs: live and finished sequences (for beam search: the live beams).
-      status: see ``Status``.
-      error: the message when the request failed.
-      num_preemptions: how often it was preempted.
-      swapped: host copies of its pages while swapped out (engine-owned).
-      beam: the beam-search state (``jpaged._beam.BeamState``) or None.
-      prompt_text: the prompt string, when given as text.
-      salt: prefix-cache salt.
-      stop_ids: the token ids that stop a sequence (its stop tokens, and the engine's EOS
-        unless ``ignore_eos``), set by the engine at admission.
-    """
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams | BeamSearchParams
-    arrival: int
-    seqs: list[Sequence] = dataclasses.field(default_factory=list)
-    status: Status = Status.WAITING
-    error: str | None = None
-    num_preemptions: int = 0
-    swapped: Any = None
-    beam: Any = None
-    prompt_text: str | None = None
-    salt: str | None = None
-    forked: bool = False
-    refork: bool = False
-    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
-    stop_ids: frozenset[int] = frozenset()  # tokens that stop it (EOS unless ignored)
-
-    def __post_init__(self):
-        self.is_beam = isinstance(self.params, BeamSearchParams)
-
-    @property
-    def fan_out(self) -> int:
-        """Sequences the prompt forks into once prefilled (n, or the beam width)."""
-        return self.params.beam_width if self.is_beam else self.params.n
-
-    def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.finished]
-
-    @property
-    def finished(self) -> bool:
-        return self.status == Status.FINISHED
+__all__ = ["PageOp", "PreemptionEvent", "Scheduled", "Scheduler", "StepPlan"]
 
 
 @dataclasses.dataclass
@@ -155,15 +48,48 @@ class Scheduled:
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class PageOp:
+    """One device page operation of a plan.
+
+    Attributes:
+      kind: "swap_out" (``(device_page, host_slot)`` pairs: gather the pages to the host),
+        "copy" (``(src, dst)`` pages: copy-on-write) or "swap_in" (``(host_slot,
+        device_page)`` pairs: scatter host pages back).
+      pairs: the pairs, as the allocator returned them.
+      request_id: the request whose pages move (swaps), else None.
+    """
+
+    kind: str
+    pairs: tuple[tuple[int, int], ...]
+    request_id: str | None = None
+
+
 @dataclasses.dataclass
-class SchedulerOutput:
+class StepPlan:
+    """What one step runs, as data; the engine applies it.
+
+    Attributes:
+      scheduled: each running sequence's share of the step (oldest request first).
+      num_tokens: total new tokens of ``scheduled``.
+      preempted: ``(request_id, mode)`` of the requests preempted while planning ("swap",
+        "recompute", or "error" past ``max_preemptions``).
+      page_ops: device page operations, in the order the allocator emitted them; the engine
+        runs them in this order before the step.
+    """
+
     scheduled: list[Scheduled] = dataclasses.field(default_factory=list)
     num_tokens: int = 0
     preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    page_ops: list[PageOp] = dataclasses.field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
         return all(s.num_new == 1 for s in self.scheduled)
+
+    def pairs(self, kind: str) -> list[tuple[int, int]]:
+        """Every pair of the page operations of ``kind``, in order."""
+        return [pair for op in self.page_ops if op.kind == kind for pair in op.pairs]
 
 
 @dataclasses.dataclass
@@ -175,40 +101,37 @@ class PreemptionEvent:
 
 
 class Scheduler:
-    """Continuous batching over a ``BlockAllocator``.
+    """Continuous batching over a ``BlockAllocator``; ``schedule`` returns a `StepPlan`.
 
     Args:
-      allocator: the ``jpaged.BlockAllocator``.
+      allocator: the ``jpaged.BlockAllocator`` (its ``bytes_per_page`` prices swaps).
       max_num_seqs: most sequences in one step.
       max_num_batched_tokens: token budget of one step (chunked prefill beyond it).
       preemption_mode: "auto" (cheaper of the two per request), "recompute" or "swap".
-      swap: engine callbacks ``swap_out(request) -> bytes`` (copies the request's pages to
-        host, then frees them) and ``swap_in(request)`` (allocates and restores them; raises
-        ``OutOfPagesError`` without side effects when they do not fit), and
-        ``swap_cost(request) -> (bytes, seconds)``.
-      on_copies: called with copy-on-write ``(src, dst)`` pairs as the allocator emits them.
-      recompute_tokens_per_s: prefill throughput assumed by the cost model.
+      enable_prefix_caching: admission reuses cached pages of equal prompt prefixes.
+      swap_bytes_per_s, recompute_tokens_per_s: the cost model of "auto" preemption
+        (a swap moves the bytes out and back; a recompute prefills the computed tokens).
       swap_space_bytes: host memory available for swapped pages.
       max_preemptions: a request preempted more often than this fails ("error"), so an
         undersized pool cannot livelock.
       max_events: preemption events kept in ``events`` (the latest ones).
       lookahead_tokens: positions each running sequence may reserve ahead of its length
         (multi-step decode); admission keeps the pages they need free.
+
+    Raises:
+      ValueError: an unknown ``preemption_mode`` or a negative ``lookahead_tokens``.
     """
 
     def __init__(
         self,
-        allocator,
+        allocator: BlockAllocator,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "auto",
-        swap_out: Callable[[Request], int],
-        swap_in: Callable[[Request], None],
-        swap_cost: Callable[[Request], tuple[int, float]],
-        recompute_cost: Callable[[Request], tuple[int, float]],
-        on_copies: Callable[[list], None],
-        on_admit: Callable[[Request], None],
+        enable_prefix_caching: bool = True,
+        swap_bytes_per_s: float = 16e9,
+        recompute_tokens_per_s: float = 20e3,
         swap_space_bytes: int = 1 << 30,
         max_preemptions: int = 64,
         max_events: int = 4096,
@@ -220,9 +143,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self._swap_out, self._swap_in = swap_out, swap_in
-        self._swap_cost, self._recompute_cost = swap_cost, recompute_cost
-        self._on_copies, self._on_admit = on_copies, on_admit
+        self.enable_prefix_caching = enable_prefix_caching
+        self._swap_bps, self._recompute_tps = swap_bytes_per_s, recompute_tokens_per_s
         self.swap_space_bytes = swap_space_bytes
         self.max_preemptions = max_preemptions
         if not isinstance(lookahead_tokens, int) or lookahead_tokens < 0:
@@ -269,8 +191,8 @@ class Scheduler:
 
     def _release(self, request: Request, reason: str) -> None:
         if request.status == Status.SWAPPED:
-            self.swapped_bytes -= request.swapped["bytes"]
-            request.swapped = None
+            self.swapped_bytes -= request.swapped_pages * self.alloc.bytes_per_page
+            request.swapped_pages = 0
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = reason
@@ -296,9 +218,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
+        """Plans one step (changing the allocator); the engine applies the returned plan."""
         self.step_index += 1
-        out = SchedulerOutput()
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -308,7 +231,7 @@ class Scheduler:
             if plan is None:  # no room in this step's budget; keep its pages, try next step
                 i += 1
                 continue
-            if self._grow(req, plan):
+            if self._grow(req, plan, out):
                 out.scheduled.extend(plan)
                 used = sum(p.num_new for p in plan)
                 budget -= used
@@ -321,7 +244,7 @@ class Scheduler:
             if victim is req and len(self.running) == 1:
                 self.fail(req, self._cannot_fit_message(req))
                 continue
-            mode = self._preempt(victim)
+            mode = self._preempt(victim, out)
             out.preempted.append((victim.request_id, mode))
             out.scheduled = [s for s in out.scheduled if s.request is not victim]
             # `i` stays: retry `req` (or move on if it was the victim and got removed).
@@ -369,8 +292,9 @@ class Scheduler:
                 budget -= num_new
         return plan or None
 
-    def _grow(self, req: Request, plan: list[Scheduled]) -> bool:
-        """Gives each planned sequence slots for its new tokens; all or nothing."""
+    def _grow(self, req: Request, plan: list[Scheduled], out: StepPlan) -> bool:
+        """Gives each planned sequence slots for its new tokens; all or nothing (copies
+        already emitted stay in ``out``: the pages they fill stay in the tables)."""
         grown: list[tuple[Scheduled, int]] = []
         for p in plan:
             held = self.alloc.num_tokens(p.seq.seq_id)
@@ -384,7 +308,7 @@ class Scheduler:
                     self.alloc.truncate(g.seq.seq_id, before)
                 return False
             if copies:
-                self._on_copies(copies)
+                out.page_ops.append(PageOp("copy", tuple(copies)))
             grown.append((p, held))
         return True
 
@@ -456,7 +380,7 @@ class Scheduler:
         keep = self.lookahead_pages(ahead) + self._own_lookahead(req) if self.running else 0
         return self._fits(req, keep)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: StepPlan, budget: int) -> None:
         reserve = None  # the running sequences' lookahead, computed once something waits
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -467,14 +391,10 @@ class Scheduler:
                 reserve = self.lookahead_pages()
             keep = reserve + self._own_lookahead(req) if self.running else 0
             if req.status == Status.SWAPPED:
-                if not self._fits(req, keep):
+                if not self._fits(req, keep) or not self._swap_in(req, out):
                     return
-                try:
-                    self._swap_in(req)
-                except OutOfPagesError:
-                    return
-                self.swapped_bytes -= req.swapped["bytes"]
-                req.swapped = None
+                self.swapped_bytes -= req.swapped_pages * self.alloc.bytes_per_page
+                req.swapped_pages = 0
             else:
                 if not self._allocate_fresh(req, budget, keep):
                     return
@@ -485,7 +405,7 @@ class Scheduler:
             # youngest (by arrival) is always the next victim.
             bisect.insort_right(self.running, req, key=lambda r: r.arrival)
             plan = self._plan(req, budget, seq_room)
-            if plan is None or not self._grow(req, plan):
+            if plan is None or not self._grow(req, plan, out):
                 continue  # admitted; it gets its tokens next step
             out.scheduled.extend(plan)
             used = sum(p.num_new for p in plan)
@@ -499,7 +419,7 @@ class Scheduler:
         if len(seqs) == 1 and not self._fits(req, keep):
             return False
         try:
-            self._on_admit(req)  # creates the sequences (all or nothing)
+            self._create_seqs(req)  # all or nothing
         except OutOfPagesError:
             return False
         if self.alloc.num_free_pages < self.alloc.watermark_pages + keep and self.running:
@@ -509,9 +429,48 @@ class Scheduler:
             return False
         return True
 
+    def _create_seqs(self, req: Request) -> None:
+        """Creates the request's admitted sequences in the allocator (all or nothing)."""
+        done = []
+        try:
+            for seq in self._admitted_seqs(req):
+                tokens = req.prompt if req.refork else seq.tokens
+                seq.num_committed = 0
+                if self.enable_prefix_caching:
+                    cached = self.alloc.allocate_with_prefix(seq.seq_id, tokens, req.salt)
+                    seq.num_computed = cached
+                    if req.num_cached_tokens is None:
+                        req.num_cached_tokens = cached
+                else:
+                    self.alloc.allocate(seq.seq_id, len(tokens))
+                    seq.num_computed = 0
+                done.append(seq)
+        except OutOfPagesError:
+            for seq in done:
+                self.alloc.free(seq.seq_id)
+                seq.num_computed = 0
+            raise
+
+    def _swap_in(self, req: Request, out: StepPlan) -> bool:
+        """Swaps a swapped-out request back in (a "swap_in" page operation); False when its
+        pages do not fit yet. Keeps one page per sequence that will run free beyond them, so
+        the next decode step does not preempt it right back (swap ping-pong when the pool is
+        nearly full)."""
+        ids = [s.seq_id for s in req.live_seqs()]
+        running = self.running
+        headroom = sum(len(r.live_seqs()) for r in running) + len(ids) if running else 0
+        if (
+            not self.alloc.can_swap_in(ids)
+            or self.alloc.num_free_pages - req.swapped_pages < headroom
+        ):
+            return False
+        pairs = self.alloc.swap_in(ids)
+        out.page_ops.append(PageOp("swap_in", tuple(pairs), req.request_id))
+        return True
+
     # ------------------------------------------------------------------ preemption
 
-    def _preempt(self, req: Request) -> str:
+    def _preempt(self, req: Request, out: StepPlan) -> str:
         req.num_preemptions += 1
         self.running.remove(req)
         if req.num_preemptions > self.max_preemptions:
@@ -519,8 +478,10 @@ class Scheduler:
             return "error"
         mode = self._choose_mode(req)
         if mode == "swap":
-            moved = self._swap_out(req)
-            req.swapped["bytes"] = moved
+            pairs = self.alloc.swap_out([s.seq_id for s in req.live_seqs()])
+            out.page_ops.append(PageOp("swap_out", tuple(pairs), req.request_id))
+            req.swapped_pages = len(pairs)
+            moved = len(pairs) * self.alloc.bytes_per_page
             self.swapped_bytes += moved
             req.status = Status.SWAPPED
             self.counters["swapped_out_bytes"] += moved
@@ -554,3 +515,20 @@ class Scheduler:
             return "swap" if fits else "recompute"
         _, recompute_s = self._recompute_cost(req)
         return "swap" if fits and swap_s < recompute_s else "recompute"
+
+    def _swap_cost(self, req: Request) -> tuple[int, float]:
+        """(bytes, seconds) of swapping the request out and back; huge when it cannot."""
+        ids = [s.seq_id for s in req.live_seqs()]
+        if not ids or self.alloc.num_host_pages == 0 or not self.alloc.can_swap_out(ids):
+            return 1 << 62, float("inf")
+        C = self.alloc.page_size
+        pages = {
+            p for i in ids for p in self.alloc.block_table(i)[: -(-self.alloc.num_tokens(i) // C)]
+        }
+        nbytes = len(pages) * self.alloc.bytes_per_page
+        return nbytes, 2 * nbytes / self._swap_bps
+
+    def _recompute_cost(self, req: Request) -> tuple[int, float]:
+        """(tokens, seconds) of computing the request's cached tokens again."""
+        tokens = sum(s.num_computed for s in req.live_seqs())
+        return tokens, tokens / self._recompute_tps

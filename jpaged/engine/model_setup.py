@@ -10,13 +10,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from jpaged.models import LlamaForCausalLM, ModelConfig
+
+__all__ = ["default_kv_bytes", "model_dtype", "read_eos", "with_params"]
 
 
-def _with_params(model: Any, params: Any) -> Any:
-    from flax import nnx
+def with_params(model: Any, params: Any) -> Any:
+    """The model to serve: built from a ``ModelConfig`` and ``params``, or ``model`` with
+    ``params`` (an ``nnx.State``) loaded into it.
 
-    from jpaged.models import LlamaForCausalLM, ModelConfig
-
+    Raises:
+      ValueError: a ``ModelConfig`` without params, or params for a non-NNX model.
+    """
     if isinstance(model, ModelConfig):
         if params is None:
             raise ValueError("a ModelConfig needs params= (parameter arrays by name)")
@@ -28,7 +35,8 @@ def _with_params(model: Any, params: Any) -> Any:
     return model
 
 
-def _default_kv_bytes() -> int:
+def default_kv_bytes() -> int:
+    """60% of the device memory left (512 MiB where the backend reports none)."""
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # backends without memory stats
@@ -39,7 +47,8 @@ def _default_kv_bytes() -> int:
     return max(int(0.6 * (limit - used)), 1 << 20)
 
 
-def _model_dtype(model) -> Any:
+def model_dtype(model) -> Any:
+    """The model's floating dtype (its embedding's, else its first float leaf's)."""
     leaves = jax.tree.leaves(getattr(model, "embed_VD", None) or model)
     for leaf in leaves:
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -47,7 +56,8 @@ def _model_dtype(model) -> Any:
     return jnp.float32
 
 
-def _read_eos(path: pathlib.Path) -> list[int] | None:
+def read_eos(path: pathlib.Path) -> list[int] | None:
+    """The checkpoint's end-of-sequence ids (generation_config.json, then config.json)."""
     for name in ("generation_config.json", "config.json"):
         f = path / name
         if f.is_file():

@@ -1,5 +1,10 @@
 """``jpaged.LLM``: the serving engine's user API (vLLM-shaped) and its step loop.
 
+The facade builds the parts and drives them, one engine step at a time: the `Scheduler`
+plans (`StepPlan`), the `KVManager` runs the plan's page operations, and the plan runs as
+one device call (`StepExecutor`) or starts a chain of decode loops (`DecodeChain`); the
+`TokenAppender` applies the sampled tokens.
+
 >>> import jpaged
 >>> llm = jpaged.LLM("tests/checkpoints/llama2", page_size=8, num_pages=64, max_num_seqs=8,
 ...                  max_model_len=64)
@@ -28,31 +33,29 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpaged import _beam
-from jpaged._detokenize import Detokenizer
-from jpaged._engine_loop import DecodeLoopMixin
-from jpaged._engine_setup import _default_kv_bytes, _model_dtype, _read_eos, _with_params
-from jpaged._engine_step import StepMixin, _sampling_arrays
-from jpaged._outputs import CompletionOutput as CompletionOutput
-from jpaged._outputs import RequestOutput as RequestOutput
-from jpaged._sampling import BeamSearchParams, SamplingParams
-from jpaged._scheduler import Request, Scheduler, Status
-from jpaged._scheduler import Sequence as Seq
-from jpaged._step import (
-    SAMPLING_MODES,
-    LoopBatch,
-    Runner,
-    bucket,
-    build_step_batch,
-    default_compiler_options,
-)
+from jpaged.engine import beam
+from jpaged.engine.appender import TokenAppender
+from jpaged.engine.counters import Counters
+from jpaged.engine.decode_chain import DecodeChain
+from jpaged.engine.kv_manager import KVManager
+from jpaged.engine.model_setup import default_kv_bytes, model_dtype, read_eos, with_params
+from jpaged.engine.outputs import RequestOutput, request_output
+from jpaged.engine.requests import Request, Status
+from jpaged.engine.requests import Sequence as Seq
+from jpaged.engine.runner import Runner, default_compiler_options
+from jpaged.engine.sampling import BeamSearchParams, SamplingParams
+from jpaged.engine.scheduler import Scheduler
+from jpaged.engine.step import StepExecutor
+from jpaged.engine.warmup import warmup_programs
 from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.cache import PagedKVCache, pages_for_budget
+
+__all__ = ["LLM"]
 
 Prompt = Sequence[int] | str
 
 
-class LLM(StepMixin, DecodeLoopMixin):
+class LLM:
     """A paged-KV-cache LLM engine: continuous batching, sharing, prefix cache, preemption.
 
     Args:
@@ -90,6 +93,14 @@ class LLM(StepMixin, DecodeLoopMixin):
       keep_finished: finished requests whose outputs ``get_output`` still returns; older
         ones are dropped (a long-running server's memory stays bounded). Unfinished requests
         are always kept, and ``generate``/``stream`` return every output they started.
+
+    Attributes:
+      model: the model served.
+      alloc: the host `jpaged.BlockAllocator`.
+      cache: the device `jpaged.PagedKVCache` (held by ``kv``).
+      kv: the `KVManager` (allocator, pool, host swap space).
+      scheduler: the `Scheduler`.
+      runner: the `Runner` of the jitted step programs.
     """
 
     def __init__(
@@ -126,9 +137,9 @@ class LLM(StepMixin, DecodeLoopMixin):
             self.model = from_pretrained(path, dtype=dtype)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
             if eos_token_id is None:
-                eos_token_id = _read_eos(path)
+                eos_token_id = read_eos(path)
         else:
-            self.model = _with_params(model, params)
+            self.model = with_params(model, params)
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -153,23 +164,18 @@ class LLM(StepMixin, DecodeLoopMixin):
         self.page_size = C = page_size
         self.width = W = math.ceil(self.max_model_len / C)
         if cache_dtype is None:
-            cache_dtype = _model_dtype(m)
+            cache_dtype = model_dtype(m)
         L, K, H = m.num_layers, m.num_kv_heads, m.head_dim
         if num_pages is None:
-            budget = kv_cache_memory if kv_cache_memory is not None else _default_kv_bytes()
+            budget = kv_cache_memory if kv_cache_memory is not None else default_kv_bytes()
             num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
-        self._pending = None  # a decode-loop dispatch running in the dispatch thread
-        self._dispatcher = None  # its single-thread executor (created on first use)
-        # On GPU a loop's dispatching call can last until the loop has run: it is made from a
-        # worker thread (elsewhere dispatch is asynchronous already, and thread-local JAX
-        # settings would not follow the call).
-        self._threaded_dispatch = jax.default_backend() == "gpu"
-        self.cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
-        bpp = self.cache.bytes_per_page
+        cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
+        bpp = cache.bytes_per_page
         self.alloc = BlockAllocator(
             int(num_pages), C, watermark=watermark,
             num_host_pages=int(swap_space // bpp), bytes_per_page=bpp,
         )  # fmt: skip
+        self.kv = KVManager(self.alloc, cache)
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, min(2048, self.max_model_len))
@@ -177,69 +183,56 @@ class LLM(StepMixin, DecodeLoopMixin):
         self.enable_prefix_caching = enable_prefix_caching
         self.num_decode_steps = num_decode_steps
         self.debug = debug
-        self._swap_bps, self._recompute_tps = swap_bytes_per_s, recompute_tokens_per_s
-        self._host_pages: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.scheduler = Scheduler(
             self.alloc,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=preemption_mode,
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
-            swap_cost=self._swap_cost,
-            recompute_cost=self._recompute_cost,
-            on_copies=self._apply_copies,
-            on_admit=self._on_admit,
+            enable_prefix_caching=enable_prefix_caching,
+            swap_bytes_per_s=swap_bytes_per_s,
+            recompute_tokens_per_s=recompute_tokens_per_s,
             swap_space_bytes=swap_space,
             # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and
-            # the next one; `_engine_loop`); admission keeps the pages of one loop free.
+            # the next one; `DecodeChain`); admission keeps the pages of one loop free.
             lookahead_tokens=self.num_decode_steps if self.num_decode_steps > 1 else 0,
         )
         if compiler_options is None:
             compiler_options = default_compiler_options()
         self.runner = Runner(m, compiler_options=compiler_options)
+        self.counters = Counters()
+        self.appender = TokenAppender(
+            self.alloc, self.scheduler, self.counters,
+            max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+        )  # fmt: skip
+        self.executor = StepExecutor(
+            self.kv, self.runner, self.appender, self.counters, width=W,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+        )  # fmt: skip
+        self.chain = DecodeChain(
+            self.kv, self.runner, self.scheduler, self.appender, self.counters,
+            num_decode_steps=num_decode_steps, max_model_len=self.max_model_len, width=W,
+            seq_bucket=self.executor.seq_bucket,
+            # On GPU a loop's dispatching call can last until the loop has run: it is made
+            # from a worker thread (elsewhere dispatch is asynchronous already, and
+            # thread-local JAX settings would not follow the call).
+            threaded_dispatch=jax.default_backend() == "gpu",
+        )  # fmt: skip
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
-        self._seq_ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.keep_finished = keep_finished
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
         self._arrivals = itertools.count()
-        self._steps = self._device_calls = self._tokens_generated = 0
         self._failed_at_add: set[str] = set()
-        self._loop_steps = 0  # decode steps run inside decode loops (they stop early)
-        self._chain = None  # (scheduled rows, sampling mode, outputs) of a loop in flight
-        self._timing = dict.fromkeys(("schedule_s", "step_s", "device_wait_s", "dispatch_s"), 0.0)
-
-    # ------------------------------------------------------------------ the cache
 
     @property
     def cache(self) -> PagedKVCache:
-        """The K/V pool. While a decode loop is being dispatched (in the dispatch thread, see
-        ``_engine_loop``), reading it waits for that call: its output is the current pool."""
-        fut = self._pending
-        if fut is not None:
-            try:
-                out = fut.result()
-            except Exception:
-                # The call failed in the dispatch thread; the pool is the one it was given
-                # (valid when it failed before donating it). An interrupted wait (Ctrl-C)
-                # leaves the dispatch pending, to be waited for again.
-                self._pending = None
-                raise
-            self._pending, self._cache = None, out[0][0]
-        if self._cache.k_pages.is_deleted():
-            raise RuntimeError(
-                "the K/V pool was lost: a device call that had taken it (donated) failed; "
-                "this engine cannot continue, build a new jpaged.LLM"
-            )
-        return self._cache
+        """The K/V pool (``kv.cache``: waits for a decode loop being dispatched)."""
+        return self.kv.cache
 
     @cache.setter
     def cache(self, value: PagedKVCache) -> None:
-        if self._pending is not None:
-            raise AssertionError("the cache was replaced while a decode loop was dispatching")
-        self._cache = value
+        self.kv.cache = value
 
     # ------------------------------------------------------------------ public API
 
@@ -371,11 +364,11 @@ class LLM(StepMixin, DecodeLoopMixin):
             if 0 < self.max_model_len - len(tokens) < params.max_tokens:
                 params = dataclasses.replace(params, max_tokens=self.max_model_len - len(tokens))
                 req.params = params
-            req.beam = _beam.BeamState(params, len(tokens), req.stop_ids)
+            req.beam = beam.BeamState(params, len(tokens), req.stop_ids)
         seed = params.seed if isinstance(params, SamplingParams) else None
         if seed is None:
             seed = int(self._rng.integers(0, 2**31 - params.n if hasattr(params, "n") else 2**31))
-        req.seqs = [Seq(next(self._seq_ids), 0, list(tokens), len(tokens), seed)]
+        req.seqs = [Seq(self.appender.new_seq_id(), 0, list(tokens), len(tokens), seed)]
         error = self._validate(req)
         if error is not None:
             req.error = error
@@ -425,32 +418,33 @@ class LLM(StepMixin, DecodeLoopMixin):
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
         self._retire()  # at the start: the previous step's outputs have been built
-        if self._chain is not None:  # a decode loop is in flight: no scheduling, just advance
+        timing = self.counters.timing
+        if self.chain.state is not None:  # a decode loop is in flight: just advance the chain
             t1 = time.perf_counter()
             # Rows finished in an earlier loop of the chain were reported then (and may be
             # retired); rows finishing now are reported through the scheduler's finished list.
-            touched = {it.request.request_id for it in self._chain[0] if not it.request.finished}
-            self._steps += 1
-            self._advance_chain()
-            self._timing["step_s"] += time.perf_counter() - t1
+            touched = {it.request.request_id for it in self.chain.state[0]
+                       if not it.request.finished}  # fmt: skip
+            self.counters.steps += 1
+            self.chain.advance()
+            timing["step_s"] += time.perf_counter() - t1
             return self._after_step(touched)
         # A decode loop left running by the chain that ended: wait for it here, so that its
         # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
         # or swap that could then not run).
-        self.cache  # noqa: B018
+        self.kv.cache  # noqa: B018
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
         t1 = time.perf_counter()
-        self._timing["schedule_s"] += t1 - t0
-        touched = {s.request.request_id for s in sched.scheduled}
-        touched |= {rid for rid, _ in sched.preempted}
-        if sched.scheduled:
-            self._steps += 1
-            if self._can_loop(sched):
-                self._run_loop(sched)
-            else:
-                self._run_step(sched)
-        self._timing["step_s"] += time.perf_counter() - t1
+        timing["schedule_s"] += t1 - t0
+        touched = {s.request.request_id for s in plan.scheduled}
+        touched |= {rid for rid, _ in plan.preempted}
+        if plan.scheduled:
+            self.counters.steps += 1
+            if not (self.chain.can_loop(plan) and self.chain.start(plan)):
+                self.executor.run(plan)
+        timing["step_s"] += time.perf_counter() - t1
         return self._after_step(touched)
 
     def _after_step(self, touched: set[str]) -> set[str]:
@@ -472,66 +466,17 @@ class LLM(StepMixin, DecodeLoopMixin):
         Covers the decode step for every sequence bucket, the decode loop for every sequence
         bucket and sampling mode (greedy, random, truncated), the ragged step for every
         (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`_warmup_page_programs`); beam search's top-k variant compiles on first use. After
-        this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        (`KVManager.warmup_page_programs`); beam search's top-k variant compiles on first
+        use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.
         """
-        W = self.width
-        top = max(self.max_num_batched_tokens, 16)
-        seq_buckets = sorted({self._seq_bucket(n) for n in range(1, self.max_num_seqs + 1)})
-        tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
-        shapes = [("decode", B, B) for B in seq_buckets]
-        if self.num_decode_steps > 1:  # every sampling mode (a static argument)
-            shapes += [("loop", B, m) for B in seq_buckets for m in SAMPLING_MODES]
-        shapes += [("ragged", B, T) for B in seq_buckets for T in tok_buckets]
-        if progress:
-            from tqdm.auto import tqdm
-
-            shapes_iter = tqdm(shapes, desc="warmup", unit="program")
-        else:
-            shapes_iter = shapes
-        for kind, B, T in shapes_iter:
-            zeros = np.zeros((B, 5))
-            if kind == "loop":
-                batch = LoopBatch(
-                    tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
-                    block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
-                    live=np.zeros(B, bool),
-                    max_steps=np.zeros(B, np.int32), min_steps=np.zeros(B, np.int32),
-                    stop_ids=np.full((B, 4), -1, np.int32), sampling=_sampling_arrays(zeros, B),
-                )  # fmt: skip
-                self.cache = self.runner.decode_loop(
-                    self.cache, batch, num_steps=self.num_decode_steps, mode=T
-                )[0]
-                continue
-            batch = build_step_batch(
-                [], [np.zeros(0, np.int32)], [], [], _sampling_arrays(zeros, B),
-                width=W, num_rows=B, num_tokens=T,
-            )  # fmt: skip
-            self.cache = self.runner.step(self.cache, batch, decode=kind == "decode")[0]
-        num = len(shapes) + self._warmup_page_programs()
-        jax.block_until_ready(self.cache)
-        return num
-
-    def _warmup_page_programs(self) -> int:
-        """Compiles the page programs of copy-on-write and swap (`copy_pages`, and with swap
-        space `gather_pages` / `scatter_pages`) for every page-count bucket up to one
-        sequence of ``max_model_len``, on ids that touch nothing; returns how many. Swapping
-        a group of more pages compiles its bucket on first use."""
-        from jpaged.kv.cache import copy_pages, gather_pages, scatter_pages
-
-        num = 0
-        for M in (8 << i for i in range(bucket(self.width, 8, 1 << 30).bit_length() - 3)):
-            ids = np.full(M, -1, np.int32)
-            self.cache = copy_pages(self.cache, np.full((M, 2), -1, np.int32), validate=False)
-            num += 1
-            if self.alloc.num_host_pages:
-                k, v = gather_pages(self.cache, ids, validate=False)
-                self.cache = scatter_pages(self.cache, ids, k, v, validate=False)
-                num += 2
-        return num
+        return warmup_programs(
+            self.kv, self.runner, width=self.width, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_decode_steps=self.num_decode_steps, progress=progress,
+        )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
@@ -556,16 +501,16 @@ class LLM(StepMixin, DecodeLoopMixin):
             "swapped_out_bytes": s.swapped_out_bytes,
             "swapped_in_bytes": s.swapped_in_bytes,
             "recompiles": self.runner.num_compiles,
-            "steps": self._steps,
-            "device_calls": self._device_calls,
-            "loop_decode_steps": self._loop_steps,
-            "tokens_generated": self._tokens_generated,
+            "steps": self.counters.steps,
+            "device_calls": self.counters.device_calls,
+            "loop_decode_steps": self.counters.loop_steps,
+            "tokens_generated": self.counters.tokens_generated,
             # Host time scheduling, host + device time in steps, and of that the time spent
             # waiting for device results (so host work per step = step_s - device_wait_s)
             # and the time the calls that start device work took to return (dispatch_s; a
             # decode loop's call runs in the dispatch thread on GPU, where it can last until
             # the loop has run: the main thread's wait for it is in device_wait_s).
-            **{f"time_{k}": v for k, v in self._timing.items()},
+            **{f"time_{k}": v for k, v in self.counters.timing.items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
@@ -628,39 +573,7 @@ class LLM(StepMixin, DecodeLoopMixin):
         return [self._output(reqs[rid]) for rid in ids]
 
     def _output(self, req: Request) -> RequestOutput:
-        if req.is_beam and req.beam is not None and req.beam.done:
-            outs = [
-                CompletionOutput(i, h.tokens, self._decode(h.tokens), "stop" if (
-                    h.tokens and h.tokens[-1] in req.beam.stop_ids) else "length",
-                    float("nan"), score=h.score)
-                for i, h in enumerate(_beam.results(req.beam))
-            ]  # fmt: skip
-        else:
-            outs = [
-                CompletionOutput(s.index, s.output_ids, self._text(s), s.finish_reason,
-                                 s.cumulative_logprob)
-                for s in sorted(req.seqs, key=lambda s: s.index)
-            ]  # fmt: skip
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt,
-            prompt=req.prompt_text,
-            outputs=outs,
-            finished=req.finished,
-            error=req.error,
-            num_cached_tokens=req.num_cached_tokens or 0,
-        )
-
-    def _decode(self, ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(ids)
-
-    def _text(self, seq: Seq) -> str | None:
-        """The sequence's output text, decoded incrementally (a full decode once finished)."""
-        if self.tokenizer is None:
-            return None
-        if seq.detokenizer is None:
-            seq.detokenizer = Detokenizer()
-        return seq.detokenizer.update(self.tokenizer, seq.output_ids, finished=seq.finished)
+        return request_output(req, self.tokenizer)
 
 
 def _id_order(request_id: str):

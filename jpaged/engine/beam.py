@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from jpaged._sampling import BeamSearchParams
+from jpaged.engine.sampling import BeamSearchParams
 
 _NEG = -1.0e9
 

@@ -1,10 +1,12 @@
-"""``jpaged.LLM``'s multi-step decode: chains of on-device decode loops (up to k steps each)
-over pages reserved ahead, the next loop dispatched from the previous one's device carry.
+"""Multi-step decode: chains of on-device decode loops (up to k steps each) over pages
+reserved ahead, the next loop dispatched from the previous one's device carry.
 
-``DecodeLoopMixin`` is one part of ``jpaged.LLM`` (``jpaged/_engine.py``): its methods use
-the engine's state set up by ``LLM.__init__`` and the step helpers of
-``jpaged._engine_step.StepMixin`` (``_run_step``, ``_append``, ``_commit_pages``,
-``_apply_copies``, ``_sampling_row``, ``_seq_bucket``).
+`DecodeChain` starts a chain when every scheduled sequence is decoding (`can_loop`), and
+each later engine step advances it (`advance`): it reserves the next loop's pages, waits for
+the loop in flight, dispatches the next loop from its carry, and only then hands the tokens
+to the `TokenAppender`, so the host work overlaps the device. A chain ends when no row can
+run on, when a waiting request would be admitted, or on a failure (`end`: every row keeps
+exactly its computed tokens).
 """
 
 from __future__ import annotations
@@ -17,23 +19,71 @@ import time
 import jax
 import numpy as np
 
-from jpaged._engine_step import _sampling_arrays
 from jpaged._errors import OutOfPagesError
-from jpaged._sampling import sampling_mode
-from jpaged._step import LoopBatch, bucket, pad_to
+from jpaged.engine.appender import TokenAppender
+from jpaged.engine.batches import LoopBatch, bucket, pad_to, sampling_arrays, sampling_row
+from jpaged.engine.counters import Counters
+from jpaged.engine.kv_manager import KVManager
+from jpaged.engine.runner import Runner
+from jpaged.engine.sampling import sampling_mode
+from jpaged.engine.scheduler import Scheduled, Scheduler, StepPlan
+
+__all__ = ["DecodeChain"]
 
 
-class DecodeLoopMixin:
-    """Multi-step decode of ``jpaged.LLM``: loops of up to ``num_decode_steps`` on device."""
+class DecodeChain:
+    """Chains of decode loops of up to ``num_decode_steps`` steps on device.
 
-    def _can_loop(self, sched) -> bool:
+    Args:
+      kv: the KV manager (reservations, block tables, the pool and its hand-over).
+      runner: the jitted decode loop.
+      scheduler: asked whether a waiting request would be admitted (which ends a chain).
+      appender: applies the loops' tokens.
+      counters: device calls, loop steps and timing are added to.
+      num_decode_steps: k.
+      max_model_len: longest sequence.
+      width: W, block-table width.
+      seq_bucket: the sequence bucket of n rows (the single step's).
+      threaded_dispatch: dispatch loops from a worker thread (GPU: see ``_dispatch``).
+
+    Attributes:
+      state: ``(scheduled rows, sampling mode, future of the loop in flight)`` while a chain
+        runs, else None.
+    """
+
+    def __init__(
+        self,
+        kv: KVManager,
+        runner: Runner,
+        scheduler: Scheduler,
+        appender: TokenAppender,
+        counters: Counters,
+        *,
+        num_decode_steps: int,
+        max_model_len: int,
+        width: int,
+        seq_bucket,
+        threaded_dispatch: bool,
+    ):
+        self.kv, self.runner, self.scheduler = kv, runner, scheduler
+        self.appender, self.counters = appender, counters
+        self.num_decode_steps = num_decode_steps
+        self.max_model_len = max_model_len
+        self.width = width
+        self._seq_bucket = seq_bucket
+        self.threaded_dispatch = threaded_dispatch
+        self.state: tuple[list[Scheduled], str, concurrent.futures.Future | None] | None = None
+        self._dispatcher: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def can_loop(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` can run as a decode loop (every row decodes and samples alone)."""
         # Waiting requests that were not admitted this step (no pages or seats) wait for the
         # loop to end: at most k - 1 steps later than with single steps.
-        if self.num_decode_steps <= 1 or not sched.decode_only:
+        if self.num_decode_steps <= 1 or not plan.decode_only:
             return False
         return all(
             it.samples and not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)
-            for it in sched.scheduled
+            for it in plan.scheduled
         )
 
     def _loop_limits(self, items) -> list[int]:
@@ -53,10 +103,10 @@ class DecodeLoopMixin:
                 seq = it.seq
                 if seq.finished:
                     continue
-                extra = seq.num_computed + n - self.alloc.num_tokens(seq.seq_id)
-                copies = self.alloc.reserve(seq.seq_id, max(extra, 0))
+                extra = seq.num_computed + n - self.kv.alloc.num_tokens(seq.seq_id)
+                copies = self.kv.alloc.reserve(seq.seq_id, max(extra, 0))
                 if copies:
-                    self._apply_copies(copies)
+                    self.kv.copy(copies)
         except OutOfPagesError:
             return False
         return True
@@ -65,19 +115,21 @@ class DecodeLoopMixin:
         table_BW = np.zeros((Bp, self.width), np.int32)
         for b, it in enumerate(items):
             if not it.seq.finished:
-                table = self.alloc.block_table(it.seq.seq_id)[: self.width]
+                table = self.kv.alloc.block_table(it.seq.seq_id)[: self.width]
                 table_BW[b, : len(table)] = table
         return table_BW
 
-    def _run_loop(self, sched) -> None:
-        """Starts a chain of decode loops (each up to k steps on device) over ``sched``."""
-        items = sched.scheduled
+    def start(self, plan: StepPlan) -> bool:
+        """Starts a chain of decode loops (each up to k steps on device) over ``plan``;
+        False (nothing started, reservations released) when the pool is short: run the
+        plan as a single step instead."""
+        items = plan.scheduled
         k = self.num_decode_steps
         limits = self._loop_limits(items)
         if not self._reserve(items, [min(k, lim) for lim in limits]):
             for it in items:
-                self.alloc.truncate(it.seq.seq_id, self.alloc.num_tokens(it.seq.seq_id))
-            return self._run_step(sched)
+                self.kv.alloc.truncate(it.seq.seq_id, self.kv.alloc.num_tokens(it.seq.seq_id))
+            return False
         B = len(items)
         Bp = self._seq_bucket(B)
         stop_lists = [sorted(it.request.stop_ids) for it in items]
@@ -85,7 +137,7 @@ class DecodeLoopMixin:
         stop_ids = np.full((Bp, S), -1, np.int32)
         for b, s in enumerate(stop_lists):
             stop_ids[b, : len(s)] = s
-        samp = np.asarray([self._sampling_row(it.request, it.seq, it.seq.seed) for it in items])
+        samp = np.asarray([sampling_row(it.request, it.seq, it.seq.seed) for it in items])
         min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
@@ -96,7 +148,7 @@ class DecodeLoopMixin:
             max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
             min_steps=pad_to(np.asarray(min_steps, np.int32), Bp, 0),
             stop_ids=stop_ids,
-            sampling=_sampling_arrays(samp, Bp),
+            sampling=sampling_arrays(samp, Bp),
         )
         # The sampling mode is static (no device-side branch) and fixed for the whole chain:
         # its rows only ever drop out.
@@ -104,37 +156,38 @@ class DecodeLoopMixin:
         # Processed by the next `step()`, which first dispatches the loop after it: every
         # step makes at most one device call, and host work overlaps the loop in flight.
         try:
-            self._chain = (items, mode, self._dispatch_loop(batch, mode))
+            self.state = (items, mode, self._dispatch(batch, mode))
         except Exception:
-            self._end_chain(items)
+            self.end(items)
             raise
+        return True
 
-    def _dispatch_loop(self, batch: LoopBatch, mode: str) -> concurrent.futures.Future:
+    def _dispatch(self, batch: LoopBatch, mode: str) -> concurrent.futures.Future:
         """Starts a decode loop; returns the future of
         ``((cache, tokens, logprobs, steps run, carry), seconds the call took)``.
 
         On GPU the call that dispatches a loop can return only once the loop has run (XLA
         thunks that synchronise with the host: cuBLAS GEMMs on dynamic slices inside loops,
         measured on the H200), and it releases the GIL meanwhile: it is made from a worker
-        thread (``_threaded_dispatch``), so the host processes the previous loop's tokens while
+        thread (``threaded_dispatch``), so the host processes the previous loop's tokens while
         this one runs. The caller's default device and matmul precision (thread-local JAX
-        settings) go with it. Reading ``self.cache`` waits for the call.
+        settings) go with it. Reading ``kv.cache`` waits for the call.
         """
-        cache = self.cache  # the previous dispatch's output pool (waits for that call)
-        self._device_calls += 1
+        cache = self.kv.cache  # the previous dispatch's output pool (waits for that call)
+        self.counters.device_calls += 1
         settings = (getattr(jax.config, "jax_default_device", None),
                     getattr(jax.config, "jax_default_matmul_precision", None))  # fmt: skip
-        if not self._threaded_dispatch:
+        if not self.threaded_dispatch:
             fut = concurrent.futures.Future()
             fut.set_result(self._loop_call(cache, batch, mode, settings))
-            self._pending = fut  # installs its pool on the next read of self.cache
+            self.kv.pending = fut  # installs its pool on the next read of kv.cache
             return fut
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jpaged-dispatch"
             )
         fut = self._dispatcher.submit(self._loop_call, cache, batch, mode, settings)
-        self._pending = fut
+        self.kv.pending = fut
         return fut
 
     def _loop_call(self, cache, batch: LoopBatch, mode: str, settings):
@@ -162,46 +215,46 @@ class DecodeLoopMixin:
         ahead = self.num_decode_steps + 1
         return 2 * live >= len(items) and not self.scheduler.can_admit_head(ahead)
 
-    def _advance_chain(self) -> None:
+    def advance(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
         from its device-side carry, so the host work below overlaps the device."""
-        items, mode, fut = self._chain
+        items, mode, fut = self.state
         try:
             self._advance(items, mode, fut)
         except Exception:
             # A loop failed (e.g. out of memory, in the dispatch thread or here): the chain
             # ends and its reservations are released; its rows are scheduled again from what
             # the host holds (tokens of a loop not yet processed are computed again).
-            self._end_chain(items)
+            self.end(items)
             raise
 
-    def _end_chain(self, items) -> None:
+    def end(self, items) -> None:
         """Ends a chain after a failure: every row keeps exactly its computed tokens (the
         allocator's length catches up within the reservation, the rest is released)."""
-        self._chain = None
-        pending = self._pending
+        self.state = None
+        pending = self.kv.pending
         if pending is not None:
             concurrent.futures.wait([pending])  # a next loop still running: its error, if
             try:  # any, surfaces here rather than inside a later scheduling step
                 pending.result()
             except Exception:
-                self._pending = None  # its pool is the one it was given
+                self.kv.pending = None  # its pool is the one it was given
         for it in items:
             seq = it.seq
-            if seq.finished or seq.seq_id not in self.alloc:
+            if seq.finished or seq.seq_id not in self.kv.alloc:
                 continue
             try:
                 self._catch_up(seq)
-                self.alloc.truncate(seq.seq_id, seq.num_computed)
+                self.kv.alloc.truncate(seq.seq_id, seq.num_computed)
             except Exception:  # keep releasing the others; the original error propagates
                 continue
 
     def _catch_up(self, seq) -> None:
         """The allocator's length of ``seq`` catches up with its computed tokens, within the
         pages the chain reserved (nothing is allocated, nothing copied)."""
-        held = self.alloc.num_tokens(seq.seq_id)
+        held = self.kv.alloc.num_tokens(seq.seq_id)
         if seq.num_computed > held:
-            copies = self.alloc.append_slots(seq.seq_id, seq.num_computed - held)
+            copies = self.kv.alloc.append_slots(seq.seq_id, seq.num_computed - held)
             if copies:  # never within a reservation, unless forked since: not here
                 raise AssertionError(f"unexpected copy-on-write in a decode chain: {copies}")
 
@@ -219,7 +272,7 @@ class DecodeLoopMixin:
             and self._may_chain(items)
             and self._reserve(items, [min(2 * k, lim) for lim in limits])
         ):
-            Bp = self._seq_bucket(len(items))  # the loop's row bucket (`_run_loop`)
+            Bp = self._seq_bucket(len(items))  # the loop's row bucket (`start`)
             # Rows finished on the host (aborted) are still active in the device carry: their
             # pages may be freed and reused, and their table rows are now zeros (page 0 is
             # someone's page), so they must not decode (nor write K/V) in the next loop.
@@ -227,26 +280,24 @@ class DecodeLoopMixin:
             plan = (self._tables(items, Bp), live)
         t = time.perf_counter()
         (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
-        self._timing["device_wait_s"] += time.perf_counter() - t
-        self._timing["dispatch_s"] += dispatch_s
+        self.counters.timing["device_wait_s"] += time.perf_counter() - t
+        self.counters.timing["dispatch_s"] += dispatch_s
         nxt = None
         if plan is not None:
             tables, live = plan
             assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
-            nxt = self._dispatch_loop(
-                dataclasses.replace(carry, block_tables=tables, live=live), mode
-            )
+            nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live), mode)
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
-        self._loop_steps += int(ran)
-        self._timing["device_wait_s"] += time.perf_counter() - t
+        self.counters.loop_steps += int(ran)
+        self.counters.timing["device_wait_s"] += time.perf_counter() - t
         # Rows' tokens as Python lists at once (not an int() per element).
         for it, toks, lps in zip(items, out_KB.T.tolist(), lp_KB.T.tolist(), strict=False):
             seq = it.seq
             if seq.finished or toks[0] < 0:
                 continue
             n = toks.index(-1) if toks[-1] < 0 else len(toks)  # -1 once the row stopped
-            seq.num_computed += self._append_many(it.request, seq, toks[:n], lps[:n])
+            seq.num_computed += self.appender.append_many(it.request, seq, toks[:n], lps[:n])
         # The allocator's lengths catch up with the cache (inside the reservation: nothing is
         # allocated), so stats and the prefix cache are current even mid-chain.
         chained = nxt is not None and any(not it.seq.finished for it in items)
@@ -255,6 +306,6 @@ class DecodeLoopMixin:
             if not seq.finished:
                 self._catch_up(seq)
                 if not chained:  # end of the chain: release the unused reservation
-                    self.alloc.truncate(seq.seq_id, seq.num_computed)
-                self._commit_pages(it.request, seq)
-        self._chain = (items, mode, nxt) if chained else None
+                    self.kv.alloc.truncate(seq.seq_id, seq.num_computed)
+                self.appender.commit_pages(it.request, seq)
+        self.state = (items, mode, nxt) if chained else None

@@ -1,0 +1,154 @@
+"""Sampled tokens into sequences: stop and length checks, forks, beam steps, prefix commits.
+
+`TokenAppender` is what the engine does with the tokens a step returns: it appends them to
+their sequences and finishes a sequence on a stop token or a length limit (through the
+scheduler, which frees its pages); forks a prompt into its ``n`` completions or a beam into
+the candidates that keep it (pages shared, no copy); and registers newly full pages in the
+prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from jpaged.engine import beam
+from jpaged.engine.counters import Counters
+from jpaged.engine.requests import Request, Sequence
+from jpaged.engine.scheduler import Scheduler
+from jpaged.kv.allocator import BlockAllocator
+
+__all__ = ["TokenAppender"]
+
+
+class TokenAppender:
+    """Applies sampled tokens to sequences.
+
+    Args:
+      alloc: the allocator (forks, prefix-cache commits).
+      scheduler: finishes and drops sequences (it frees their pages).
+      counters: ``tokens_generated`` is added to.
+      max_model_len: longest sequence.
+      enable_prefix_caching: register full pages in the prefix cache.
+    """
+
+    def __init__(
+        self,
+        alloc: BlockAllocator,
+        scheduler: Scheduler,
+        counters: Counters,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool,
+    ):
+        self.alloc = alloc
+        self.scheduler = scheduler
+        self.counters = counters
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self._seq_ids = itertools.count()
+
+    def new_seq_id(self) -> int:
+        """A fresh allocator id for a sequence."""
+        return next(self._seq_ids)
+
+    def append(self, req: Request, seq: Sequence, token: int, lp: float) -> None:
+        """Appends one sampled token; finishes the sequence on a stop token or a limit."""
+        seq.tokens.append(token)
+        seq.cumulative_logprob += lp
+        self.counters.tokens_generated += 1
+        p = req.params
+        reason = None
+        if token in req.stop_ids and seq.num_generated >= p.min_tokens:
+            reason = "stop"
+        elif seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish_seq(req, seq, reason)
+
+    def append_many(self, req: Request, seq: Sequence, tokens: list[int], lps: list[float]) -> int:
+        """``append`` of each token in turn until the sequence finishes; returns how many
+        were appended. Without stop tokens only the length limits can end it: one slice."""
+        p = req.params
+        if req.stop_ids:
+            for i, (tok, lp) in enumerate(zip(tokens, lps, strict=True)):
+                self.append(req, seq, tok, lp)
+                if seq.finished:
+                    return i + 1
+            return len(tokens)
+        room = max(1, min(p.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens))
+        n = min(len(tokens), room)
+        seq.tokens.extend(tokens[:n])
+        c = seq.cumulative_logprob
+        for lp in lps[:n]:  # in order, as one append after another would add them
+            c += lp
+        seq.cumulative_logprob = c
+        self.counters.tokens_generated += n
+        if n == room:
+            self.scheduler.finish_seq(req, seq, "length")
+        return n
+
+    def commit_pages(self, req: Request, seq: Sequence) -> None:
+        """Registers newly computed full pages in the prefix cache (only on a page boundary)."""
+        full = seq.num_computed // self.alloc.page_size * self.alloc.page_size
+        if not self.enable_prefix_caching or full <= seq.num_committed or seq.finished:
+            return
+        self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt)
+        seq.num_committed = full
+
+    def fork(self, req: Request, parent: Sequence, index: int, seed: int) -> Sequence:
+        """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""
+        child = Sequence(self.new_seq_id(), index, list(parent.tokens), parent.num_prompt, seed,
+                         parent.num_computed, cumulative_logprob=parent.cumulative_logprob,
+                         num_committed=parent.num_committed)  # fmt: skip
+        self.alloc.fork(parent.seq_id, child.seq_id)
+        req.seqs.append(child)
+        return child
+
+    def refork(self, req: Request, seq0: Sequence) -> None:
+        """The recomputed prompt is in ``seq0``'s pages: the group's other sequences share them
+        again (each then recomputes its own generated tokens)."""
+        for seq in req.live_seqs()[1:]:
+            self.alloc.fork(seq0.seq_id, seq.seq_id)
+            seq.num_computed, seq.num_committed = seq0.num_computed, seq0.num_committed
+        req.refork = False
+
+    def beam_step(self, req: Request, entries: list[tuple[Sequence, int]], top) -> None:
+        """One beam-search step: selects the next beams from the rows' top log-probabilities
+        ``top = (lp f32[R, K], ids i32[R, K])``, forking kept beams and dropping the rest."""
+        lp_RK, ids_RK = top
+        seqs = [s for s, _ in entries]
+        rows = [r for _, r in entries]
+        choices = beam.select(
+            req.beam,
+            [s.output_ids for s in seqs],
+            np.asarray([s.cumulative_logprob for s in seqs], np.float64),
+            lp_RK[rows],
+            ids_RK[rows],
+        )
+        req.forked = True
+        if not choices:
+            for s in list(req.seqs):
+                self.scheduler.finish_seq(req, s, "stop")
+            return
+        used: set[int] = set()
+        new_seqs = []
+        for j, ch in enumerate(choices):
+            parent = seqs[ch.parent]
+            if ch.parent not in used:
+                used.add(ch.parent)
+                child = parent
+            else:
+                child = self.fork(req, parent, j, parent.seed)
+            new_seqs.append((child, ch))
+        for k, s in enumerate(seqs):
+            if k not in used:
+                self.scheduler.drop_seq(req, s)
+        req.seqs = []
+        for j, (child, ch) in enumerate(new_seqs):
+            child.index = j
+            child.tokens.append(ch.token)
+            child.cumulative_logprob = ch.score
+            req.seqs.append(child)
+            self.counters.tokens_generated += 1

@@ -1,0 +1,31 @@
+"""The engine's running counters (steps, device calls, tokens, host and device time)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Counters"]
+
+TIMERS = ("schedule_s", "step_s", "device_wait_s", "dispatch_s")
+
+
+@dataclasses.dataclass
+class Counters:
+    """Counters the engine's parts add to; ``jpaged.LLM.stats`` reports them.
+
+    Attributes:
+      steps: engine steps that ran something.
+      device_calls: step programs dispatched (single steps and decode loops).
+      tokens_generated: tokens appended to sequences.
+      loop_steps: decode steps run inside decode loops (they stop early).
+      timing: seconds per timer: host time scheduling (``schedule_s``), host + device time
+        in steps (``step_s``), of that the time waiting for device results
+        (``device_wait_s``), and the time the calls starting device work took to return
+        (``dispatch_s``).
+    """
+
+    steps: int = 0
+    device_calls: int = 0
+    tokens_generated: int = 0
+    loop_steps: int = 0
+    timing: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
