@@ -7,7 +7,7 @@ gate/up fused into one GEMM each) and the layers run under ``jax.lax.scan``, so 
 does not grow with depth; in the paged forward the cache is the scan's carry and each layer
 writes and reads its own slice of the stacked pool by index (never slicing the pool). On CUDA
 GPUs the engine compiles with cuBLAS GEMMs reading each layer's weights in place
-(``jpaged._step.GPU_COMPILER_OPTIONS``): XLA's default Triton GEMMs made it copy them first.
+(``jpaged.engine.runner.GPU_COMPILER_OPTIONS``): XLA's default Triton GEMMs made it copy them first.
 Jitting the model yourself, pass ``jax.jit(..., compiler_options=
 jpaged.default_compiler_options() or None)`` for the same.
 """

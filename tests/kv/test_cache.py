@@ -13,7 +13,6 @@ import jpaged
 from jpaged import (
     BlockAllocator,
     PagedKVCache,
-    _cache,
     copy_pages,
     gather_pages,
     pages_for_budget,
@@ -21,6 +20,7 @@ from jpaged import (
     write_kv,
     write_kv_layer,
 )
+from jpaged.kv import cache as _cache
 
 L, K, P, C, H = 2, 2, 16, 4, 8
 DTYPES = [jnp.float32, jnp.bfloat16]

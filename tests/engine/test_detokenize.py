@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import jpaged
-from jpaged._detokenize import Detokenizer
+from jpaged.engine.detokenize import Detokenizer
 from jpaged.models import load_tokenizer
 
-CKPT = pathlib.Path(__file__).parent / "checkpoints" / "llama2"
+CKPT = pathlib.Path(__file__).parents[1] / "checkpoints" / "llama2"
 
 
 class CountingTokenizer:

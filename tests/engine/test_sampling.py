@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jpaged
-from jpaged._sampling import sample, top_logprobs
+from jpaged.engine.sampling import sample, top_logprobs
 
 V = 12
 _sample = jax.jit(sample)
@@ -161,7 +161,7 @@ def test_truncation_elsewhere_in_the_batch_does_not_change_a_row():
 def test_static_mode_equals_the_device_choice(temperature, top_k, top_p, mode):
     """The decode loop's static modes (chosen on the host by ``sampling_mode``) give exactly
     the tokens and log-probabilities of the device-side choice."""
-    from jpaged._sampling import sampling_mode
+    from jpaged.engine.sampling import sampling_mode
 
     assert sampling_mode(temperature, top_k, top_p, V) == mode
     rng = np.random.default_rng(5)
@@ -179,7 +179,9 @@ def test_static_mode_equals_the_device_choice(temperature, top_k, top_p, mode):
         sample(*args, mode="nucleus")
 
 
-@pytest.mark.parametrize("module", ["jpaged._sampling", "jpaged._step"])
+@pytest.mark.parametrize(
+    "module", ["jpaged.engine.sampling", "jpaged.engine.batches", "jpaged.engine.runner"]
+)
 def test_doctests(module):
     import doctest
     import importlib

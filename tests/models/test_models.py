@@ -30,7 +30,7 @@ from flax import nnx
 import jpaged
 from jpaged import models
 
-ROOT = pathlib.Path(__file__).parent
+ROOT = pathlib.Path(__file__).parents[1]
 NAMES = ("llama2", "llama3", "mistral", "qwen2")
 PAGE_SIZE = 4
 T_PAD = 32  # ragged batch bucket

@@ -1,4 +1,5 @@
-"""The scheduler alone (host only, no device): chunked prefill, admission, preemption, abort.
+"""The scheduler alone (host only, no device): chunked prefill, admission, preemption, abort,
+and the plan it returns (page copies, swap-outs and swap-ins as data).
 
 A fake "device" advances each scheduled sequence by its ``num_new`` tokens and appends a
 token when it samples; the real ``BlockAllocator`` checks its invariants after every step.
@@ -9,51 +10,33 @@ import itertools
 import pytest
 
 import jpaged
-from jpaged._scheduler import Request, Scheduler, Sequence, Status
+from jpaged.engine.requests import Request, Sequence, Status
+from jpaged.engine.scheduler import Scheduler
 
 C = 4
+BYTES_PER_PAGE = 100
 
 
 class Harness:
     def __init__(self, num_pages=32, budget=16, max_num_seqs=8, mode="recompute", watermark=0.0,
-                 swap_s=1.0, recompute_s=2.0, max_preemptions=64, host_pages=64,
+                 cheaper="recompute", max_preemptions=64, host_pages=64,
                  lookahead=0):  # fmt: skip
         self.alloc = jpaged.BlockAllocator(num_pages, C, watermark=watermark,
-                                           num_host_pages=host_pages)  # fmt: skip
-        self.swapped_out = []
+                                           num_host_pages=host_pages,
+                                           bytes_per_page=BYTES_PER_PAGE)  # fmt: skip
+        fast, slow = 1e12, 1e-3  # the cost model's rates: one option always wins
         self.sched = Scheduler(
             self.alloc,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             preemption_mode=mode,
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
-            swap_cost=lambda r: (100, swap_s),
-            recompute_cost=lambda r: (10, recompute_s),
-            on_copies=lambda pairs: None,
-            on_admit=self._admit,
+            enable_prefix_caching=False,
+            swap_bytes_per_s=fast if cheaper == "swap" else slow,
+            recompute_tokens_per_s=fast if cheaper == "recompute" else slow,
             max_preemptions=max_preemptions,
             lookahead_tokens=lookahead,
         )
         self.ids = itertools.count()
-
-    def _admit(self, req):
-        for s in req.live_seqs():
-            self.alloc.allocate(s.seq_id, s.num_tokens)
-            s.num_computed = 0
-
-    def _swap_out(self, req):
-        ids = [s.seq_id for s in req.live_seqs()]
-        pairs = self.alloc.swap_out(ids)
-        self.swapped_out.append(req.request_id)
-        req.swapped = {"bytes": 0}
-        return len(pairs)
-
-    def _swap_in(self, req):
-        ids = [s.seq_id for s in req.live_seqs()]
-        if not self.alloc.can_swap_in(ids):
-            raise jpaged.OutOfPagesError("later")
-        self.alloc.swap_in(ids)
 
     def add(self, prompt_len, max_tokens=4, name=None):
         name = name or f"r{next(self.ids)}"
@@ -108,17 +91,17 @@ def test_admission_keeps_the_watermark_free():
 
 
 @pytest.mark.parametrize(
-    ("mode", "swap_s", "recompute_s", "expected"),
+    ("mode", "cheaper", "expected"),
     [
-        ("recompute", 1.0, 2.0, "recompute"),
-        ("swap", 2.0, 1.0, "swap"),
-        ("auto", 1.0, 2.0, "swap"),  # swapping is cheaper
-        ("auto", 2.0, 1.0, "recompute"),  # recomputing is cheaper
+        ("recompute", "swap", "recompute"),
+        ("swap", "recompute", "swap"),
+        ("auto", "swap", "swap"),
+        ("auto", "recompute", "recompute"),
     ],
 )
-def test_preemption_picks_the_youngest_and_the_mode_by_cost(mode, swap_s, recompute_s, expected):
+def test_preemption_picks_the_youngest_and_the_mode_by_cost(mode, cheaper, expected):
     # 6 pages of 4 tokens; two sequences of 8 prompt tokens growing to 16 cannot both fit.
-    h = Harness(num_pages=6, budget=64, mode=mode, swap_s=swap_s, recompute_s=recompute_s)
+    h = Harness(num_pages=6, budget=64, mode=mode, cheaper=cheaper)
     a = h.add(8, max_tokens=8)
     b = h.add(8, max_tokens=8)
     preempted = []
@@ -210,3 +193,61 @@ def test_lookahead_lowers_admission_and_is_validated():
     assert ahead.sched.lookahead_pages() == 2 * 2
     with pytest.raises(ValueError, match="lookahead_tokens"):
         Harness(lookahead=-1)
+
+
+# ---------------------------------------------------------------------- the plan as data
+
+
+def test_plain_steps_plan_no_page_operations():
+    h = Harness(budget=16)
+    h.add(10, max_tokens=3)
+    while h.sched.has_unfinished():
+        out = h.step()
+        assert out.page_ops == [] and out.preempted == []
+
+
+def test_a_swap_preemption_is_a_swap_out_in_the_plan_and_later_a_swap_in():
+    # 6 pages of 4 tokens; the younger of two growing requests is swapped out, then back in.
+    h = Harness(num_pages=6, budget=64, mode="swap")
+    h.add(8, max_tokens=8)
+    b = h.add(8, max_tokens=8)
+    for _ in range(100):
+        out = h.step()
+        if out.preempted:
+            break
+    assert out.preempted == [("r2", "swap")]
+    (op,) = [op for op in out.page_ops if op.kind == "swap_out"]
+    assert op.request_id == "r2"
+    host_slots = h.alloc.host_block_table(b.seqs[0].seq_id)
+    # b's pages holding its 12 tokens moved, each once, to the slots it now holds.
+    assert b.seqs[0].num_computed == 12
+    assert sorted(slot for _, slot in op.pairs) == sorted(host_slots)
+    assert len(op.pairs) == len({page for page, _ in op.pairs}) == 3
+    assert out.pairs("swap_out") == list(op.pairs)
+    assert b.status == Status.SWAPPED and b.swapped_pages == 3
+    assert h.sched.swapped_bytes == 3 * BYTES_PER_PAGE
+    while b.status == Status.SWAPPED:
+        out = h.step()
+    (op,) = [op for op in out.page_ops if op.kind == "swap_in"]
+    assert op.request_id == "r2"
+    assert [slot for slot, _ in op.pairs] == host_slots
+    assert [page for _, page in op.pairs] == h.alloc.block_table(b.seqs[0].seq_id)[:3]
+    assert h.sched.swapped_bytes == 0 and b.swapped_pages == 0
+
+
+def test_copy_on_write_of_a_forked_sequence_is_a_copy_in_the_plan():
+    h = Harness(budget=16)
+    req = h.add(6, max_tokens=4)  # 6 prompt tokens: page 1 holds 2 of them
+    h.step()  # prefill; one token sampled (7 tokens)
+    seq0 = req.seqs[0]
+    child = Sequence(999, 1, list(seq0.tokens), seq0.num_prompt, 0, seq0.num_computed)
+    h.alloc.fork(seq0.seq_id, child.seq_id)  # as the engine forks n > 1 completions
+    req.seqs.append(child)
+    shared = h.alloc.block_table(seq0.seq_id)[1]
+    out = h.step()  # both write position 6 of the shared page 1: the first to write copies
+    copies = out.pairs("copy")
+    assert len(copies) == 1 and copies[0][0] == shared
+    assert [op.kind for op in out.page_ops] == ["copy"]
+    dst = copies[0][1]
+    tables = {h.alloc.block_table(s.seq_id)[1] for s in (seq0, child)}
+    assert tables == {shared, dst}

@@ -15,7 +15,7 @@ from flax import nnx
 import jpaged
 from jpaged import models
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def test_custom_model_example_matches_its_dense_forward():

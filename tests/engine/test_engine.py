@@ -347,7 +347,7 @@ def test_finished_requests_are_kept_only_up_to_keep_finished():
 
 
 def test_preemption_events_are_bounded():
-    from jpaged._scheduler import PreemptionEvent
+    from jpaged.engine.scheduler import PreemptionEvent
 
     llm = make_llm()
     for i in range(5000):

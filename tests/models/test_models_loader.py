@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from jpaged import models
 from jpaged.models import _loader, _rope
 
-ROOT = pathlib.Path(__file__).parent
+ROOT = pathlib.Path(__file__).parents[1]
 CKPT = ROOT / "checkpoints"
 
 

@@ -10,7 +10,7 @@ from _engine_helpers import make_llm, random_prompts
 from test_engine import dense_greedy
 
 import jpaged
-from jpaged._scheduler import Status
+from jpaged.engine.requests import Status
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -37,7 +37,7 @@ def serve_through_failures(llm, message, check):
 
 def threaded_llm(**kw):
     llm = make_llm(num_decode_steps=4, enable_prefix_caching=False, **kw)
-    llm._threaded_dispatch = True  # the GPU's setting
+    llm.chain.threaded_dispatch = True  # the GPU's setting
     return llm
 
 
@@ -68,7 +68,7 @@ def test_loops_run_in_the_dispatch_thread_and_tokens_are_unchanged(monkeypatch, 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_rows_finished_mid_chain_are_reported_once_even_with_keep_finished_0(threaded):
     llm = threaded_llm(keep_finished=0)
-    llm._threaded_dispatch = threaded
+    llm.chain.threaded_dispatch = threaded
     prompts = random_prompts(15, (4, 5, 6))
     ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=n, **GREEDY))
            for p, n in zip(prompts, (5, 30, 30), strict=True)]  # fmt: skip
@@ -102,7 +102,7 @@ def test_a_failed_loop_ends_its_chain_and_the_engine_keeps_serving(monkeypatch):
         llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
 
     def check():
-        assert llm._chain is None
+        assert llm.chain.state is None
         llm.alloc.check_invariants()
 
     raised, outs = serve_through_failures(llm, "simulated", check)
@@ -133,8 +133,8 @@ def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_cons
     allocator) is raised as itself; rows keep exactly their computed tokens and the engine
     finishes every request correctly."""
     llm = threaded_llm()
-    llm._threaded_dispatch = threaded
-    append = llm._append_many
+    llm.chain.threaded_dispatch = threaded
+    append = llm.appender.append_many
     calls = [0]
 
     def flaky(*args, **kwargs):
@@ -143,7 +143,7 @@ def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_cons
             raise RuntimeError("simulated host failure")
         return append(*args, **kwargs)
 
-    monkeypatch.setattr(llm, "_append_many", flaky)
+    monkeypatch.setattr(llm.appender, "append_many", flaky)
     prompts = random_prompts(18, (3, 6, 10))
     ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY)) for p in prompts]
 
@@ -217,13 +217,13 @@ def test_a_waiting_request_that_cannot_be_admitted_does_not_end_the_chain(monkey
     params = jpaged.SamplingParams(max_tokens=24, **GREEDY)
     chains = []
     llm = threaded_llm(**kw)
-    run_loop = type(llm)._run_loop
+    start = llm.chain.start
 
-    def counting(self, sched):
+    def counting(plan):
         chains.append(1)
-        return run_loop(self, sched)
+        return start(plan)
 
-    monkeypatch.setattr(type(llm), "_run_loop", counting)
+    monkeypatch.setattr(llm.chain, "start", counting)
     outs = llm.generate(prompts, params)
     for o, p in zip(outs, prompts, strict=True):
         assert o.error is None and o.outputs[0].token_ids == dense_greedy(p, 24)
@@ -266,7 +266,7 @@ def test_a_chain_ends_for_a_waiting_request_only_if_the_next_step_admits_it(page
         checked = 0
         while llm.has_unfinished_requests():
             llm.step()
-            if ended_for and llm._chain is None:  # the chain ended: the next step admits
+            if ended_for and llm.chain.state is None:  # the chain ended: the next step admits
                 head = ended_for.pop()
                 preempted = llm.stats()["preemptions_recompute"] + llm.stats()["preemptions_swap"]
                 llm.step()

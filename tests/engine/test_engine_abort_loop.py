@@ -29,7 +29,7 @@ def _reference(prompts):
 
 def _in_flight(llm, rid) -> bool:
     """True if a decode loop covering ``rid`` was dispatched and not yet processed."""
-    chain = llm._chain
+    chain = llm.chain.state
     return chain is not None and any(it.request.request_id == rid for it in chain[0])
 
 
