@@ -1,4 +1,4 @@
-"""Engine fixtures shared by ``tests/test_engine.py`` and ``tests/test_engine_sharing.py``.
+"""Engine fixtures shared by the engine tests (``tests/engine/test_engine*.py``).
 
 Engines share one shape configuration (page size 8, 8 sequences, 64 tokens, 32-token step
 budget, ``debug=True``: allocator invariants checked after every step) so the jitted step
