@@ -17,7 +17,7 @@ from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import bucket, build_step_batch, sampling_arrays, sampling_row
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
-from jpaged.engine.requests import Sequence
+from jpaged.engine.requests import Request, Sequence
 from jpaged.engine.runner import Runner
 from jpaged.engine.scheduler import StepPlan
 
@@ -110,7 +110,7 @@ class StepExecutor:
         by_item: dict[int, list[int]] = {}
         for r, (b, _) in enumerate(rows):
             by_item.setdefault(b, []).append(r)
-        beams: dict[str, tuple[object, list[tuple[Sequence, int]]]] = {}
+        beams: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = {}
         for b, rs in by_item.items():
             it = items[b]
             req = it.request
