@@ -22,10 +22,9 @@ profiling and again after it (``wall_after_cupti_us``). Cases:
   a descriptor each; 8 descriptors): what each descriptor costs the host without an input;
 - ``mgpu_copy1_x20``: 20 of those chained in one jitted program (per call: a launch inside a
   program);
-- ``ours`` / ``ours_km`` / ``ours_mosaic`` / ``ours_x20``: jpaged's decode kernel at ``--case``
-  with its defaults, with ``split_merge="kernel"`` (one kernel, no XLA epilogue), with
-  ``split_merge="mosaic"`` (a second Mosaic GPU kernel merges), and 20 chained calls in one
-  program;
+- ``ours`` / ``ours_xla_merge`` / ``ours_x20``: jpaged's decode kernel at ``--case`` with its
+  defaults (splits merged by a second Mosaic GPU kernel), with ``split_merge="xla"`` (an XLA
+  epilogue merges), and 20 chained calls in one program;
 - ``cudnn``, ``triton``: the anchors of the quick table at ``--case``.
 """
 
@@ -61,8 +60,7 @@ CASES = [
     "mgpu_desc8",
     "mgpu_copy1_x20",
     "ours",
-    "ours_km",
-    "ours_mosaic",
+    "ours_xla_merge",
     "ours_x20",
     "cudnn",
     "triton",
@@ -175,8 +173,8 @@ def build(name: str, case, interpret: bool):
         return jax.jit(f), tuple(xs), 1
     rng = np.random.default_rng(0)
     inp = da.make_inputs(case, rng, width_multiple=64)  # as the quick table (Triton's splits)
-    if name in ("ours", "ours_km", "ours_mosaic", f"ours_x{_CHAIN}"):
-        tuning = {"ours_km": {"split_merge": "kernel"}, "ours_mosaic": {"split_merge": "mosaic"}}
+    if name in ("ours", "ours_xla_merge", f"ours_x{_CHAIN}"):
+        tuning = {"ours_xla_merge": {"split_merge": "xla"}}
         tuning = tuning.get(name, {})
         f, args = da._ours(inp, case, **tuning)
         if name.endswith(f"_x{_CHAIN}"):

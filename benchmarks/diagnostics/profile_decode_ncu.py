@@ -4,7 +4,7 @@ Compilation, autotuning and warm-up happen before ``cuProfilerStart``; run under
 ``ncu --profile-from-start off`` so only the measured kernels are profiled:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
-        -o decode python benchmarks/diagnostics/profile_decode_ncu.py --only 6 --variants l2_prefetch=2
+        -o decode python benchmarks/diagnostics/profile_decode_ncu.py --only 6 --variants block_kv=128
 
 Per case (``decode_attention.QUICK`` indices): the HBM roofline reduction once, jpaged's
 kernel with its defaults, each ``--variants`` set, and cuDNN non-paged on the same lengths.
@@ -40,7 +40,7 @@ def _profiler(start: bool) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", type=int, nargs="+", default=[6], help="QUICK case indices")
-    p.add_argument("--variants", nargs="*", default=[], help='e.g. "l2_prefetch=2"')
+    p.add_argument("--variants", nargs="*", default=[], help='e.g. "block_kv=128"')
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)

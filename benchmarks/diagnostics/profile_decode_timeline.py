@@ -148,8 +148,8 @@ def run(ns) -> None:
             ctas = ctas_from_trace(events)
             if not ctas:
                 raise SystemExit(
-                    f"{spec} {variant}: no profiler regions in the trace (the persistent and "
-                    "producer variants have none)"
+                    f"{spec} {variant}: no profiler regions in the trace (this "
+                    "variant records none)"
                 )
             # The longest kernel of the call (the attention kernel), to compare the span with.
             kernels = _timing.cupti_kernels_us(f, *args) or []

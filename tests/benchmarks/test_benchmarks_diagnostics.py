@@ -144,8 +144,8 @@ def test_decode_attention_case_and_variant_parsing():
     assert decode_attention.parse_case("8,512,4,64,256").H == 256
     assert decode_attention._parse_kwargs("num_stages=2,order_method=rank,swap_ab=False") == {
         "num_stages": 2, "order_method": "rank", "swap_ab": False}  # fmt: skip
-    assert decode_attention._parse_kwargs("num_splits=none,early_k=TRUE") == {
-        "num_splits": None, "early_k": True}  # fmt: skip
+    assert decode_attention._parse_kwargs("num_splits=none,fixed_max=TRUE") == {
+        "num_splits": None, "fixed_max": True}  # fmt: skip
     import pytest
 
     with pytest.raises(SystemExit, match="B,ctx,K"):
