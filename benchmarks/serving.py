@@ -211,7 +211,8 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
     ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
     nothing after this fails.
     """
-    from jpaged._step import SAMPLING_MODES, LoopBatch, SamplingArrays, StepBatch, bucket
+    from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch, bucket
+    from jpaged.engine.runner import SAMPLING_MODES
 
     r = llm.runner
     W, top = llm.width, max(llm.max_num_batched_tokens, 16)
@@ -247,7 +248,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
         for kind, b, d in work
     ]  # fmt: skip
     _baselines.compile_parallel(lowered, threads)
-    return len(work) + llm._warmup_page_programs()  # copy-on-write and swap (preemption)
+    return len(work) + llm.kv.warmup_page_programs(llm.width)  # copy-on-write, swap
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
