@@ -38,7 +38,7 @@ test-gpu: $(VENV)/.installed
 test-tpu: $(VENV)/.installed
 	$(PY) -m pytest -m tpu -q
 
-# ruff, then no history wording ("session", run tags) in tracked files: tools/check_wording.py
+# ruff, then tools/check_wording.py: no history wording in tracked files
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

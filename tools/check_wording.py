@@ -14,7 +14,9 @@ Not checked: binary files, and the files that must spell the wording out: this c
 tests' fixtures (``EXEMPT``).
 
     python tools/check_wording.py            # every tracked text file; exit status 1 on a hit
-    python tools/check_wording.py FILE ...   # only these files
+    python tools/check_wording.py FILE ...   # only these files (relative to the current folder)
+
+From the repository root.
 
 >>> [m.group(0) for m in find("the fifth session measured it", "x.md")]
 ['fifth session']
@@ -88,7 +90,7 @@ def check(root: pathlib.Path, paths: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path.cwd()  # the repository root (``make lint`` runs there)
     paths = argv or tracked_files(root)
     problems = check(root, paths)
     for p in problems:
