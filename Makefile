@@ -38,9 +38,11 @@ test-gpu: $(VENV)/.installed
 test-tpu: $(VENV)/.installed
 	$(PY) -m pytest -m tpu -q
 
+# ruff, then tools/check_wording.py: no history wording in tracked files
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) tools/check_wording.py
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .

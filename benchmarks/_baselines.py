@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged._step import default_compiler_options
+from jpaged import default_compiler_options
 from jpaged.models._llama import layer_out_mlp, layer_qkv
 from jpaged.models._rope import inverse_frequencies
 

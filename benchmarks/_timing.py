@@ -5,8 +5,8 @@
 - ``loop_us``: chained calls in one jitted program (unrolled), one dispatch per round. Per-call
   host dispatch is gone, but NOT a device-only time: each program's own overhead (launch,
   XLA command-buffer set-up, the final sync) is spread over its calls, and on the H200 it
-  exceeded ``wall_us`` in 6 of 9 quick rows (eighth session). For comparisons within one
-  implementation; the device timeline is ``profile_launch_gaps.py``.
+  exceeded ``wall_us`` in 6 of 9 quick rows. For comparisons within one
+  implementation; the device timeline is ``diagnostics/profile_launch_gaps.py``.
 - ``cupti_us``: kernel-only device time through ``jax.experimental.mosaic.gpu.profiler``
   (CUPTI), median over iterations; None where CUPTI is unavailable.
 - ``read_roofline_tbs``: HBM read bandwidth of a large reduction measured in the same process,

@@ -8,7 +8,7 @@ a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back c
 median of ``--rounds`` rounds) and CUPTI kernel-only side by side; ``--loop`` adds the per-call
 time of ``--calls`` chained calls in one jitted program (no per-call host dispatch, but the
 program's own overhead spread over the calls: not a device-only time, see ``_timing.loop_us``
-and ``profile_launch_gaps.py``). Effective TB/s = live K/V bytes / time.
+and ``diagnostics/profile_launch_gaps.py``). Effective TB/s = live K/V bytes / time.
 
     python benchmarks/decode_attention.py --quick            # the 9-row table
     python benchmarks/decode_attention.py                    # the full sweep
@@ -353,8 +353,8 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
         _measure("triton_deprecated", lambda: _triton(inp, case), nbytes, ns, res, ref)
     if ns.same_size_read:
         # A reduction over the live K/V bytes: what one streaming kernel of this size reaches,
-        # its launch, ramp and tail included (the roofline's 4 GiB amortizes them). In the
-        # fifteenth session XLA's reduction of [rows, 4096] bf16 ran at 3.5-3.6 TB/s at some
+        # its launch, ramp and tail included (the roofline's 4 GiB amortizes them). On the H200
+        # XLA's reduction of [rows, 4096] bf16 ran at 3.5-3.6 TB/s at some
         # row counts (109417, 131959) and 4.5 at others of about the same bytes (127755,
         # 135952): the rows are now a multiple of 1024 (the 4 GiB roofline's are), the times
         # scaled to exactly the live bytes. Not yet run on a GPU in this form.

@@ -11,7 +11,7 @@ and KV budget), with the allocator's or the baseline's accounting read after eve
   {2, 4, 6} on Alpaca-like requests. Savings = 1 - sum over steps of pages used / sum over
   steps of pages without sharing (each sequence's own block-table length), the paper's
   "blocks saved by sharing / blocks without sharing". The step with the most shared pages is
-  kept as a page map (``--plot``).
+  kept as a page map (``--plot``; ``--plot-from JSON`` draws those of a saved run).
 - ``prefix``: a shared system prompt (``--prefix-len`` tokens) before each request's own
   prompt. The first request runs alone, then the rest arrive together; with and without
   prefix caching: prefill tokens computed, fraction of the shared prompt served from the
@@ -177,6 +177,51 @@ def measure_prefix(model, spec, trace, prompts, *, prefix_len: int, budget_token
     return out
 
 
+def plot_page_map(snapshot: dict, path: str | pathlib.Path, title: str = "") -> pathlib.Path:
+    """The pool as a grid of pages coloured by the request holding each, shared pages (more
+    than one holder) outlined, pages held by none left white.
+
+    Args:
+      snapshot: ``{"num_pages": P, "owners": {page: [request index per holder]}}``.
+    """
+    plt = serving._pyplot()
+    P = int(snapshot["num_pages"])
+    owners = {int(k): v for k, v in snapshot["owners"].items()}
+    cols = math.ceil(math.sqrt(P * 2))
+    rows = math.ceil(P / cols)
+    grid = np.full((rows, cols), np.nan)
+    for page, holders in owners.items():
+        grid[page // cols, page % cols] = holders[0]
+    fig, ax = plt.subplots(figsize=(min(12, 0.12 * cols + 2), min(8, 0.12 * rows + 1.5)))
+    ax.imshow(grid, cmap="tab20", interpolation="nearest", vmin=0, vmax=19)
+    for page, holders in owners.items():
+        if len(holders) > 1:
+            r, c = divmod(page, cols)
+            ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=1.2, ec="k"))
+    shared = sum(1 for h in owners.values() if len(h) > 1)
+    ax.set_title(f"{title}\n{len(owners)} of {P} pages held, {shared} shared (outlined)",
+                 fontsize=9)  # fmt: skip
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def memory_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
+    """A page map per sharing run that found shared pages (``<stem>_pages_<kind><w>.png``)."""
+    paths = []
+    for r in doc.get("sharing", []):
+        snap = r.get("page_map", {})
+        if snap.get("owners"):
+            what = "beam width" if r["kind"] == "beam" else "parallel sampling n"
+            paths.append(plot_page_map(snap, f"{stem}_pages_{r['kind']}{r['width']}.png",
+                                       serving.plot_title(doc, f"{what} = {r['width']}")))  # fmt: skip
+    return paths
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", choices=("tiny", "llama-1b", "llama-8b"))
@@ -189,9 +234,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
+    ap.add_argument("--plot-from", metavar="JSON", help="only write the page maps of a saved run")
     ap.add_argument("--out")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        doc = json.loads(pathlib.Path(args.plot_from).read_text())
+        for path in memory_plots(doc, pathlib.Path(args.plot_from).with_suffix("")):
+            print(f"wrote {path}")
+        return doc
 
     spec = serving.model_spec(args.model)
     num = args.num_requests or (12 if args.quick else 100)
@@ -261,9 +312,7 @@ def main(argv=None) -> dict:
     save()
     print(f"wrote {out}")
     if args.plot:
-        import _plots
-
-        for path in _plots.memory_plots(doc, out.with_suffix("")):
+        for path in memory_plots(doc, out.with_suffix("")):
             print(f"wrote {path}")
     return doc
 

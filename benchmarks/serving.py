@@ -20,14 +20,12 @@ latency measured at the lowest rate) with every request finished.
     python benchmarks/serving.py --quick                      # tiny model, CPU-sized
     python benchmarks/serving.py --model llama-8b --quick     # the H200 run (see BUILD.md)
     python benchmarks/serving.py --model llama-8b --dataset sharegpt --rates 1,2,4,8,16
-    python benchmarks/serving.py --model llama-8b --profile-decode 64,128,256  # host time, MBU
-
-``--profile-decode`` (`profile_decode`) replaces the sweep: for each batch size it splits
-jpaged's decode phase into host time (the engine's own counters) and the rest, and reports
-MBU, (weight + live K/V bytes) per decode step / step time over the measured HBM roofline.
+    python benchmarks/serving.py --plot-from benchmarks/results/serving_llama-8b_sharegpt_h200.json
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/``); ``--plot``
-also writes PNGs (matplotlib, the ``plot`` extra).
+also writes PNGs (matplotlib, the ``plot`` extra): normalised latency against rate per
+system (`plot_latency_vs_rate`) and KV use over time (`plot_kv_utilisation`); ``--plot-from``
+draws them from a saved JSON (e.g. one fetched from a GPU machine without matplotlib).
 """
 
 from __future__ import annotations
@@ -213,7 +211,8 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
     ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
     nothing after this fails.
     """
-    from jpaged._step import SAMPLING_MODES, LoopBatch, SamplingArrays, StepBatch, bucket
+    from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch, bucket
+    from jpaged.engine.runner import SAMPLING_MODES
 
     r = llm.runner
     W, top = llm.width, max(llm.max_num_batched_tokens, 16)
@@ -249,7 +248,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
         for kind, b, d in work
     ]  # fmt: skip
     _baselines.compile_parallel(lowered, threads)
-    return len(work) + llm._warmup_page_programs()  # copy-on-write and swap (preemption)
+    return len(work) + llm.kv.warmup_page_programs(llm.width)  # copy-on-write, swap
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
@@ -507,97 +506,82 @@ def _row(name: str, p: dict) -> str:
     )
 
 
-def _weight_bytes(model) -> int:
-    """Parameter bytes a decode step reads (the embedding table only when tied)."""
-    cfg = model.config
-    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
-    total = 0
-    for name, shape in models.param_shapes(cfg).items():
-        if name == "embed_VD" and not cfg.tie_word_embeddings:
-            continue  # a gather of B rows
-        total += math.prod(shape) * itemsize
-    return total
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (the ``plot`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def profile_decode(model, *, batch_sizes, prompt_len: int, output_len: int, page_size: int,
-                   num_decode_steps: int = 8, roofline_bytes: int = 4 << 30,
-                   progress: bool = True, engine_kw: dict | None = None,
-                   roofline_tbs: float | None = None) -> dict:  # fmt: skip
-    """Host scheduling time and memory-bandwidth utilisation of jpaged's decode, per batch size.
+def plot_title(doc: dict, what: str) -> str:
+    """A plot's title: ``what``, then the model, device, JAX version and date of ``doc``."""
+    env = doc.get("env", {})
+    return f"{what}\n{doc.get('model')} on {env.get('device')}, jax {env.get('jax')}, {env.get('date')}"
 
-    For each B: B requests of ``prompt_len`` prompt tokens and ``output_len`` outputs arrive
-    at once, twice (the first pass compiles; ``compiles`` counts those in the second's decode
-    phase); the decode phase runs from the step after which every request has its first
-    token until the first request finishes (every request decodes in every step of it). From the engine's own counters
-    (``LLM.stats()``: ``time_schedule_s``, ``time_step_s``, ``time_device_wait_s``), host
-    time = scheduling + step time - time spent waiting for the device. Step time = phase wall
-    time / decode steps; MBU = (weight bytes + mean live K/V bytes) per decode step / step
-    time, over the HBM read roofline measured in the same process (``_timing``).
-    ``engine_kw`` goes to ``jpaged.LLM`` (e.g. ``compiler_options``); ``roofline_tbs``, when
-    given, is used instead of measuring it again.
-    """
-    import _timing
 
-    if roofline_tbs is None:
-        roofline_tbs, _ = _timing.read_roofline_tbs(roofline_bytes)
-    roof_tbs = roofline_tbs
-    cfg = model.config
-    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-    weights = _weight_bytes(model)
-    keys = ("time_schedule_s", "time_step_s", "time_device_wait_s", "tokens_generated",
-            "steps", "device_calls")  # fmt: skip
-    rows = []
-    for B in _workloads.tqdm(batch_sizes, desc="decode profile", disable=not progress):
-        budget = min(2048, B * prompt_len)
-        # Requests start decoding as their prefill ends (chunked, `budget` tokens per step):
-        # at most `stagger` steps apart. Each may generate output_len + stagger tokens, so
-        # every one still runs for output_len steps after the last one started: the
-        # measured window, which ends when the first request finishes.
-        stagger = math.ceil(B * prompt_len / budget) + 2
-        need = B * (math.ceil((prompt_len + output_len + stagger) / page_size) + 2) * page_size
-        rng = np.random.default_rng(B)
-        prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(B)]
-        for _ in range(2):  # the first pass compiles what the second one measures
-            system = JpagedSystem(model, budget_tokens=need, page_size=page_size,
-                                  max_len=prompt_len + output_len + stagger + 1, max_num_seqs=B,
-                                  num_decode_steps=num_decode_steps,
-                                  max_num_batched_tokens=budget, **(engine_kw or {}))  # fmt: skip
-            llm = system.llm
-            for i, p in enumerate(prompts):
-                system.add(i, p, output_len + stagger)
-            started: set[int] = set()
-            while len(started) < B:  # prefill (chunked) until every request has a token
-                started |= {rid for rid, n, _ in system.step() if n >= 1}
-            compiles, before, t0 = backend_compiles(), llm.stats(), time.perf_counter()
-            done = False
-            while not done and system.has_work():  # every request decoding
-                done = any(fin for _, _, fin in system.step())
-            wall = time.perf_counter() - t0
-            after = llm.stats()
-            compiles = backend_compiles() - compiles
-            d = {k: after[k] - before[k] for k in keys}
-            del system, llm
-        steps = d["tokens_generated"] / B  # decode steps (every sequence decodes each step)
-        host = d["time_schedule_s"] + d["time_step_s"] - d["time_device_wait_s"]
-        live = B * (prompt_len + 1 + steps / 2)  # mean tokens in the cache over the phase
-        step_s = wall / steps
-        row = {
-            "batch": B, "decode_steps": steps, "engine_steps": d["steps"],
-            "device_calls": d["device_calls"], "wall_s": wall, "host_s": host,
-            "device_wait_s": d["time_device_wait_s"], "host_fraction": host / wall,
-            "step_s": step_s, "mbu": (weights + live * kv_per_token) / step_s / (roof_tbs * 1e12),
-            "compiles": compiles,
-        }  # fmt: skip
-        rows.append(row)
-        print(f"B={B:>4}: decode step {step_s * 1e3:7.3f} ms, host {host / steps * 1e3:7.3f} ms "
-              f"per decode step ({row['host_fraction']:.1%} of the wall time; "
-              f"{steps / max(d['device_calls'], 1):.1f} steps per device call), "
-              f"MBU {row['mbu']:.1%}")  # fmt: skip
-    return {"roofline_tbs": roof_tbs, "weight_bytes": weights,
-            "kv_bytes_per_token": kv_per_token, "prompt_len": prompt_len,
-            "output_len": output_len, "num_decode_steps": num_decode_steps,
-            "rows": rows}  # fmt: skip
+def plot_latency_vs_rate(doc: dict, path: str | pathlib.Path) -> pathlib.Path:
+    """Normalised latency against request rate, one line per system (the vLLM paper's Fig. 12
+    layout); runs that did not finish every request are hollow."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in doc["results"].items():
+        rates = [p["rate"] for p in points]
+        lat = [p["normalized_latency_s"] for p in points]
+        (line,) = ax.plot(rates, lat, marker="o", label=name)
+        bad = [(r, y) for r, y, p in zip(rates, lat, points, strict=True) if p["saturated"]]
+        if bad:
+            ax.scatter(*zip(*bad, strict=True), s=80, facecolors="white",
+                       edgecolors=line.get_color(), zorder=3)  # fmt: skip
+    slo = doc.get("summary", {}).get("slo_s_per_token")
+    if slo and math.isfinite(slo):
+        ax.axhline(slo, color="grey", ls="--", lw=1, label="SLO")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalised latency (s/token)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(plot_title(doc, f"{doc['workload'].get('dataset') or 'trace'}"), fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_kv_utilisation(doc: dict, path: str | pathlib.Path, rate_index: int = -1) -> pathlib.Path:
+    """Live tokens and allocated slots as fractions of the KV budget over time, one panel per
+    system, at the ``rate_index``-th rate."""
+    plt = _pyplot()
+    names = list(doc["results"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(6, 1.6 * len(names) + 0.6), sharex=True,
+                             squeeze=False)  # fmt: skip
+    rate = None
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        point = doc["results"][name][rate_index]
+        rate = point["rate"]
+        u = np.asarray(point["usage"], dtype=float).reshape(-1, 4)
+        if len(u):
+            ax.fill_between(u[:, 0], u[:, 1], step="post", alpha=0.35, label="allocated")
+            ax.plot(u[:, 0], u[:, 2], drawstyle="steps-post", lw=1, label="live tokens")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel(name, fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle(plot_title(doc, f"KV budget use at {rate:g} req/s"), fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def serving_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
+    """Both serving plots next to ``stem`` (``<stem>_latency.png``, ``<stem>_kv.png``)."""
+    stem = str(stem)
+    return [plot_latency_vs_rate(doc, stem + "_latency.png"),
+            plot_kv_utilisation(doc, stem + "_kv.png")]  # fmt: skip
 
 
 def environment() -> dict:
@@ -648,13 +632,8 @@ def main(argv=None) -> dict:
         "model: its spec's, 10 s for llama-8b)",
     )
     ap.add_argument("--plot", action="store_true", help="write PNGs (needs matplotlib)")
+    ap.add_argument("--plot-from", metavar="JSON", help="only write the PNGs of a saved run")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serving_*.json)")
-    ap.add_argument(
-        "--profile-decode",
-        metavar="B,B,...",
-        help="instead of the sweep: host time and MBU of jpaged decode per batch",
-    )
-    ap.add_argument("--profile-lens", default="512,64", help="prompt,output of --profile-decode")
     ap.add_argument(
         "--merge",
         action="store_true",
@@ -662,6 +641,11 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        doc = json.loads(pathlib.Path(args.plot_from).read_text())
+        for path in serving_plots(doc, pathlib.Path(args.plot_from).with_suffix("")):
+            print(f"wrote {path}")
+        return doc
 
     spec = model_spec(args.model)
     if args.max_len:
@@ -695,8 +679,6 @@ def main(argv=None) -> dict:
     max_num_seqs = args.max_num_seqs or spec.max_num_seqs
     max_run_s = args.max_run_s or (90.0 if args.quick else 600.0)
     model = load_model(spec, args.seed)
-    if args.profile_decode:
-        return _profile_main(args, model)
     prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
     tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
     out = pathlib.Path(args.out) if args.out else RESULTS / f"serving_{tag}.json"
@@ -743,26 +725,8 @@ def main(argv=None) -> dict:
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}")
     if args.plot:
-        import _plots
-
-        for path in _plots.serving_plots(doc, out.with_suffix("")):
+        for path in serving_plots(doc, out.with_suffix("")):
             print(f"wrote {path}")
-    return doc
-
-
-def _profile_main(args, model) -> dict:
-    p, o = (int(x) for x in args.profile_lens.split(","))
-    batches = [int(b) for b in args.profile_decode.split(",")]
-    on_cpu = jax.default_backend() == "cpu"
-    doc = {"env": environment(), "model": args.model,
-           **profile_decode(model, batch_sizes=batches, prompt_len=p, output_len=o,
-                            page_size=args.page_size, num_decode_steps=args.decode_steps,
-                            roofline_bytes=(64 << 20) if on_cpu else (4 << 30),
-                            progress=not args.no_progress)}  # fmt: skip
-    out = pathlib.Path(args.out) if args.out else RESULTS / f"decode_profile_{args.model}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=float))
-    print(f"wrote {out}")
     return doc
 
 

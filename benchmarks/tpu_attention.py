@@ -7,7 +7,8 @@ On a TPU VM (from the repository root)::
 
 Decode reports effective bandwidth (live K/V bytes / time) and its share of the HBM read roofline
 measured in the same process (``jnp.sum`` over 1 GiB); prefill reports TFLOP/s (causal count).
-Inputs are random (never zeros) with randomly permuted page tables. Timing: ``--calls``
+Inputs are random (never zeros) with randomly permuted page tables; both implementations run on
+the same inputs, and each row records the Pallas output's largest difference from XLA's. Timing: ``--calls``
 back-to-back calls, one sync, median of ``--rounds`` (``benchmarks/_timing.wall_us``).
 
 ``--smoke`` runs two tiny cases with the kernels in the TPU interpreter, on any machine (CI runs it
@@ -34,6 +35,7 @@ from _timing import read_roofline_tbs, wall_us
 import jpaged
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+IMPLS = ("pallas_tpu", "xla")
 
 
 def _pool(rng, lengths, K, C, H, dtype):
@@ -52,34 +54,55 @@ def _pool(rng, lengths, K, C, H, dtype):
     return k, v, jnp.asarray(table)
 
 
-def decode_row(rng, impl, *, B, ctx, N, K, H, C, dtype, interpret, calls, rounds):
+def decode_inputs(rng, *, B, ctx, N, K, H, C, dtype):
+    """One decode batch: lengths uniform in [ctx/2, 3 ctx/2], q [B, N, H], a random pool.
+
+    Returns the call's arguments (q, k, v, table, lengths) and the live K/V bytes.
+    """
     lengths = rng.integers(max(1, ctx // 2), ctx * 3 // 2 + 1, B).astype(np.int32)
     k, v, table = _pool(rng, lengths, K, C, H, dtype)
     q = jnp.asarray(rng.standard_normal((B, N, H), np.float32), dtype)
-    fn = jax.jit(
-        lambda q, k, v, t, n: jpaged.paged_attention(
-            q, k, v, t, n, implementation=impl, interpret=interpret or None
-        )
-    )
-    us = wall_us(fn, q, k, v, table, jnp.asarray(lengths), calls=calls, rounds=rounds)
     live = int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize * 2
-    return {"us": us, "tbs": live / (us * 1e-6) / 1e12}
+    return (q, k, v, table, jnp.asarray(lengths)), live
 
 
-def prefill_row(rng, impl, *, B, T, N, K, H, C, dtype, interpret, calls, rounds):
+def prefill_inputs(rng, *, B, T, N, K, H, C, dtype):
+    """B causal prompts of T tokens: q [B*T, N, H] over a random pool, with the causal FLOPs.
+
+    Returns the call's arguments (q, k, v, table, lengths, cu_q_lens, num_seqs) and
+    ``4 * B * N * H * T^2 / 2``.
+    """
     lengths = np.full(B, T, np.int32)
     k, v, table = _pool(rng, lengths, K, C, H, dtype)
     q = jnp.asarray(rng.standard_normal((B * T, N, H), np.float32), dtype)
     cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
-    fn = jax.jit(
-        lambda q, k, v, t, n, cu, s: jpaged.ragged_paged_attention(
-            q, k, v, t, n, cu, s, implementation=impl, interpret=interpret or None
-        )
-    )
     args = (q, k, v, table, jnp.asarray(lengths), cu, jnp.asarray(B, jnp.int32))
-    us = wall_us(fn, *args, calls=calls, rounds=rounds)
-    flops = 4 * B * N * H * T * T / 2
-    return {"us": us, "tflops": flops / (us * 1e-6) / 1e12}
+    return args, 4 * B * N * H * T * T / 2
+
+
+def measure(op, args, impls, *, interpret, calls, rounds) -> tuple[dict, dict]:
+    """Times ``op`` (``jpaged.paged_attention`` or ``ragged_paged_attention``) per
+    implementation on the same ``args``; returns ``{impl: us}`` and ``{impl: output}``."""
+    times, outputs = {}, {}
+    for impl in impls:
+        fn = jax.jit(
+            lambda *a, impl=impl: op(
+                *a, implementation=impl, interpret=(interpret and impl != "xla") or None
+            )
+        )
+        outputs[impl] = np.asarray(fn(*args), np.float32)
+        times[impl] = wall_us(fn, *args, calls=calls, rounds=rounds)
+    return times, outputs
+
+
+def _row(kind, case, times, outputs, *, per_us, unit) -> dict:
+    """A table row: per implementation its time and ``per_us / us`` in ``unit`` (TB/s of live
+    bytes or TFLOP/s), and the Pallas output's largest difference from the XLA path's."""
+    row = {"kind": kind, **case}
+    for impl, us in times.items():
+        row[impl] = {"us": us, unit: per_us / (us * 1e-6) / 1e12}
+    row["max_abs_diff_vs_xla"] = float(np.max(np.abs(outputs["pallas_tpu"] - outputs["xla"])))
+    return row
 
 
 def main(argv=None) -> dict:
@@ -109,24 +132,25 @@ def main(argv=None) -> dict:
         prefill = [dict(B=max(1, 16384 // T), T=T, N=32, K=8, H=128, C=64) for T in (1024, 4096)]
         roofline = read_roofline_tbs(1 << 30)[0]
     rows = []
+    timing = dict(interpret=interpret, calls=calls, rounds=rounds)
     for case in decode:
-        row = {"kind": "decode", **case}
-        for impl in ("pallas_tpu", "xla"):
-            r = decode_row(rng, impl, **case, dtype=dtype, interpret=interpret and impl != "xla",
-                           calls=calls, rounds=rounds)  # fmt: skip
-            row[impl] = r
+        call_args, live = decode_inputs(rng, **case, dtype=dtype)
+        times, outs = measure(jpaged.paged_attention, call_args, IMPLS, **timing)
+        row = _row("decode", case, times, outs, per_us=live, unit="tbs")
+        row["live_bytes"] = live
         rows.append(row)
         print(f"decode {case}: pallas_tpu {row['pallas_tpu']['tbs']:.2f} TB/s "
-              f"({row['pallas_tpu']['tbs'] / roofline:.0%} of roofline), xla {row['xla']['tbs']:.2f} TB/s")  # fmt: skip
+              f"({row['pallas_tpu']['tbs'] / roofline:.0%} of roofline), xla {row['xla']['tbs']:.2f} TB/s, "
+              f"max |pallas - xla| {row['max_abs_diff_vs_xla']:.2e}")  # fmt: skip
     for case in prefill:
-        row = {"kind": "prefill", **case}
-        for impl in ("pallas_tpu", "xla"):
-            row[impl] = prefill_row(rng, impl, **case, dtype=dtype,
-                                    interpret=interpret and impl != "xla", calls=calls,
-                                    rounds=rounds)  # fmt: skip
+        call_args, flops = prefill_inputs(rng, **case, dtype=dtype)
+        times, outs = measure(jpaged.ragged_paged_attention, call_args, IMPLS, **timing)
+        row = _row("prefill", case, times, outs, per_us=flops, unit="tflops")
+        row["flops"] = flops
         rows.append(row)
         print(f"prefill {case}: pallas_tpu {row['pallas_tpu']['tflops']:.1f} TFLOP/s, "
-              f"xla {row['xla']['tflops']:.1f} TFLOP/s")  # fmt: skip
+              f"xla {row['xla']['tflops']:.1f} TFLOP/s, "
+              f"max |pallas - xla| {row['max_abs_diff_vs_xla']:.2e}")  # fmt: skip
     result = {
         "env": {
             "device": str(jax.devices()[0].device_kind),

@@ -40,7 +40,7 @@ sweep() {  # one system per process, merged into one JSON
 
 case "$PART" in
   decode)
-    run 330 benchmarks/decode_step.py --model "$MODEL" --batch 64,128,256 \
+    run 330 benchmarks/diagnostics/decode_step.py --model "$MODEL" --batch 64,128,256 \
       --variants default --engine --timeout 320 --out "$DEST/decode_step_${MODEL}.json"
     run 60 tools/summarize_decode_step.py "$DEST/decode_step_${MODEL}.json"
     ;;

@@ -10,13 +10,13 @@
 #     (RAGGED_VARIANTS="default paired=0": the same batches through the ragged kernel too;
 #      DECODE_ARGS: extra flags, e.g. "--skip-xla --only 0 3")
 #   bash tools/gpu_kernels.sh ncu OUT [ARGS...]                   # Nsight Compute, decode
-#     (ARGS go to benchmarks/profile_decode_ncu.py, e.g. --only 6 5 --variants l2_prefetch=2;
+#     (ARGS go to benchmarks/diagnostics/profile_decode_ncu.py, e.g. --only 6 5 --variants block_kv=128;
 #      writes OUT/ncu_decode.ncu-rep and OUT/ncu_decode.txt, the details page as text)
 #   bash tools/gpu_kernels.sh gaps OUT [ARGS...]                  # launch gaps (JAX profiler)
-#     (ARGS go to benchmarks/profile_launch_gaps.py, e.g. --only 0 2; writes OUT/gaps.txt)
+#     (ARGS go to benchmarks/diagnostics/profile_launch_gaps.py, e.g. --only 0 2; writes OUT/gaps.txt)
 #
 # In one device call, run the benchmarks before the tests: right after a pytest run the wall
-# columns ran 20-70 us over their usual (twenty-second session), CUPTI unchanged.
+# columns ran 20-70 us over their usual on the H200, CUPTI unchanged.
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
 # BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
 set -u
@@ -37,8 +37,8 @@ run() {  # run SECONDS LOG command...
 
 tests() {  # tests FILE [-k EXPR]
   # TEST_WORKERS pytest-xdist processes share the GPU (each gets 1/(workers+1) of its memory):
-  # a fresh machine's compiles are CPU-bound, and 4 workers ran the 83 decode tests in 101 s
-  # (eighth session) where one process timed out at 170 s. pytest-benchmark is disabled: it
+  # a fresh machine's compiles are CPU-bound, and 4 workers ran 83 decode tests in 101 s where
+  # one process timed out at 170 s. pytest-benchmark is disabled: it
   # raises an internal error under xdist. TEST_WORKERS=0 runs in one process.
   local file=$1
   shift
@@ -62,7 +62,7 @@ case "$PART" in
     v=()
     [ $# -gt 2 ] && v=(--variants "${@:3}" --variant-lengths ${VARIANT_LENGTHS:-4096 16384 8192 2048})
     run "${BENCH_TIMEOUT:-300}" "$DEST/prefill.log" "$PY" benchmarks/prefill_attention.py \
-      "${v[@]}" --out "$DEST/prefill_ragged_h200.json"
+      "${v[@]}" --out "$DEST/prefill_h200.json"
     ;;
   decode)
     v=()
@@ -81,14 +81,14 @@ case "$PART" in
       --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum \
-      -f -o "$DEST/ncu_decode" "$PY" benchmarks/profile_decode_ncu.py "${@:3}"
+      -f -o "$DEST/ncu_decode" "$PY" benchmarks/diagnostics/profile_decode_ncu.py "${@:3}"
     # A target left behind by a timeout would hold the GPU for the next part.
-    pkill -f "$PY benchmarks/profile_decode_ncu.py" && sleep 2
+    pkill -f "$PY benchmarks/diagnostics/profile_decode_ncu.py" && sleep 2
     "$NCU" --import "$DEST/ncu_decode.ncu-rep" --page details >"$DEST/ncu_decode.txt" 2>&1
     echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
   gaps)
-    run "${BENCH_TIMEOUT:-300}" "$DEST/gaps.txt" "$PY" benchmarks/profile_launch_gaps.py \
+    run "${BENCH_TIMEOUT:-300}" "$DEST/gaps.txt" "$PY" benchmarks/diagnostics/profile_launch_gaps.py \
       --out "$DEST" "${@:3}"
     ;;
   *)

@@ -1,5 +1,6 @@
-"""Prints the decode_step.py JSON files given: per variant and batch, the floor, the engine
-step and the trace's top kernels (a compact view for device logs)."""
+"""Prints the ``benchmarks/diagnostics/decode_step.py`` JSON files given: per variant and
+batch, the floor, the engine step and the trace's top kernels (a compact view for device
+logs)."""
 
 import json
 import sys
