@@ -37,5 +37,6 @@ from jpaged._engine import LLM as LLM
 from jpaged._engine import CompletionOutput as CompletionOutput
 from jpaged._engine import RequestOutput as RequestOutput
 from jpaged._step import default_compiler_options as default_compiler_options
+from jpaged._assets import demo_model_path as demo_model_path
 
 __version__ = "0.1.0"
