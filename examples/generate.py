@@ -14,8 +14,9 @@ the right thing under each feature:
 6. ``llm.stats()``, each figure explained.
 
 It ends with ``demo check: <right>/<total> correct`` and exits with status 1 if fewer than
-95% are right. Another local checkpoint (Llama, Mistral, Qwen2) runs with ``--model PATH``;
-its prompts are then the digits-free ``--prompt`` texts and nothing is checked.
+95% are right. Another local checkpoint (Llama, Mistral, Qwen2) runs with ``--model PATH``:
+greedy answers to the ``--prompt`` texts, parallel sampling, beam search and the stats,
+nothing checked.
 """
 
 from __future__ import annotations
@@ -175,9 +176,8 @@ def free_text(model: pathlib.Path, prompts: list[str]) -> int:
     for c in out.outputs:
         print(f"  [{c.index}] {c.text!r}")
     print("\n== beam search, width 3")
-    for c in llm.beam_search(prompts[0], jpaged.BeamSearchParams(beam_width=3, max_tokens=8))[
-        0
-    ].outputs:
+    beams = llm.beam_search(prompts[0], jpaged.BeamSearchParams(beam_width=3, max_tokens=8))
+    for c in beams[0].outputs:
         print(f"  {c.text!r} score {c.score:.4f}")
     print_stats(llm)
     return 0
