@@ -37,5 +37,6 @@ from jpaged.engine.llm import LLM as LLM
 from jpaged.engine.outputs import CompletionOutput as CompletionOutput
 from jpaged.engine.outputs import RequestOutput as RequestOutput
 from jpaged.engine.runner import default_compiler_options as default_compiler_options
+from jpaged._assets import demo_model_path as demo_model_path
 
 __version__ = "0.1.0"

@@ -9,11 +9,16 @@ library and its tests never import torch. For each model below it writes
   decode steps (`generate(output_logits=True)`, EOS ignored), the 32 greedy tokens, and a
   beam-search result (`generate(num_beams=4, num_return_sequences=4)`).
 
+It also writes `tests/goldens/demo_addition.json`: the greedy answers of the shipped demo
+model (`jpaged/assets/demo_addition`, trained by `examples/train_demo_model.py`) to the first
+64 of its held-out sums, from `LlamaForCausalLM.from_pretrained` (`--only demo` writes just
+this one; `--demo-checkpoint` reads another copy of the checkpoint).
+
 Weights are random (fixed seed), with larger-than-default init and random biases and norm
 weights so that every parameter matters and greedy choices are not near-ties (the script
 checks the top-2 logit margin of every greedy step).
 
-Usage: .venv-torch/bin/python tools/make_goldens.py [--out-root .]
+Usage: .venv-torch/bin/python tools/make_goldens.py [--out-root .] [--only random|demo]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -227,11 +233,63 @@ def make_one(name: str, out_root: pathlib.Path, prompt_ids: list[int]) -> None:
           f"beam lengths {[len(s) for s in sequences]}")  # fmt: skip
 
 
+DEMO_CHECKPOINT = pathlib.Path("jpaged/assets/demo_addition")
+DEMO_SUMS = 64  # the first held-out sums of the demo model
+DEMO_NEW_TOKENS = 5  # a 4-digit answer and <eos>
+
+
+def make_demo_golden(ckpt: pathlib.Path, out_root: pathlib.Path) -> None:
+    """Greedy answers of the trained demo model from transformers, for the first held-out sums."""
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    pairs = json.loads((ckpt / "heldout_pairs.json").read_text())["pairs"][:DEMO_SUMS]
+    eos = json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"]
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    prompts, answers, token_ids = [], [], []
+    for a, b in pairs:
+        ids = tok.encode(f"{a}+{b}=").ids
+        with torch.no_grad():
+            seq = model.generate(
+                torch.tensor([ids]), max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
+                eos_token_id=eos, pad_token_id=0,
+            )  # fmt: skip
+        new = seq[0, len(ids) :].tolist()
+        prompts.append(f"{a}+{b}=")
+        token_ids.append(new)
+        answers.append(tok.decode(new))
+    right = sum(ans == str(a + b) for ans, (a, b) in zip(answers, pairs, strict=True))
+    golden = {
+        "model": "demo_addition",
+        "checkpoint": str(DEMO_CHECKPOINT),
+        "generator": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "script": "tools/make_goldens.py",
+        },
+        "greedy": {"max_new_tokens": DEMO_NEW_TOKENS, "eos_token_id": eos},
+        "prompts": prompts,
+        "token_ids": token_ids,
+        "answers": answers,
+        "num_right": right,
+    }
+    gold = out_root / "tests" / "goldens" / "demo_addition.json"
+    gold.parent.mkdir(parents=True, exist_ok=True)
+    gold.write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"demo_addition: {right}/{len(pairs)} held-out sums right under transformers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-root", type=pathlib.Path, default=pathlib.Path("."))
+    parser.add_argument("--only", choices=("random", "demo"), default=None,
+                        help="only the random tiny models, or only the demo model's golden")  # fmt: skip
+    parser.add_argument("--demo-checkpoint", type=pathlib.Path, default=DEMO_CHECKPOINT)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.only != "random":
+        make_demo_golden(args.demo_checkpoint, args.out_root)
+    if args.only == "demo":
+        return
     tok = build_tokenizer()
     prompt_ids = tok.encode(PROMPT_TEXT).ids
     if len(prompt_ids) != PROMPT_LEN:
