@@ -2196,7 +2196,7 @@ def test_tcgen05_bad_arguments_raise(kw, match):
 def test_tcgen05_defaults_on_blackwell(monkeypatch):
     # default_mma and unsupported_reason on a Blackwell GPU (sm100 / sm103), a consumer
     # Blackwell (sm120: no tcgen05, no wgmma) and a Hopper, faked.
-    from jpaged import _backend
+    from pallas_kernels import _backend
 
     for cc, mma in (((10, 0), "tcgen05"), ((10, 3), "tcgen05"), ((9, 0), "wgmma")):
         monkeypatch.setattr(_backend, "gpu_compute_capability", lambda cc=cc: cc)
@@ -2216,9 +2216,12 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
     monkeypatch.setattr(_backend, "gpu_compute_capability", lambda: (10, 0))
     monkeypatch.setattr(_backend, "default_platform", lambda: "gpu")
     from jpaged import _attention
+    from pallas_kernels.paged_attention import dispatch
 
     for H, C in ((128, 16), (64, 8)):
-        resolved = _attention._resolve("paged_attention", None, None, _shapes(H=H, C=C), {})
+        resolved = _attention._resolve(
+            "paged_attention", dispatch, None, None, _shapes(H=H, C=C), {}
+        )
         want = "pallas_gpu" if H == 128 else "xla"
         assert resolved == want, (H, resolved)
     seen = []
@@ -2247,7 +2250,7 @@ def test_tcgen05_defaults_on_blackwell(monkeypatch):
     ids=str,
 )
 def test_gpu_tcgen05(C, extra):
-    from jpaged import _backend
+    from pallas_kernels import _backend
 
     cc = _backend.gpu_compute_capability()
     if cc is None or cc[0] not in kernel_gpu.TCGEN05_MAJORS:

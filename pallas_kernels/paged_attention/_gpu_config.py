@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _gpu_checks
+from pallas_kernels import _backend, _gpu_checks
 
 _ROWS = 64  # wgmma M tile: the G query heads of one KV head, padded
 _LOG2E = math.log2(math.e)
@@ -492,8 +492,6 @@ def default_mma(interpret: bool = False) -> str:
     interpreter, which runs either when asked)."""
     if interpret:
         return "wgmma"
-    from jpaged import _backend
-
     cc = _backend.gpu_compute_capability()
     return "tcgen05" if cc is not None and cc[0] in TCGEN05_MAJORS else "wgmma"
 

@@ -172,6 +172,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _backend
 from pallas_kernels._split_merge import merge_splits
 from pallas_kernels.paged_attention import _merge_gpu
 from pallas_kernels.paged_attention._gpu_balanced import (  # noqa: F401  (re-exported)
@@ -848,8 +849,6 @@ def paged_attention_pallas_gpu(
     if W == 0:  # no page to read: every length must be 0 (checked arguments, no launch)
         return jnp.zeros(q.shape, q.dtype)
     if persistent and num_ctas is None:
-        from jpaged import _backend
-
         ctas_per_sm = 2 if smem(stages) <= _TWO_CTA_SMEM_BYTES else 1
         num_ctas = ctas_per_sm * _backend.gpu_num_sms()
     if balanced:
@@ -860,8 +859,6 @@ def paged_attention_pallas_gpu(
                 f"{qcols} query columns, head_dim={H}), over 227 KB: leave balanced off"
             )
         if num_ctas is None:
-            from jpaged import _backend
-
             per_sm = _balanced_ctas_per_sm(H, block_kv, stages, qcols, B)
             num_ctas = per_sm * _backend.gpu_num_sms()
         elif num_ctas > _MAX_BALANCED_CTAS:
