@@ -13,13 +13,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir.dialects import nvvm
 
 from pallas_kernels._gpu.config import LOG2E, LSE_COLS, ROWS, TILE_ROWS, smem_transforms
 from pallas_kernels._gpu.pages import copy_pages
-from pallas_kernels.paged_attention import _cp_async
+from pallas_kernels.paged_attention import _cp_async, _gpu_tcgen05
 from pallas_kernels.paged_attention._gpu_config import _Config
 from pallas_kernels.paged_attention._gpu_order import ORDER_BITS, packed_order
+from pallas_kernels.paged_attention._gpu_tcgen05 import (
+    _TMEM_LANES,
+    _acc_map,
+    _o_parts,
+    _store_transposed,
+    _tc_pv,
+    tmem_sync,
+)
 
 
 @plgpu.inline_mgpu()
@@ -38,94 +45,11 @@ def wg_barrier(cfg: _Config) -> None:
         _warpgroup_barrier()
 
 
-@plgpu.inline_mgpu()
-def _tmem_before_sync(ctx):
-    del ctx
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
-
-
-@plgpu.inline_mgpu()
-def _tmem_after_sync(ctx):
-    del ctx
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
-
-
-def tmem_sync(cfg: _Config, barrier) -> None:
-    """``barrier()`` (a warpgroup barrier) ordering every thread's TMEM loads before any MMA
-    the elected thread issues after it (tcgen05): each thread waits for its loads
-    (``wait_load_tmem``) and fences before the barrier, and fences after it, so the next
-    products may overwrite the accumulators the threads read. Just the barrier with wgmma; the
-    interpreter, which runs a warpgroup as one and cannot run inline Mosaic GPU code, takes the
-    wait and the barrier."""
-    if cfg.tcgen05:
-        plgpu.wait_load_tmem()
-    fence = cfg.tcgen05 and not cfg.interpret
-    if fence:
-        _tmem_before_sync()
-    barrier()
-    if fence:
-        _tmem_after_sync()
-
-
 def _layout(cfg: _Config):
     """The register layout of the products' results and of everything kept beside them (the
     accumulator, the scores, their masks and maxima): wgmma's, or an M=128 tcgen05 MMA's
     accumulator as it is read from TMEM (a key row or head-dim row a thread)."""
     return plgpu.Layout.TCGEN05 if cfg.tcgen05 else plgpu.Layout.WGMMA
-
-
-def _tc_product(acc_tmem, a, b, bar):
-    """``a @ b`` by one tcgen05 MMA into ``acc_tmem`` (overwritten), issued by one thread; waits
-    for it (``bar``: its completion, tensor-core ordered) and reads the result into registers."""
-    plgpu.tcgen05_mma(acc_tmem, a, b, bar, accumulate=False)
-    plgpu.barrier_wait(bar)
-    return plgpu.async_load_tmem(acc_tmem)
-
-
-_TMEM_LANES = 128  # a tcgen05 product's M: the rows of each part of O^T (``_o_parts``)
-
-
-def _o_parts(cfg: _Config) -> int:
-    """tcgen05: O^T [H, qcols] is H / 128 products of M = 128 head-dim rows each, kept as that
-    many [128, qcols] arrays (a tuple; the register accumulator of one M = 128 product cannot
-    grow past TMEM's 128 lanes). 0: wgmma, whose accumulator is one array."""
-    return cfg.head_dim // _TMEM_LANES if cfg.tcgen05 else 0
-
-
-def _acc_map(f, acc):
-    """``f`` of the accumulator: of each of its parts with tcgen05 (``_o_parts``)."""
-    return tuple(f(a) for a in acc) if isinstance(acc, tuple) else f(acc)
-
-
-def _tc_pv(cfg: _Config, o_tmem, v_tile, p_smem, bar):
-    """tcgen05: O^T = V^T P^T, one M = 128 MMA for each 128 rows of the head dim into its
-    ``qcols`` columns of ``o_tmem``, issued in order by one thread (only the last arrives on
-    ``bar``: an MMA's completion implies its predecessors'); the parts read into registers."""
-    parts, q = _o_parts(cfg), cfg.qcols
-    v_t = v_tile.transpose((1, 0))
-    if parts == 1:
-        return (_tc_product(o_tmem, v_t, p_smem.transpose((1, 0)), bar),)
-    for j in range(parts):
-        plgpu.tcgen05_mma(
-            o_tmem.at[:, pl.ds(j * q, q)],
-            v_tile.at[:, pl.ds(j * _TMEM_LANES, _TMEM_LANES)].transpose((1, 0)),
-            p_smem.transpose((1, 0)),
-            bar if j == parts - 1 else None,
-            accumulate=False,
-        )
-    plgpu.barrier_wait(bar)
-    return tuple(plgpu.async_load_tmem(o_tmem.at[:, pl.ds(j * q, q)]) for j in range(parts))
-
-
-def _store_transposed(o_smem, out, dtype):
-    """O^T (an array, or tcgen05's parts of 128 head-dim rows) into the [rows, H] tile
-    ``o_smem`` through a transposed view."""
-    if not isinstance(out, tuple) or len(out) == 1:
-        o_smem.transpose((1, 0))[...] = (out[0] if isinstance(out, tuple) else out).astype(dtype)
-        return
-    for j, part in enumerate(out):
-        cols = pl.ds(j * _TMEM_LANES, _TMEM_LANES)
-        o_smem.at[:, cols].transpose((1, 0))[...] = part.astype(dtype)
 
 
 class _Unit(NamedTuple):
@@ -355,7 +279,7 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     sc_shape = _scores_shape(cfg)
     if cfg.tcgen05:  # S^T = K Q^T: M = the tile's 128 keys, N = the query columns
         s_tmem, o_tmem, mma_bar = tc
-        sc = _tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
+        sc = _gpu_tcgen05._tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
     else:
         sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
     scale = cfg.sm_scale * LOG2E  # base-2 logits; m is in these units
@@ -525,19 +449,6 @@ def _scratch(cfg: _Config):
         ),
         plgpu.SMEM((rows, T), dtype, transforms=tr),
         out,
-    )
-
-
-def _tc_scratch(cfg: _Config):
-    """tcgen05: the TMEM accumulators of the scores S^T [T, qcols] and of P @ V's O^T
-    [H, qcols] (f32, qcols columns each of TMEM's 128 lanes), and the two barriers their MMAs
-    arrive on when complete. Empty with wgmma."""
-    if not cfg.tcgen05:
-        return ()
-    return (
-        plgpu.TMEM((cfg.block_kv, cfg.qcols), jnp.float32),
-        plgpu.TMEM((_TMEM_LANES, _o_parts(cfg) * cfg.qcols), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
     )
 
 

@@ -36,14 +36,10 @@ def _longest_first_order(work_NT, real_NT, bits: int | None) -> jax.Array:
     ``work`` is in tokens: with ``bits = 16`` (2**16 entries) ``top`` is 0x7FFE, 32k tokens;
     with 2**9 entries (decode-heavy batches of ~256 sequences) it is 4M. Work past ``top``
     ties (index order), acceptable for scheduling. The tile takes only the bits the order
-    needs, not the decode kernel's fixed 16: work here is in tokens (the old order's key,
-    kept exactly), and 15 bits would tie every decode past 32k tokens. Real tiles with work < -1 (only from
-    invalid lengths, kv_len < q_len) tie with the empty tiles instead of sorting after them.
-
-    Why: in the decode kernel's profile (H200, seventh session, ncu; ``_longest_first_order``
-    in ``pallas_kernels/paged_attention/kernel_gpu.py``) ``jnp.argsort(-x)`` at 256 elements
-    was a negate kernel and a two-operand sort, 7.3 us, and a one-operand sort of packed int32
-    keys 2.5-4.7 us. Not measured for this kernel.
+    needs, not the decode kernel's fixed 16: work here is in tokens, and 15 bits would tie
+    every decode past 32k tokens. Real tiles with work < -1 (only from invalid lengths,
+    kv_len < q_len) tie with the empty tiles instead of sorting after them. Why packed keys:
+    ``pallas_kernels._gpu.order`` (measured on the decode kernel, not on this one).
     """
     if bits is None:
         return jnp.argsort(-jnp.where(real_NT, work_NT, -1)).astype(jnp.int32)

@@ -44,11 +44,9 @@ warpgroups per CTA:
   K/V range is split over S work units; each stores its normalised partial and base-2
   log-sum-exp in place and ``_merge_splits`` (XLA) combines them.
 
-Measured on an H200 (BENCHMARKS.md, "Prefill / ragged attention", fifth session): 0.95-0.96x
-cuDNN dense causal wall-clock at T = 4k-16k with the defaults (0.57-0.67x before the FA3 body,
-in-place Q/O and the tile order); decode batches at 0.89-1.05x jpaged's decode kernel; correct
-on the GPU over page sizes 8-128, G 1/4/6/8, head dims 64-256 (in-place Q/O: 64 and 128),
-bf16/f16 mixed batches, with both bodies.
+Correct on the GPU over page sizes 8-128, G 1/4/6/8, head dims 64-256 (in-place Q/O: 64 and
+128), bf16/f16 mixed batches, with both bodies. The defaults and the measurements behind them
+are ``tuning_gpu.TUNING``; the current figures are in BENCHMARKS.md.
 
 Not covered (``unsupported_reason`` says so; auto dispatch falls back to ``xla``): f32 or mixed
 dtypes, page sizes that are not multiples of 8 or neither divide nor are divided by the tile,

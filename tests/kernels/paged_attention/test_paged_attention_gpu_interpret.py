@@ -441,20 +441,20 @@ def test_interpret_tcgen05(C, extra):
 
 def test_interpret_tcgen05_products_are_used(monkeypatch):
     # The tcgen05 products are what the interpreter runs: one made 1.5x too large fails.
-    from pallas_kernels.paged_attention import _gpu_tile
+    from pallas_kernels.paged_attention import _gpu_tcgen05
 
-    real = _gpu_tile._tc_product
+    real = _gpu_tcgen05._tc_product
     calls = []
 
     def spy(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(_gpu_tile, "_tc_product", spy)
+    monkeypatch.setattr(_gpu_tcgen05, "_tc_product", spy)
     rng = np.random.default_rng(5)
     case = dict(K=2, G=4, H=128, C=16, interpret=True, mma="tcgen05", fixed_max=False)
     run_case(rng, [5, 200, 0, 129], **case)
     assert len(calls) == 2  # Q K^T and P @ V, traced once each
-    monkeypatch.setattr(_gpu_tile, "_tc_product", lambda *args: 1.5 * real(*args))
+    monkeypatch.setattr(_gpu_tcgen05, "_tc_product", lambda *args: 1.5 * real(*args))
     with pytest.raises(AssertionError):  # (another batch size: traced anew)
         run_case(rng, [5, 200, 0], **case)
