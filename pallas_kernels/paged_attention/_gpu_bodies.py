@@ -11,13 +11,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention._gpu_config import _Config
 from pallas_kernels.paged_attention._gpu_order import packed_key
+from pallas_kernels.paged_attention._gpu_tcgen05 import _tc_scratch
 from pallas_kernels.paged_attention._gpu_tile import (
     _attend,
     _finish,
     _scratch,
     _staged_tiles,
     _store,
-    _tc_scratch,
     _unit,
 )
 
