@@ -101,6 +101,19 @@ from pallas_kernels.paged_attention._gpu_config import (
 )
 from pallas_kernels.paged_attention._gpu_order import longest_first_order, packed_order
 from pallas_kernels.paged_attention._gpu_tile import _partial_dtype
+from pallas_kernels.paged_attention.tuning_gpu import TUNING as TUNING
+from pallas_kernels.paged_attention.tuning_gpu import default_block_kv as default_block_kv
+from pallas_kernels.paged_attention.tuning_gpu import default_fixed_max as default_fixed_max
+from pallas_kernels.paged_attention.tuning_gpu import default_longest_first as default_longest_first
+from pallas_kernels.paged_attention.tuning_gpu import (
+    default_min_split_tiles as default_min_split_tiles,
+)
+from pallas_kernels.paged_attention.tuning_gpu import default_mma as default_mma
+from pallas_kernels.paged_attention.tuning_gpu import default_num_splits as default_num_splits
+from pallas_kernels.paged_attention.tuning_gpu import default_num_stages as default_num_stages
+from pallas_kernels.paged_attention.tuning_gpu import default_order_method as default_order_method
+from pallas_kernels.paged_attention.tuning_gpu import default_split_merge as default_split_merge
+from pallas_kernels.paged_attention.tuning_gpu import default_swap_ab as default_swap_ab
 
 
 def _unit_cols(cfg: _Config, xp):
