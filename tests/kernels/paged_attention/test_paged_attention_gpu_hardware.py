@@ -155,7 +155,7 @@ def test_gpu_small_pages(C, extra):
         (16, dict(q_scale=100.0, lengths=[32768, 1, 20001, 700])),
         (16, dict(q_scale=100.0, swap_ab=False, num_splits=2)),
         (16, dict(q_scale=3.0, dtype="float16", lengths="many")),
-        # The running max in every tile (bf16's default before fixed_max)
+        # The running max in every tile (f16's default)
         (16, dict(fixed_max=False, lengths="many")),
         (16, dict(fixed_max=False, q_scale=100.0, lengths=[32768, 1, 20001, 700])),
         (64, dict(fixed_max=False, window=700, soft_cap=50.0, num_splits=3)),

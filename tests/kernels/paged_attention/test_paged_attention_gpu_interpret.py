@@ -196,7 +196,7 @@ def test_interpret_order_methods(order_method):
 @pytest.mark.parametrize(
     "min_tiles,extra",
     [
-        (1, {}),  # every split reads (the old rule)
+        (1, {}),  # every split reads
         (2, {"window": 300, "soft_cap": 20.0}),  # the window's tiles are what is split
         (4, {"out_of_range_tail": True}),
         (8, {"num_layers": 2, "layer": jnp.int32(1)}),
@@ -225,7 +225,7 @@ def test_interpret_min_split_tiles(min_tiles, extra, merge):
         dict(q_scale=100.0),
         dict(q_scale=100.0, swap_ab=False, num_splits=2),
         dict(q_scale=3.0, dtype=jnp.float16),  # f16 P: 15 doublings of headroom
-        # The running max (the default before, and at f16)
+        # The running max (f16's default)
         dict(fixed_max=False),
         dict(fixed_max=False, swap_ab=False, num_splits=2, q_scale=100.0),
     ],

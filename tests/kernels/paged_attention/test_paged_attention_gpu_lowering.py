@@ -35,7 +35,7 @@ _VARIANTS = [
     dict(H=64, C=64, block_kv=64, num_splits=3),
     dict(N=8, K=8, C=32, block_kv=128),  # G = 1, T = 128
     dict(N=64, K=8, C=64, num_stages=2, longest_first=False),  # G = 8
-    dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8 (H200 run 1)
+    dict(B=7, N=2, K=2, H=64, num_splits=3),  # B*N = 14 rows: q padded to 8
     dict(B=40, num_splits=2, longest_first=True),  # (off by default: 128-token tables)
     dict(B=40, longest_first=True, order_method="rank"),  # the order by counting, no sort
     dict(B=40, longest_first=True, order_method="sort"),
@@ -102,7 +102,7 @@ _VARIANTS = [
     dict(fixed_max=True, H=64, C=8, K=4, dtype=jnp.float16, L=3),  # T=128
     dict(fixed_max=True, C=1, W=128),  # per-thread cp.async copies
     dict(fixed_max=True, C=2, W=64, page_copy="tma"),  # the staging ring
-    dict(fixed_max=False),  # the running max in every tile (bf16's default before)
+    dict(fixed_max=False),  # the running max in every tile (f16's default)
     # swap_ab's output as whole qcols-row blocks gathered by XLA (JAX >= 0.12's default)
     dict(out_blocks=True),
     dict(out_blocks=True, num_splits=4, logits_soft_cap=30.0, sliding_window=100),
