@@ -160,7 +160,8 @@ def test_cross_lowers_for_cuda(variant):
     assert ("nvvm.cp.async.shared.global" in text) == (copy == "_cpa")
     assert ("nvvm.cp.async.wait.group" in text) == (copy == "_cpa")
     # fixed_max (_fm): asked, else at bf16.
-    fixed = v.get("fixed_max", tuning_gpu.default_fixed_max(v.get("dtype", jnp.bfloat16)))
+    dtype = variant.get("dtype", jnp.bfloat16)  # (a shape key: not among the knobs v)
+    fixed = v.get("fixed_max", tuning_gpu.default_fixed_max(dtype))
     assert all(("_fm" in name) == bool(fixed) for name in names), names
     # Splits with swap_ab are merged by a second kernel by default (up to 32), else by XLA.
     merge = v.get("split_merge") or tuning_gpu.default_split_merge(splits, swap)
