@@ -1,45 +1,41 @@
 """Public attention entry points: validate, pick an implementation, call it.
 
-Implementations live in ``pallas_kernels/<op>/<impl>.py``; each exposes a
-function named ``<op>_<impl>`` and ``unsupported_reason(...)`` (``None`` when it
-can run the given arguments). Auto dispatch consults ``unsupported_reason`` and
-falls back to ``"xla"``; an explicitly requested implementation that cannot run
-raises ``ValueError`` with the reason.
+Each op's implementations are an explicit table in ``pallas_kernels/<op>/dispatch.py``:
+``IMPLEMENTATIONS`` (name -> function) and ``UNSUPPORTED_REASONS`` (name -> a function
+returning ``None`` when that implementation can run the given arguments). Auto dispatch
+consults the reason and falls back to ``"xla"``; an explicitly requested implementation that
+cannot run raises ``ValueError`` with the reason.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
 
-from jpaged import _backend
+from pallas_kernels import _backend
+from pallas_kernels.paged_attention import dispatch as _paged_dispatch
+from pallas_kernels.paged_attention import validate as _paged_validate
+from pallas_kernels.ragged_paged_attention import dispatch as _ragged_dispatch
+from pallas_kernels.ragged_paged_attention import validate as _ragged_validate
 
 Implementation = Literal["xla", "pallas_gpu", "pallas_tpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu")
-_MODULE = {"xla": "xla", "pallas_gpu": "kernel_gpu", "pallas_tpu": "kernel_tpu"}
 
 
-class _NotShipped(ValueError):
-    """The implementation's module does not exist (yet) for this op."""
+def _lookup(op: str, table: Mapping[str, Callable], impl: str) -> Callable:
+    if impl not in table:
+        raise ValueError(f"implementation={impl!r} is not available for {op}")
+    return table[impl]
 
 
-def _impl_module(op: str, impl: str):
-    name = f"pallas_kernels.{op}.{_MODULE[impl]}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:  # a real import error inside the module: let it surface
-            raise
-        raise _NotShipped(
-            f"implementation={impl!r} is not available for {op}: {name} does not exist"
-        ) from None
-
-
-def _resolve(op: str, implementation: str | None, interpret: bool | None, args, kwargs) -> str:
+def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | None, args, kwargs):
+    """The implementation that runs this call: ``implementation`` if given (checked), else the
+    platform's Pallas kernel where it can run the arguments, else ``"xla"``. ``dispatch``: the
+    op's module of tables (``IMPLEMENTATIONS``, ``UNSUPPORTED_REASONS``)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be None (auto) or one of {IMPLEMENTATIONS}")
     if interpret and implementation not in ("pallas_gpu", "pallas_tpu"):
@@ -47,10 +43,11 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
             f"interpret=True runs a Pallas kernel in its interpreter: pass "
             f"implementation='pallas_gpu' or 'pallas_tpu' (got {implementation=})"
         )
+    reasons = dispatch.UNSUPPORTED_REASONS
     if implementation is not None:
-        mod = _impl_module(op, implementation)  # raises ValueError if not shipped
+        _lookup(op, dispatch.IMPLEMENTATIONS, implementation)  # raises if not shipped
         if not interpret:
-            reason = mod.unsupported_reason(*args, **kwargs)
+            reason = _lookup(op, reasons, implementation)(*args, **kwargs)
             if reason is not None:
                 raise ValueError(
                     f"implementation={implementation!r} cannot run this call: {reason}"
@@ -63,13 +60,16 @@ def _resolve(op: str, implementation: str | None, interpret: bool | None, args, 
     elif platform == "gpu" and _backend.has_mosaic_gpu():
         candidates.append("pallas_gpu")
     for impl in candidates:
-        try:
-            mod = _impl_module(op, impl)
-        except _NotShipped:  # kernel not shipped for this op yet
-            continue
-        if mod.unsupported_reason(*args, **kwargs) is None:
+        if impl in dispatch.IMPLEMENTATIONS and reasons[impl](*args, **kwargs) is None:
             return impl
     return "xla"
+
+
+def _call(op: str, dispatch, impl: str, interpret, args, kwargs, tuning):
+    fn = _lookup(op, dispatch.IMPLEMENTATIONS, impl)
+    if impl == "xla":
+        return fn(*args, **kwargs, **tuning)
+    return fn(*args, **kwargs, interpret=bool(interpret), **tuning)
 
 
 def _check_tuning(implementation: str | None, tuning: dict[str, Any]) -> None:
@@ -134,9 +134,7 @@ def paged_attention(
     >>> jpaged.paged_attention(q, kv, kv, jnp.array([[2, 0]]), jnp.array([3])).shape
     (1, 2, 4)
     """
-    from pallas_kernels.paged_attention import validate
-
-    validate.validate_static(
+    _paged_validate.validate_static(
         q, k_pages, v_pages, block_tables, lengths,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
     )  # fmt: skip
@@ -148,11 +146,9 @@ def paged_attention(
         layer=layer,
     )
     _check_tuning(implementation, tuning)
-    impl = _resolve("paged_attention", implementation, interpret, args, kwargs)
-    fn = getattr(_impl_module("paged_attention", impl), f"paged_attention_{impl}")
-    if impl == "xla":
-        return fn(*args, **kwargs, **tuning)
-    return fn(*args, **kwargs, interpret=bool(interpret), **tuning)
+    op = "paged_attention"
+    impl = _resolve(op, _paged_dispatch, implementation, interpret, args, kwargs)
+    return _call(op, _paged_dispatch, impl, interpret, args, kwargs, tuning)
 
 
 def ragged_paged_attention(
@@ -202,9 +198,7 @@ def ragged_paged_attention(
     Raises:
       ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
     """
-    from pallas_kernels.ragged_paged_attention import validate
-
-    validate.validate_static(
+    _ragged_validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
     )  # fmt: skip
@@ -217,8 +211,6 @@ def ragged_paged_attention(
         layer=layer,
     )
     _check_tuning(implementation, tuning)
-    impl = _resolve("ragged_paged_attention", implementation, interpret, args, kwargs)
-    fn = getattr(_impl_module("ragged_paged_attention", impl), f"ragged_paged_attention_{impl}")
-    if impl == "xla":
-        return fn(*args, **kwargs, **tuning)
-    return fn(*args, **kwargs, interpret=bool(interpret), **tuning)
+    op = "ragged_paged_attention"
+    impl = _resolve(op, _ragged_dispatch, implementation, interpret, args, kwargs)
+    return _call(op, _ragged_dispatch, impl, interpret, args, kwargs, tuning)

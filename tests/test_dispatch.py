@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import doctest
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +16,10 @@ import jpaged._attention
 import pallas_kernels.paged_attention.reference
 import pallas_kernels.paged_attention.validate
 import pallas_kernels.paged_attention.xla
-from jpaged import _attention, _backend
+from jpaged import _attention
+from pallas_kernels import _backend
 from pallas_kernels.paged_attention import (
+    dispatch,
     paged_attention_reference,
     validate_dynamic,
     validate_static,
@@ -57,7 +58,7 @@ def test_auto_picks_xla_on_cpu(monkeypatch):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pallas_kernels.paged_attention.xla, "paged_attention_xla", spy)
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "xla", spy)
     args = _valid()
     out = _call(args)
     assert len(calls) == 1
@@ -65,46 +66,51 @@ def test_auto_picks_xla_on_cpu(monkeypatch):
     assert_close(out, paged_attention_reference(*args.values()), jnp.float32)
 
 
-def _fake_kernel_module(reason):
+def test_dispatch_tables_name_every_implementation():
+    import pallas_kernels.ragged_paged_attention.dispatch as ragged
+
+    for table in (dispatch, ragged):
+        assert set(table.IMPLEMENTATIONS) == set(_attention.IMPLEMENTATIONS)
+        assert set(table.UNSUPPORTED_REASONS) == set(_attention.IMPLEMENTATIONS)
+    assert dispatch.IMPLEMENTATIONS["xla"] is pallas_kernels.paged_attention.xla.paged_attention_xla
+
+
+def _fake_kernel(reason, monkeypatch, impl="pallas_tpu"):
+    """Replace ``impl`` in the decode table by a kernel that must not run and rejects every
+    call with ``reason``."""
+
     def kernel(*args, interpret=False, **kwargs):
         raise AssertionError("the fake kernel must not be called")
 
-    return types.SimpleNamespace(
-        unsupported_reason=lambda *a, **k: reason,
-        paged_attention_pallas_tpu=kernel,
-        paged_attention_pallas_gpu=kernel,
-    )
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, impl, kernel)
+    monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, impl, lambda *a, **k: reason)
 
 
 def test_auto_falls_back_to_xla_when_kernel_unsupported(monkeypatch):
     # Pretend to be on a TPU whose kernel rejects the shapes: auto must pick "xla".
-    real_module = _attention._impl_module
-
-    def impl_module(op, impl):
-        if impl == "pallas_tpu":
-            return _fake_kernel_module("head dim 16 is not a multiple of 128")
-        return real_module(op, impl)
-
+    _fake_kernel("head dim 16 is not a multiple of 128", monkeypatch)
     monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
-    monkeypatch.setattr(_attention, "_impl_module", impl_module)
     args = _valid()
-    resolved = _attention._resolve("paged_attention", None, None, tuple(args.values()), {})
+    resolved = _attention._resolve(
+        "paged_attention", dispatch, None, None, tuple(args.values()), {}
+    )
     assert resolved == "xla"
     assert_close(_call(args), paged_attention_reference(*args.values()), jnp.float32)
 
 
 def test_explicit_unsupported_implementation_raises(monkeypatch):
-    monkeypatch.setattr(
-        _attention, "_impl_module", lambda op, impl: _fake_kernel_module("needs a TPU")
-    )
+    _fake_kernel("needs a TPU", monkeypatch)
     with pytest.raises(ValueError, match=r"implementation='pallas_tpu' cannot run .*needs a TPU"):
         _call(_valid(), implementation="pallas_tpu")
 
 
 def test_explicit_implementation_not_shipped_raises(monkeypatch):
-    monkeypatch.setitem(_attention._MODULE, "pallas_tpu", "kernel_that_does_not_exist")
+    monkeypatch.delitem(dispatch.IMPLEMENTATIONS, "pallas_tpu")
     with pytest.raises(ValueError, match=r"implementation='pallas_tpu' is not available"):
         _call(_valid(), implementation="pallas_tpu")
+    # and auto dispatch on a TPU skips it
+    monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
+    assert _attention._resolve("paged_attention", dispatch, None, None, (), {}) == "xla"
 
 
 @pytest.mark.parametrize("name", ["cuda", "XLA", "triton", ""])

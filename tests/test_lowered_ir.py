@@ -1,4 +1,4 @@
-"""``tools/lowered_ir.py``: fingerprints of the decode kernel's device code, lowered on CPU."""
+"""``tools/lowered_ir.py``: fingerprints of the GPU kernels' device code, lowered on CPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import _fast_lowering
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels" / "paged_attention"))
 import lowered_ir
 import pytest
-import test_paged_attention_gpu
+from _decode_gpu_cases import variant_call
 
 from pallas_kernels.paged_attention import kernel_gpu
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _texts(**kw):
-    f, args = test_paged_attention_gpu.variant_call(kw)[:2]
+    f, args = variant_call(kw)[:2]
     return lowered_ir._kernel_texts(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)))
 
 
@@ -59,3 +60,15 @@ def test_fast_layout_names_match_the_original(monkeypatch):
     assert len(names) > 100 and any(" = scf." in n for n in names), names
     monkeypatch.setattr(li.ValueSite, "__str__", _fast_lowering.original_str)
     assert _texts(**variant) == patched
+
+
+def test_ragged_fingerprints_are_stable_and_tell_defaults_apart():
+    """The ragged kernel's default lowering prints the same twice, and its decode-heavy shape
+    (paired warpgroups) lowers to another kernel than the prefill-heavy one."""
+    texts = []
+    for variant in (lowered_ir.RAGGED_DEFAULTS[0], lowered_ir.RAGGED_DEFAULTS[0], {"T": 8}):
+        f, args = lowered_ir.ragged_call(variant)
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        texts.append(lowered_ir._kernel_texts(lowered)[1])
+    assert texts[0] == texts[1] and len(texts[0]) == 1
+    assert texts[2] != texts[0]

@@ -56,8 +56,8 @@ tests() {  # tests FILE [-k EXPR]
 }
 
 case "$PART" in
-  ragged-tests) tests tests/test_ragged_gpu.py "${@:3}" ;;
-  decode-tests) tests tests/test_paged_attention_gpu.py "${@:3}" ;;
+  ragged-tests) tests tests/kernels/ragged_paged_attention/test_ragged_gpu.py "${@:3}" ;;
+  decode-tests) tests tests/kernels/paged_attention/test_paged_attention_gpu_hardware.py "${@:3}" ;;
   prefill)
     v=()
     [ $# -gt 2 ] && v=(--variants "${@:3}" --variant-lengths ${VARIANT_LENGTHS:-4096 16384 8192 2048})

@@ -1,8 +1,9 @@
 """Decode attention over a paged KV cache: one query token per sequence.
 
 Modules: ``reference`` (plain jnp, f32: the oracle), ``validate`` (checks shared by
-every implementation), ``xla`` (chunked online-softmax XLA path). The Pallas kernels
-(``kernel_gpu``, ``kernel_tpu``) are imported lazily by ``jpaged._attention``.
+every implementation), ``xla`` (chunked online-softmax XLA path), the Pallas kernels
+(``kernel_gpu``, ``kernel_tpu``), and ``dispatch``: the implementations by name, which
+``jpaged.paged_attention`` picks from.
 """
 
 from pallas_kernels.paged_attention.reference import (

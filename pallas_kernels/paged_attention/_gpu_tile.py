@@ -13,17 +13,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir.dialects import nvvm
 
-from pallas_kernels.paged_attention import _cp_async
-from pallas_kernels.paged_attention._gpu_config import (
-    _LOG2E,
-    _LSE_COLS,
-    _ORDER_BITS,
-    _ROWS,
-    _TILE_ROWS,
-    _Config,
-    _packed_order,
+from pallas_kernels._gpu.config import LOG2E, LSE_COLS, ROWS, TILE_ROWS, smem_transforms
+from pallas_kernels._gpu.pages import copy_pages
+from pallas_kernels.paged_attention import _cp_async, _gpu_tcgen05
+from pallas_kernels.paged_attention._gpu_config import _Config
+from pallas_kernels.paged_attention._gpu_order import ORDER_BITS, packed_order
+from pallas_kernels.paged_attention._gpu_tcgen05 import (
+    _TMEM_LANES,
+    _acc_map,
+    _o_parts,
+    _store_transposed,
+    _tc_pv,
+    tmem_sync,
 )
 
 
@@ -43,98 +45,11 @@ def wg_barrier(cfg: _Config) -> None:
         _warpgroup_barrier()
 
 
-@plgpu.inline_mgpu()
-def _tmem_before_sync(ctx):
-    del ctx
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
-
-
-@plgpu.inline_mgpu()
-def _tmem_after_sync(ctx):
-    del ctx
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
-
-
-def tmem_sync(cfg: _Config, barrier) -> None:
-    """``barrier()`` (a warpgroup barrier) ordering every thread's TMEM loads before any MMA
-    the elected thread issues after it (tcgen05): each thread waits for its loads
-    (``wait_load_tmem``) and fences before the barrier, and fences after it, so the next
-    products may overwrite the accumulators the threads read. Just the barrier with wgmma; the
-    interpreter, which runs a warpgroup as one and cannot run inline Mosaic GPU code, takes the
-    wait and the barrier."""
-    if cfg.tcgen05:
-        plgpu.wait_load_tmem()
-    fence = cfg.tcgen05 and not cfg.interpret
-    if fence:
-        _tmem_before_sync()
-    barrier()
-    if fence:
-        _tmem_after_sync()
-
-
 def _layout(cfg: _Config):
     """The register layout of the products' results and of everything kept beside them (the
     accumulator, the scores, their masks and maxima): wgmma's, or an M=128 tcgen05 MMA's
     accumulator as it is read from TMEM (a key row or head-dim row a thread)."""
     return plgpu.Layout.TCGEN05 if cfg.tcgen05 else plgpu.Layout.WGMMA
-
-
-def _tc_product(acc_tmem, a, b, bar):
-    """``a @ b`` by one tcgen05 MMA into ``acc_tmem`` (overwritten), issued by one thread; waits
-    for it (``bar``: its completion, tensor-core ordered) and reads the result into registers."""
-    plgpu.tcgen05_mma(acc_tmem, a, b, bar, accumulate=False)
-    plgpu.barrier_wait(bar)
-    return plgpu.async_load_tmem(acc_tmem)
-
-
-_TMEM_LANES = 128  # a tcgen05 product's M: the rows of each part of O^T (``_o_parts``)
-
-
-def _o_parts(cfg: _Config) -> int:
-    """tcgen05: O^T [H, qcols] is H / 128 products of M = 128 head-dim rows each, kept as that
-    many [128, qcols] arrays (a tuple; the register accumulator of one M = 128 product cannot
-    grow past TMEM's 128 lanes). 0: wgmma, whose accumulator is one array."""
-    return cfg.head_dim // _TMEM_LANES if cfg.tcgen05 else 0
-
-
-def _acc_map(f, acc):
-    """``f`` of the accumulator: of each of its parts with tcgen05 (``_o_parts``)."""
-    return tuple(f(a) for a in acc) if isinstance(acc, tuple) else f(acc)
-
-
-def _tc_pv(cfg: _Config, o_tmem, v_tile, p_smem, bar):
-    """tcgen05: O^T = V^T P^T, one M = 128 MMA for each 128 rows of the head dim into its
-    ``qcols`` columns of ``o_tmem``, issued in order by one thread (only the last arrives on
-    ``bar``: an MMA's completion implies its predecessors'); the parts read into registers."""
-    parts, q = _o_parts(cfg), cfg.qcols
-    v_t = v_tile.transpose((1, 0))
-    if parts == 1:
-        return (_tc_product(o_tmem, v_t, p_smem.transpose((1, 0)), bar),)
-    for j in range(parts):
-        plgpu.tcgen05_mma(
-            o_tmem.at[:, pl.ds(j * q, q)],
-            v_tile.at[:, pl.ds(j * _TMEM_LANES, _TMEM_LANES)].transpose((1, 0)),
-            p_smem.transpose((1, 0)),
-            bar if j == parts - 1 else None,
-            accumulate=False,
-        )
-    plgpu.barrier_wait(bar)
-    return tuple(plgpu.async_load_tmem(o_tmem.at[:, pl.ds(j * q, q)]) for j in range(parts))
-
-
-def _store_transposed(o_smem, out, dtype):
-    """O^T (an array, or tcgen05's parts of 128 head-dim rows) into the [rows, H] tile
-    ``o_smem`` through a transposed view."""
-    if not isinstance(out, tuple) or len(out) == 1:
-        o_smem.transpose((1, 0))[...] = (out[0] if isinstance(out, tuple) else out).astype(dtype)
-        return
-    for j, part in enumerate(out):
-        cols = pl.ds(j * _TMEM_LANES, _TMEM_LANES)
-        o_smem.at[:, cols].transpose((1, 0))[...] = part.astype(dtype)
-
-
-def _smem_transforms():
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 class _Unit(NamedTuple):
@@ -149,7 +64,6 @@ class _Unit(NamedTuple):
     head_base: Any  # row of the KV head's page 0 in the flattened pool
     qrow: Any  # first query row of the unit's G heads
     s: Any  # the split
-    valid: Any  # False for the padding units of a persistent CTA's last round
     h: Any  # the KV head
     splits: Any = 1  # the sequence's splits that read (``min_split_tiles``; else num_splits)
 
@@ -161,9 +75,6 @@ class _Unit(NamedTuple):
     def qoff(self):
         return self.qrow - self.qrow8
 
-    def where(self, pred, other: _Unit) -> _Unit:
-        return _Unit(*(jnp.where(pred, a, b) for a, b in zip(self, other, strict=True)))
-
 
 def _tile_span(cfg: _Config, length):
     """(first visible key, first tile, tiles) of a sequence of ``length`` >= 0 keys: the tiles
@@ -174,27 +85,20 @@ def _tile_span(cfg: _Config, length):
     return lo, t_lo, (length + T - 1) // T - t_lo
 
 
-def _unit(
-    cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, valid=True, seq=None, tail=None
-) -> _Unit:
+def _unit(cfg: _Config, len_ref, base_ref, order_ref, b_slot, h, s, seq=None) -> _Unit:
     """The unit of grid slot (``b_slot``, ``s``, ``h``); ``seq``: its (sequence, length), as
-    ``_kernel_order`` found them; ``tail`` (``split_tail``): whether the sequence is one of the
-    split ones (else it is read by one split)."""
+    ``_kernel_order`` found them."""
     S = cfg.num_splits
     if seq is not None:
         b = seq[0]
     elif order_ref is None:
         b = b_slot
-    elif _packed_order(cfg.num_seqs):  # packed keys (``_longest_first_order``)
-        b = order_ref[b_slot] & ((1 << _ORDER_BITS) - 1)
+    elif packed_order(cfg.num_seqs):  # packed keys (``_longest_first_order``)
+        b = order_ref[b_slot] & ((1 << ORDER_BITS) - 1)
     else:
         b = order_ref[b_slot]
-    # With ``slot_lengths`` the lengths come in slot order: read at once, not after the order.
     # Lengths < 0 (invalid) count as 0, so no tile index and no table lookup goes negative.
-    if seq is not None:
-        length = seq[1]
-    else:
-        length = len_ref[b_slot] if cfg.slot_lengths else len_ref[b]
+    length = seq[1] if seq is not None else len_ref[b]
     length = jnp.maximum(length, 0)
     lo, t_lo, tiles = _tile_span(cfg, length)
     t_hi = t_lo + tiles
@@ -204,16 +108,15 @@ def _unit(
         # sequence in a wide table, or beside long ones, is not cut into slivers; the
         # splits past them read nothing and store nothing (``_kernel_body``).
         splits = jnp.clip(tiles // cfg.min_split_tiles, 1, S)
-    if tail is not None:  # ``split_tail``: the sequences before the tail are read whole
-        splits = jnp.where(tail, splits, 1)
     per_split = (tiles + splits - 1) // splits
     start = t_lo + s * per_split
     n = jnp.maximum(jnp.minimum(start + per_split, t_hi) - start, 0)
-    n = jnp.where(valid, n, 0)
-    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s, valid)._replace(splits=splits)
+    # (A select on a constant: kept, so the lowered kernel stays the one measured.)
+    n = jnp.where(True, n, 0)
+    return _make_unit(cfg, base_ref, b, length, lo, h, start, n, s)._replace(splits=splits)
 
 
-def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0, valid=True) -> _Unit:
+def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0) -> _Unit:
     """The unit reading tiles [start, start + n) of KV head h of sequence b (``length`` >= 0
     keys, the first visible one ``lo``)."""
     C = cfg.page_size
@@ -227,7 +130,6 @@ def _make_unit(cfg: _Config, base_ref, b, length, lo, h, start, n, s=0, valid=Tr
         head_base=base_ref[0] + h * (cfg.num_pages * C),
         qrow=b * cfg.num_q_heads + h * cfg.group,
         s=jnp.asarray(s, jnp.int32),
-        valid=jnp.asarray(valid, jnp.bool_),
         h=jnp.asarray(h, jnp.int32),
     )
 
@@ -247,30 +149,14 @@ def _page_row(cfg: _Config, unit: _Unit, i, j, page):
     multiple of the rows a copy moves (8 rows of the SMEM tiling, or a whole small page)."""
     tok = (unit.start + i) * cfg.block_kv + j * cfg.rows_per_copy
     row = unit.head_base + page * cfg.page_size + tok % cfg.page_size
-    return pl.multiple_of(row, min(cfg.rows_per_copy, _TILE_ROWS))
+    return pl.multiple_of(row, min(cfg.rows_per_copy, TILE_ROWS))
 
 
 def _issue(cfg: _Config, unit: _Unit, i, slot, pages, streams):
     """Page copies of tile i of ``unit`` into ring slot ``slot``: for each page, one copy per
     ``(gmem, smem ring, barrier)`` stream, each one arrival on ``barrier[slot]``."""
-    r = cfg.rows_per_copy
-    for j, page in enumerate(pages):
-        row = _page_row(cfg, unit, i, j, page)
-        for src, ring, bar in streams:
-            plgpu.copy_gmem_to_smem(
-                src.at[pl.ds(row, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
-            )
-
-
-def _prefetch(cfg: _Config, unit: _Unit, i, pages, srcs):
-    """L2 prefetches (``cp.async.bulk.prefetch``) of tile i's pages of each of ``srcs``: the
-    bytes are requested from HBM now and land in L2, not in SMEM, so more of the stream is in
-    flight than the SMEM ring holds. A no-op in the interpreter."""
-    r = cfg.rows_per_copy
-    for j, page in enumerate(pages):
-        row = _page_row(cfg, unit, i, j, page)
-        for src in srcs:
-            plgpu.async_prefetch(src.at[pl.ds(row, r)])
+    rows = (_page_row(cfg, unit, i, j, page) for j, page in enumerate(pages))
+    copy_pages(rows, streams, slot, cfg.rows_per_copy)
 
 
 def _init_carry(cfg: _Config):
@@ -280,7 +166,7 @@ def _init_carry(cfg: _Config):
     if cfg.swap_ab:
         shape, vec, axis = (H, cfg.qcols), cfg.qcols, 0
     else:
-        shape, vec, axis = (_ROWS, H), _ROWS, 1
+        shape, vec, axis = (ROWS, H), ROWS, 1
     layout = _layout(cfg)
     if cfg.tcgen05:  # O^T as parts of 128 head-dim rows (``_o_parts``)
         zeros = jnp.zeros((_TMEM_LANES, cfg.qcols), jnp.float32)
@@ -311,7 +197,7 @@ def _folds_scale(cfg: _Config) -> bool:
 
 def _scores_shape(cfg: _Config):
     """A tile's scores: [T, qcols] with ``swap_ab`` (keys down), else [64, T]."""
-    return (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (_ROWS, cfg.block_kv)
+    return (cfg.block_kv, cfg.qcols) if cfg.swap_ab else (ROWS, cfg.block_kv)
 
 
 def _init_hi(cfg: _Config):
@@ -331,7 +217,7 @@ def _past_headroom(cfg: _Config, unit: _Unit, hi, m):
     real = (q >= unit.qoff) & (q < unit.qoff + cfg.group)  # not the padding rows of Q
     top = jnp.where(real, hi, -jnp.inf).max(axis=keys)
     if _folds_scale(cfg):
-        top = top * (cfg.sm_scale * _LOG2E)
+        top = top * (cfg.sm_scale * LOG2E)
     return jnp.max(top - m) > cfg.fixed_max_headroom
 
 
@@ -344,35 +230,19 @@ def _relayout(cfg: _Config, src, dst):
     plgpu.commit_smem()
 
 
-def _tile(
-    cfg: _Config,
-    unit: _Unit,
-    i,
-    slot,
-    carry,
-    smem,
-    *,
-    v_slot=None,
-    after_qk=None,
-    before_p=None,
-    tiles=None,
-    tc=None,
-):
-    """Tile i of ``unit`` (K in ring slot ``slot``, V in ``v_slot``, default the same): Q K^T,
-    online softmax, P @ V.
+def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=None):
+    """Tile i of ``unit`` (K and V in ring slot ``slot``): Q K^T, online softmax, P @ V.
 
-    ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``after_qk`` runs once the
-    scores are read (Q and this slot's K are free), ``before_p`` before P is written to SMEM.
-    ``tiles`` (``staged``): the tiled K and V tiles [1, T, H] that the ring's untiled slots are
-    re-laid into once they land; the products read those. ``tc`` (tcgen05): the scores' and
-    P @ V's TMEM accumulators and their two completion barriers. Returns the new (acc, m, l);
-    P @ V has completed by then, so the slot's V is free.
+    ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``tiles`` (``staged``): the
+    tiled K and V tiles [1, T, H] that the ring's untiled slots are re-laid into once they land;
+    the products read those. ``tc`` (tcgen05): the scores' and P @ V's TMEM accumulators and
+    their two completion barriers. Returns the new (acc, m, l); P @ V has completed by then, so
+    the slot's V is free.
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
     acc, m, l, *hi = carry  # hi: ``fixed_max``'s running max of every score
     tile_tok = (unit.start + i) * T
-    v_slot = slot if v_slot is None else v_slot
 
     def landed(bar, ring, at, tile, later_groups):
         """Waits for the slot's copies; the tile the products read. ``per_thread``: a tile's
@@ -409,16 +279,14 @@ def _tile(
     sc_shape = _scores_shape(cfg)
     if cfg.tcgen05:  # S^T = K Q^T: M = the tile's 128 keys, N = the query columns
         s_tmem, o_tmem, mma_bar = tc
-        sc = _tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
+        sc = _gpu_tcgen05._tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
     else:
         sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
-    if after_qk is not None:
-        after_qk()
-    scale = cfg.sm_scale * _LOG2E  # base-2 logits; m is in these units
+    scale = cfg.sm_scale * LOG2E  # base-2 logits; m is in these units
     fold = _folds_scale(cfg)  # scale applied inside exp2, not per score
     if cfg.logits_soft_cap:
         cap = cfg.logits_soft_cap
-        sc = (cap * _LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+        sc = (cap * LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
     elif not fold:
         sc = sc * scale
 
@@ -454,8 +322,6 @@ def _tile(
         l = l * lax.broadcast_in_dim(alpha, sc.shape, queries) + p
     else:
         l = l * alpha + p.sum(axis=keys)
-    if before_p is not None:
-        before_p()
     if swap:
         p_smem.transpose((1, 0))[...] = p.astype(cfg.dtype)
     else:
@@ -465,7 +331,7 @@ def _tile(
     # tcgen05: this tile's scores and the last tile's P @ V are read out of TMEM before the
     # next products overwrite them.
     tmem_sync(cfg, plgpu.commit_smem)
-    v_tile = landed(v_bar, v_smem, v_slot, v_tile, None if cfg.per_thread else later - 1)
+    v_tile = landed(v_bar, v_smem, slot, v_tile, None if cfg.per_thread else later - 1)
 
     @pl.when(tile_tok + T > unit.length)
     def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
@@ -506,22 +372,15 @@ def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
     return out, jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def _store(
-    cfg: _Config, unit: _Unit, outs, out_smem, out, lse, *, wait: bool = True, whole: bool = False
-):
-    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1, or ``whole``: a
-    split sequence that one split read whole, ``min_split_tiles``, with ``swap_ab``), or the
-    partial (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
-    partial, and the lse row of its ``qcols`` columns to the (sequence, KV head) slot). ``wait=False``
-    leaves the copies in flight (the persistent loop waits for their SMEM reads before it
-    writes the tiles again)."""
+def _store(cfg: _Config, unit: _Unit, outs, out_smem, out, lse):
+    """Writes the unit's G real rows: the output tile in ``q.dtype`` (S == 1), or the partial
+    (``_partial_dtype``) and its log-sum-exp (``swap_ab`` with splits: the G rows of the
+    partial, and the lse row of its ``qcols`` columns to the (sequence, KV head) slot)."""
     G = cfg.group
     rows = pl.ds(unit.qoff, G)
     wg_barrier(cfg)  # the output tiles reuse the ring's SMEM: every warp's last wgmma is done
-    if not wait:  # the previous unit's copies may still read these tiles
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     block = pl.ds(pl.multiple_of((unit.b * cfg.num_kv_heads + unit.h) * cfg.q_rows, 8), cfg.q_rows)
-    if cfg.swap_ab and (cfg.num_splits == 1 or whole):  # out is O^T [H, qcols]: transposed
+    if cfg.swap_ab and cfg.num_splits == 1:  # out is O^T [H, qcols]: transposed
         (o_ref,), (o_smem,) = outs, out_smem
         _store_transposed(o_smem, out, cfg.dtype)
         plgpu.commit_smem()
@@ -552,59 +411,44 @@ def _store(
     else:
         (o_ref, lse_ref), (o_smem, lse_smem) = outs, out_smem
         o_smem[...] = out.astype(o_smem.dtype)
-        lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+        lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[unit.s, pl.ds(unit.qrow, G)])
         plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[unit.s, pl.ds(unit.qrow, G)])
-    if wait:
-        plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _partial_dtype(cfg: _Config):
-    """Split partials: f32, or ``q.dtype`` as FlashInfer's and vLLM's merged states are stored:
-    in the persistent kernel, whose output tiles have their own SMEM (f32 would not leave room
-    for two CTAs per SM), and with ``swap_ab``, whose O^T leaves through a transposed view
-    (Mosaic GPU stores only 16-bit types that way)."""
-    return cfg.dtype if cfg.persistent or cfg.swap_ab else jnp.float32
+    """Split partials: f32, or ``q.dtype`` (as FlashInfer's and vLLM's merged states are
+    stored) with ``swap_ab``, whose O^T leaves through a transposed view (Mosaic GPU stores
+    only 16-bit types that way)."""
+    return cfg.dtype if cfg.swap_ab else jnp.float32
 
 
 def _scratch(cfg: _Config):
     """(q, (k ring, v ring), p, out tiles) SMEM scratch shapes."""
     T, H, stages, dtype = cfg.block_kv, cfg.head_dim, cfg.num_stages, cfg.dtype
-    tr = _smem_transforms()
+    tr = smem_transforms()
     rows = cfg.q_rows  # with swap_ab, Q^T and P^T are wgmma B operands (transposed views)
     # Output tiles, untiled: slices of G < 8 rows at qoff must not cross (8, 64) tiles.
     if cfg.num_splits == 1:
         out = (plgpu.SMEM((rows, H), dtype),)
     elif cfg.swap_ab:  # the partial's rows (stored through O^T's transposed view), lse row
-        out = (plgpu.SMEM((rows, H), _partial_dtype(cfg)), plgpu.SMEM((_ROWS, rows), jnp.float32))
+        out = (plgpu.SMEM((rows, H), _partial_dtype(cfg)), plgpu.SMEM((ROWS, rows), jnp.float32))
     else:
         out = (
-            plgpu.SMEM((_ROWS, H), _partial_dtype(cfg)),
-            plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
+            plgpu.SMEM((ROWS, H), _partial_dtype(cfg)),
+            plgpu.SMEM((ROWS, LSE_COLS), jnp.float32),
         )
     ring_tr = {} if cfg.staged else {"transforms": tr}  # staged: copies land untiled
     return (
         plgpu.SMEM((rows, H), dtype, transforms=tr),
         (
-            plgpu.SMEM((cfg.k_stages, T, H), dtype, **ring_tr),
+            plgpu.SMEM((stages, T, H), dtype, **ring_tr),
             plgpu.SMEM((stages, T, H), dtype, **ring_tr),
         ),
         plgpu.SMEM((rows, T), dtype, transforms=tr),
         out,
-    )
-
-
-def _tc_scratch(cfg: _Config):
-    """tcgen05: the TMEM accumulators of the scores S^T [T, qcols] and of P @ V's O^T
-    [H, qcols] (f32, qcols columns each of TMEM's 128 lanes), and the two barriers their MMAs
-    arrive on when complete. Empty with wgmma."""
-    if not cfg.tcgen05:
-        return ()
-    return (
-        plgpu.TMEM((cfg.block_kv, cfg.qcols), jnp.float32),
-        plgpu.TMEM((_TMEM_LANES, _o_parts(cfg) * cfg.qcols), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
     )
 
 
@@ -613,44 +457,29 @@ def _staged_tiles(cfg: _Config):
     shared tile would need a warpgroup barrier between a tile's P @ V and the next tile's K
     re-layout (a warp may finish its wgmma before another); with two, the P store's barrier
     separates every tile's last read from the next write."""
-    tile = plgpu.SMEM((1, cfg.block_kv, cfg.head_dim), cfg.dtype, transforms=_smem_transforms())
+    tile = plgpu.SMEM((1, cfg.block_kv, cfg.head_dim), cfg.dtype, transforms=smem_transforms())
     return tile, tile
 
 
 def _attend(
-    cfg: _Config,
-    refs,
-    unit: _Unit,
-    q_smem,
-    k_smem,
-    v_smem,
-    p_smem,
-    q_bar,
-    k_bar,
-    v_bar,
-    consumed=None,
-    tiles=None,
-    tc=None,
-):
+    cfg: _Config, refs, unit: _Unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+    tiles=None, tc=None,
+):  # fmt: skip
     """The attention loop over ``unit``'s n tiles: (acc, m, l) in ``_layout(cfg)``. ``refs``:
     (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles, ``tc``:
     tcgen05's TMEM accumulators and barriers (``_tile``, ``_tc_scratch``).
 
-    Without ``consumed`` this warpgroup also issues every copy: the first ``k_stages`` K
-    and ``stages`` V tiles up front, then K of tile i + k_stages once tile i's Q K^T
-    (``early_k``) or P @ V has read its slot, and V of tile i + stages once P @ V has. With
-    ``consumed`` (the K- and V-consumed barriers of the producer variant) it issues none
-    and arrives on them as soon as the slot's K (after Q K^T) or V (after P @ V) is no
-    longer read.
+    The warpgroup issues every copy: the first ``num_stages`` tiles' K and V up front, then
+    tile i + num_stages's once tile i's P @ V has read its slot.
     """
     q_ref, k_ref, v_ref, bt_ref = refs
-    stages, k_stages, n = cfg.num_stages, cfg.k_stages, unit.n
+    stages, n = cfg.num_stages, unit.n
     k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
     smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
 
     def per_thread_issue(i, slot, live):
         _cp_async.issue(
-            cfg, bt_ref, k_ref, v_ref, k_smem, v_smem, unit, i, slot, live, _smem_transforms()
+            cfg, bt_ref, k_ref, v_ref, k_smem, v_smem, unit, i, slot, live, smem_transforms()
         )
 
     with jax.named_scope("prologue"):  # Q and the first tiles requested, Q landed
@@ -661,74 +490,31 @@ def _attend(
         else:
             wg_barrier(cfg)  # (nothing wrote SMEM before; kept as a guard)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(unit.qrow8, cfg.q_rows)], q_smem, q_bar)
-        ring = max(stages, k_stages)  # tiles whose K or V the ring requests up front
-        ahead = ring + cfg.l2_prefetch  # tiles requested from HBM ahead of the one computed
         if cfg.per_thread:  # every thread copies pieces of the first tiles (cp.async)
             for i in range(stages):
                 per_thread_issue(i, i, i < n)
-        elif consumed is None:
+        else:
             # Every prologue lookup first (clamped, so in bounds even past n): the block-table
             # reads are in flight together rather than one tile's after the last one's issue.
-            first = [_lookup(cfg, bt_ref, unit, i) for i in range(ring)]
-            for i in range(ring):
-                streams = [k_stream] * (i < k_stages) + [v_stream] * (i < stages)
-                pl.when(i < n)(
-                    lambda i=i, streams=streams: _issue(cfg, unit, i, i, first[i], streams)
-                )
-            for i in range(ring, ahead):
-                pl.when(i < n)(
-                    lambda i=i: _prefetch(
-                        cfg, unit, i, _lookup(cfg, bt_ref, unit, i), (k_ref, v_ref)
-                    )
-                )
+            first = [_lookup(cfg, bt_ref, unit, i) for i in range(stages)]
+            for i in range(stages):
+                pl.when(i < n)(lambda i=i: _issue(cfg, unit, i, i, first[i], [k_stream, v_stream]))
         plgpu.barrier_wait(q_bar)
 
     def step(i, carry):
         slot = lax.rem(i, jnp.int32(stages))
         if cfg.per_thread:  # the slot's next tile, two cp.async groups (committed even if none)
-            assert consumed is None, "page_copy='cp_async' has no producer warpgroup"
             carry = _tile(cfg, unit, i, slot, carry, smem, tc=tc)
             per_thread_issue(i + stages, slot, i + stages < n)
             return carry
-        if consumed is None:
-            k_slot = slot if k_stages == stages else lax.rem(i, jnp.int32(k_stages))
-            # The block-table reads are in flight during the tile.
-            next_v = _lookup(cfg, bt_ref, unit, i + stages)
-            next_k = next_v if k_stages == stages else _lookup(cfg, bt_ref, unit, i + k_stages)
-            if cfg.l2_prefetch:
-                far_pages = _lookup(cfg, bt_ref, unit, i + ahead)
-
-            def refill_k():
-                if cfg.early_k:  # the slot's K was read by every warp's part of Q K^T
-                    wg_barrier(cfg)
-                pl.when(i + k_stages < n)(
-                    lambda: _issue(cfg, unit, i + k_stages, k_slot, next_k, [k_stream])
-                )
-
-            carry = _tile(
-                cfg, unit, i, k_slot, carry, smem, v_slot=slot,
-                after_qk=refill_k if cfg.early_k else None, tiles=tiles, tc=tc,
-            )  # fmt: skip
-            # Every warp's part of P @ V (and Q K^T) has read the slot and P before any warp
-            # refills the slot or writes the next P.
-            wg_barrier(cfg)
-            if cfg.early_k:
-                streams = [v_stream]
-            elif k_stages == stages:
-                streams = [k_stream, v_stream]
-            else:
-                refill_k()
-                streams = [v_stream]
-            pl.when(i + stages < n)(lambda: _issue(cfg, unit, i + stages, slot, next_v, streams))
-            if cfg.l2_prefetch:
-                pl.when(i + ahead < n)(
-                    lambda: _prefetch(cfg, unit, i + ahead, far_pages, (k_ref, v_ref))
-                )
-            return carry
-        # reading the scores waited for the wgmma: K is free
-        after_qk = lambda: plgpu.barrier_arrive(consumed[0].at[slot])  # noqa: E731
-        carry = _tile(cfg, unit, i, slot, carry, smem, after_qk=after_qk)
-        plgpu.barrier_arrive(consumed[1].at[slot])
+        next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
+        carry = _tile(cfg, unit, i, slot, carry, smem, tiles=tiles, tc=tc)
+        # Every warp's part of P @ V (and Q K^T) has read the slot and P before any warp
+        # refills the slot or writes the next P.
+        wg_barrier(cfg)
+        pl.when(i + stages < n)(
+            lambda: _issue(cfg, unit, i + stages, slot, next_pages, [k_stream, v_stream])
+        )
         return carry
 
     with jax.named_scope("loop"):
@@ -741,6 +527,6 @@ def _attend(
     return lax.cond(
         _past_headroom(cfg, unit, hi, m),
         lambda: _attend(exact, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-                        consumed, tiles, tc),
+                        tiles, tc),
         lambda: (acc, m, l),
     )  # fmt: skip

@@ -1,11 +1,11 @@
-"""The shared split-KV merge (``pallas_kernels._split_merge``) against an f64 reference."""
+"""The shared split-KV merge (``pallas_kernels._gpu.merge``) against an f64 reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._split_merge import merge_splits
+from pallas_kernels._gpu.merge import merge_splits
 
 
 @pytest.mark.parametrize("S,R,H", [(1, 5, 8), (2, 3, 16), (32, 32, 128), (8, 257, 64)])

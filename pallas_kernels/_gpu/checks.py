@@ -8,6 +8,8 @@ import math
 
 import jax.numpy as jnp
 
+from pallas_kernels import _backend
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -19,8 +21,6 @@ def device_and_dtype_reasons(
     Hopper, for wgmma), one 16-bit dtype for q and the pools, and a supported head dim."""
     reasons = []
     if check_backend:
-        from jpaged import _backend
-
         cc = _backend.gpu_compute_capability()
         if cc is None or cc[0] not in majors:
             what = "Hopper wgmma" if majors == (9,) else "Hopper wgmma or Blackwell tcgen05"

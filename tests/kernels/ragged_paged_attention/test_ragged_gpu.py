@@ -18,7 +18,7 @@ import pytest
 from _tolerances import assert_close
 from test_ragged_reference import dense_ragged_attention, make_ragged_case
 
-from pallas_kernels.ragged_paged_attention import kernel_gpu, tuning_gpu
+from pallas_kernels.ragged_paged_attention import _gpu_order, kernel_gpu, tuning_gpu
 
 # Cases ``make test`` (CPU CI) leaves out and ``make test-all`` runs (``tests/conftest.py``):
 # the order's plain indices (past 2**16 sequences; 13-23 s interpreted) and the basic split case
@@ -119,12 +119,12 @@ def test_interpret_longest_first_order(monkeypatch, packed):
     if packed:
         extra = {"num_wgs": 1}
     else:
-        monkeypatch.setattr(kernel_gpu, "_ORDER_MAX_LEN", 4)
+        monkeypatch.setattr(_gpu_order, "_ORDER_MAX_LEN", 4)
         jax.clear_caches()  # no trace of the same config from the packed bound
         extra = {"num_wgs": 1, "kv_splits": 2, "sliding_window": 9}
     cfg, _ = kernel_gpu.make_config(*_sds_case(60, 6, 8, N=8, K=2, H=64), sm_scale=0.1,
                                     tile_order="longest_first")  # fmt: skip
-    assert (kernel_gpu._order_index_bits(cfg, 9) is not None) == packed  # the cases: 9-11 tiles
+    assert (_gpu_order._order_index_bits(cfg, 9) is not None) == packed  # the cases: 9-11 tiles
     _interpret_case(rng, 8, 16, extra, last_kv=120, last_q=40, direct_io=True,
                     tile_order="longest_first")  # fmt: skip
     if not packed:
@@ -146,19 +146,19 @@ def test_longest_first_order_packed_keys(NT):
     real = rng.random(NT) < 0.8  # empty tiles (any work) last, in index order
     if NT > 7:
         work[1:5] = [0, -1, top, top - 1]  # edges: still told apart from each other
-    keys = np.asarray(kernel_gpu._longest_first_order(jnp.asarray(work, jnp.int32),
+    keys = np.asarray(_gpu_order._longest_first_order(jnp.asarray(work, jnp.int32),
                                                       jnp.asarray(real), bits))  # fmt: skip
     assert keys.dtype == np.int32 and np.all(keys >= 0)
     np.testing.assert_array_equal(keys & (2**bits - 1), _old_longest_first(work, real))
     # Huge work (past top, up to int32 max) ties at top, in index order.
     if NT > 7:
         work[5:8] = [2**31 - 1, top + 1, 2**30]
-        keys = kernel_gpu._longest_first_order(
+        keys = _gpu_order._longest_first_order(
             jnp.asarray(work, jnp.int32), jnp.asarray(real), bits
         )
         order = np.asarray(keys) & (2**bits - 1)
         np.testing.assert_array_equal(order, _old_longest_first(np.minimum(work, top), real))
-    plain = kernel_gpu._longest_first_order(jnp.asarray(work, jnp.int32), jnp.asarray(real), None)
+    plain = _gpu_order._longest_first_order(jnp.asarray(work, jnp.int32), jnp.asarray(real), None)
     np.testing.assert_array_equal(np.asarray(plain), _old_longest_first(work, real))
 
 
@@ -178,9 +178,9 @@ def test_tile_order_decodes_to_the_argsort(sentinel, causal, window):
     cfg, _ = kernel_gpu.make_config(*_sds_case(80, 7, 40, N=8, K=2, H=64), sm_scale=0.1,
                                     tile_order="longest_first")  # fmt: skip
     cfg = dataclasses.replace(cfg, causal=causal, sliding_window=window)
-    order = np.asarray(kernel_gpu._tile_order(cfg, ts, B=7, sentinel=sentinel))
+    order = np.asarray(_gpu_order._tile_order(cfg, ts, B=7, sentinel=sentinel))
     assert order.shape == (NT + sentinel,)
-    bits = kernel_gpu._order_index_bits(cfg, order.shape[0])
+    bits = _gpu_order._order_index_bits(cfg, order.shape[0])
     assert bits is not None
     tiles = order & (2**bits - 1)
     work = np.minimum(ts.kv_len, ts.pos0 + ts.q_rows) if causal else np.asarray(ts.kv_len)
@@ -191,8 +191,8 @@ def test_tile_order_decodes_to_the_argsort(sentinel, causal, window):
         assert tiles[NT] == NT
     for other in ("index", "by_sequence"):  # plain indices, untouched by the packing
         c = dataclasses.replace(cfg, tile_order=other)
-        assert kernel_gpu._order_index_bits(c, NT) is None
-        assert sorted(np.asarray(kernel_gpu._tile_order(c, ts, B=7))) == list(range(NT))
+        assert _gpu_order._order_index_bits(c, NT) is None
+        assert sorted(np.asarray(_gpu_order._tile_order(c, ts, B=7))) == list(range(NT))
 
 
 # --------------------------------------------------------------------------- CPU: cross-lowering

@@ -273,7 +273,9 @@ def test_lowers_for_tpu(dtype, C, K, G, H, window, cap):
 
 
 def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
-    from jpaged import _attention, _backend
+    from jpaged import _attention
+    from pallas_kernels import _backend
+    from pallas_kernels.paged_attention import dispatch
 
     monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -281,7 +283,7 @@ def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
     for H, expected in ((128, "pallas_tpu"), (96, "xla")):  # H = 96 is not supported
         args = (S((2, 4, H), jnp.bfloat16), S((2, 9, 16, H), jnp.bfloat16))
         args = (*args, args[1], S((2, 3), i32), S((2,), i32))
-        assert _attention._resolve("paged_attention", None, None, args, kw) == expected
+        assert _attention._resolve("paged_attention", dispatch, None, None, args, kw) == expected
 
 
 def test_tuning_heuristic():

@@ -237,7 +237,9 @@ def test_lowers_for_tpu(dtype, C, G, H, causal, window):
 
 
 def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
-    from jpaged import _attention, _backend
+    from jpaged import _attention
+    from pallas_kernels import _backend
+    from pallas_kernels.ragged_paged_attention import dispatch
 
     monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -246,7 +248,10 @@ def test_auto_dispatch_picks_tpu_kernel_on_a_tpu_backend(monkeypatch):
         kv = S((2, 9, 16, H), jnp.bfloat16)
         args = (S((10, 4, H), jnp.bfloat16), kv, kv, S((2, 3), i32), S((2,), i32))
         args = (*args, S((3,), i32), S((), i32))
-        assert _attention._resolve("ragged_paged_attention", None, None, args, kw) == expected
+        assert (
+            _attention._resolve("ragged_paged_attention", dispatch, None, None, args, kw)
+            == expected
+        )
 
 
 def test_tuning_heuristic():

@@ -1,0 +1,338 @@
+"""The two CTA bodies of the Mosaic GPU ragged kernel (``kernel_gpu``): ``_kernel_body`` (Q and
+P as SMEM wgmma operands; the one the interpreter runs) and ``_kernel_body_fa3`` (a producer
+warpgroup, P as a register operand, two compute warpgroups in ping-pong)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._gpu.config import LOG2E, LSE_COLS, PRODUCER_REGISTERS, ROWS, smem_transforms
+from pallas_kernels.ragged_paged_attention._gpu_config import _Config
+from pallas_kernels.ragged_paged_attention._gpu_tile import (
+    _compute_registers,
+    _finish,
+    _init_state,
+    _issue,
+    _load_q,
+    _tile,
+    _tile_rows,
+    _visible,
+    _wait_q,
+    _zero_v_tail,
+)
+
+
+def _kernel_body(
+    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
+    order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
+):  # fmt: skip
+    """One CTA: work unit ``i`` (query tile ``order[i // S]``, split ``i % S``) x KV head ``h``,
+    ``num_wgs`` warpgroups.
+
+    Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tw, (w+1) Tw)``);
+    all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
+    consumed a slot (``c_bar``).
+    """
+    H, W = cfg.head_dim, cfg.num_wgs
+    stages, dtype = cfg.num_stages, cfg.dtype
+    t = _tile(
+        cfg, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
+        store_ref,
+    )  # fmt: skip
+    wg, cwg, n, n_full, t_lo = t.wg, t.cwg, t.n, t.n_full, t.t_lo
+    T = cfg.block_kv
+
+    def scoped(q_smem2, k_smem, v_smem, p_smem2, o_smem2, lse_smem2, q_bar, k_bar, v_bar, c_bar):
+        q_smem, p_smem = q_smem2.at[cwg], p_smem2.at[cwg]
+        o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+        lse_smem = None if lse_smem2 is None else lse_smem2.at[cwg]
+
+        def tile_rows(step):
+            # Loaded a whole step ahead of the copies so the block-table reads' latency hides
+            # behind the current tile's math.
+            return _tile_rows(cfg, t, bt_ref, step)
+
+        def issue(rows, slot):
+            _issue(cfg, k_ref, k_smem, k_bar, rows, slot)
+            _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
+
+        def drain_consumed():
+            """Observes each slot's last 'consumed' completion (the refills skipped them).
+
+            Free on hardware (nothing is refilled after them); keeps every completion observed,
+            which the Mosaic GPU interpreter checks when the barrier is freed.
+            """
+            for d in range(stages):
+                pl.when(d < n)(
+                    lambda d=d: plgpu.barrier_wait(c_bar.at[lax.rem(n - 1 - d, jnp.int32(stages))])
+                )
+
+        def compute():
+            _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
+            if not cfg.producer:
+                for s in range(stages):
+                    pl.when((s < n) & (wg == 0))(functools.partial(issue, tile_rows(s), s))
+            _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
+            acc, m, l = _init_state(H)
+
+            def step(masked: bool, st, carry):
+                acc, m, l = carry
+                slot = lax.rem(st, jnp.int32(stages))
+                tile_tok = (t_lo + st) * T
+                next_rows = None if cfg.producer else tile_rows(st + stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                if cfg.logits_soft_cap:
+                    cap = cfg.logits_soft_cap
+                    sc = (cap * LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+                else:
+                    sc = sc * (cfg.sm_scale * LOG2E)
+                if masked:
+                    sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1))
+                if cfg.sliding_window is not None or cfg.kv_splits > 1:
+                    # a row may see nothing in its first tiles (window) or a whole split
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(sc - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked:
+                    _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                o = pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                if W > 1 or cfg.producer:
+                    plgpu.barrier_arrive(c_bar.at[slot])
+
+                if not cfg.producer:
+
+                    @pl.when((st + stages < n) & (wg == 0))
+                    def _refill():
+                        if W > 1:  # every warpgroup is done with the slot
+                            plgpu.barrier_wait(c_bar.at[slot])
+                        issue(next_rows, slot)
+
+                return acc, m_new, l
+
+            carry = lax.fori_loop(0, n_full, functools.partial(step, False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
+            if W > 1 and not cfg.producer:
+                pl.when(wg == 0)(drain_consumed)
+            _finish(cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref)
+
+        if not cfg.producer:
+            compute()
+            return
+
+        @pl.when(wg == W)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            @pl.loop(0, n)
+            def _(st):
+                slot = lax.rem(st, jnp.int32(stages))
+
+                @pl.when(st >= stages)
+                def _():  # every compute warpgroup is done with the slot
+                    plgpu.barrier_wait(c_bar.at[slot])
+
+                issue(tile_rows(st), slot)
+
+            drain_consumed()
+
+        @pl.when(wg < W)
+        def _compute():
+            plgpu.set_max_registers(_compute_registers(W), action="increase")
+            compute()
+
+    tr = smem_transforms()
+    threads = W + int(cfg.producer)
+    n_cp = cfg.copies_per_tile
+    q_arrivals = cfg.group if cfg.direct_io else 1
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((W, ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((W, ROWS, T), dtype, transforms=tr),
+        plgpu.SMEM((W, ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.SMEM((W, ROWS, LSE_COLS), jnp.float32) if cfg.kv_splits > 1 else None,
+        plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=W),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=W, num_barriers=stages) if threads > 1 else None,
+        **({"collective_axes": "wg"} if threads > 1 else {}),
+    )
+
+
+def _kernel_body_fa3(
+    cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
+    order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
+):  # fmt: skip
+    """FA3-style CTA: a producer warpgroup issues every K/V page copy; ``num_wgs`` compute
+    warpgroups take P as a register wgmma operand and accumulate ``P @ V`` onto the running
+    output in place; K and V slots are released separately (K right after ``Q K^T``); with two
+    compute warpgroups a schedule barrier alternates their tensor-core phases (ping-pong), so one
+    warpgroup's softmax overlaps the other's matmuls. Needs the GPU: the Mosaic GPU interpreter
+    cannot run register wgmma operands (``research/mosaic_gpu.md`` section 5).
+
+    With ``paired`` the two compute warpgroups run two different query tiles (decode-heavy
+    batches: a tile there is one token, and a second warpgroup on the same K/V would compute
+    padding): each has its own K/V ring, and the producer feeds both rings, so one CTA per SM
+    keeps two independent K/V streams in flight without a second CTA's registers.
+    """
+    H, W, T = cfg.head_dim, cfg.num_wgs, cfg.block_kv
+    stages, dtype = cfg.num_stages, cfg.dtype
+    pingpong = W == 2 and not cfg.paired
+    tile_refs = (
+        q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref, qs_ref,
+        store_ref,
+    )  # fmt: skip
+    t = _tile(cfg, *tile_refs)
+    wg, cwg, n = t.wg, t.cwg, t.n
+    # Scores stay unscaled; the scale is folded into exp2's argument (one FMA per score).
+    fold = not cfg.logits_soft_cap and cfg.sm_scale > 0
+    c = cfg.sm_scale * LOG2E
+
+    def scoped(
+        q_smem2, k_smem, v_smem, o_smem2, lse_smem2, q_bar, k_bar, v_bar, kc_bar, vc_bar,
+        sched_bar,
+    ):  # fmt: skip
+        def sched():  # the other compute warpgroup's matching phase has begun
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
+        @pl.when(wg == W)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            # The tiles whose rings this warpgroup fills: the CTA's one, or (paired) each
+            # compute warpgroup's, ring r in slots [r * stages, (r + 1) * stages).
+            tiles = [_tile(cfg, *tile_refs, pick=r) for r in range(W)] if cfg.paired else [t]
+            n_max = functools.reduce(jnp.maximum, [tr.n for tr in tiles])
+
+            @pl.loop(0, n_max)
+            def _(st):
+                slot = lax.rem(st, jnp.int32(stages))
+                rows = [_tile_rows(cfg, tr, bt_ref, st) for tr in tiles]
+                for src, smem, bar, consumed in ((k_ref, k_smem, k_bar, kc_bar),
+                                                 (v_ref, v_smem, v_bar, vc_bar)):  # fmt: skip
+                    for r, tr in enumerate(tiles):
+
+                        @pl.when(st < tr.n)
+                        def _(r=r, src=src, smem=smem, bar=bar, consumed=consumed):
+                            s = slot + r * stages
+                            pl.when(st >= stages)(lambda: plgpu.barrier_wait(consumed.at[s]))
+                            _issue(cfg, src, smem, bar, rows[r], s)
+
+        @pl.when(wg < W)
+        def _compute():
+            plgpu.set_max_registers(_compute_registers(W), action="increase")
+            q_smem = q_smem2.at[cwg]
+            o_smem = None if o_smem2 is None else o_smem2.at[cwg]
+            lse_smem = None if lse_smem2 is None else lse_smem2.at[cwg]
+            ring = cwg * stages if cfg.paired else 0  # first slot of this warpgroup's ring
+            _load_q(cfg, t, q_ref, q_smem, o_smem, q_bar.at[cwg])
+            _wait_q(cfg, q_smem, o_smem, q_bar.at[cwg])
+            acc, m, l = _init_state(H)
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bar.at[ring]))
+            if pingpong:
+                pl.when(wg == 1)(sched)
+
+            def step(masked: bool, st, carry):
+                acc, m, l = carry
+                slot = ring + lax.rem(st, jnp.int32(stages))
+                tile_tok = (t.t_lo + st) * T
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    if pingpong:
+                        sched()
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                plgpu.barrier_arrive(kc_bar.at[slot])
+                if cfg.logits_soft_cap:
+                    cap = cfg.logits_soft_cap
+                    sc = (cap * LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
+                elif not fold:
+                    sc = sc * c
+                if masked:
+                    sc = jnp.where(_visible(cfg, t, tile_tok, sc.shape), sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1) * c if fold else sc.max(axis=1))
+                if cfg.sliding_window is not None or cfg.kv_splits > 1:
+                    # a row may see nothing in its first tiles (window) or a whole split
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = jnp.exp2(m - m_use)
+                m_b = lax.broadcast_in_dim(m_use, sc.shape, [0])
+                p = jnp.exp2(sc * c - m_b if fold else sc - m_b)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                # The order of these barriers against the softmax's tail matters for speed
+                # (JAX's FA3 example found the same); keep the math above them.
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                if pingpong:
+                    plgpu.barrier_arrive(sched_bar)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked:
+                    _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
+                if pingpong:
+                    plgpu.barrier_wait(sched_bar)  # the tensor cores are free
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = st + 1
+
+                    @pl.when(nxt < n)
+                    def _():  # overlaps the wgmma in flight
+                        plgpu.barrier_wait(k_bar.at[ring + lax.rem(nxt, jnp.int32(stages))])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(vc_bar.at[slot])
+                return acc, m_new, l
+
+            carry = lax.fori_loop(0, t.n_full, functools.partial(step, False), (acc, m, l))
+            acc, m, l = lax.fori_loop(t.n_full, n, functools.partial(step, True), carry)
+            if pingpong:
+                pl.when(wg == 0)(sched)
+            _finish(cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref)
+
+    tr = smem_transforms()
+    n_cp = cfg.copies_per_tile
+    rings, users = (W, 1) if cfg.paired else (1, W)  # K/V rings; warpgroups reading each slot
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((W, ROWS, H), dtype, transforms=tr),
+        plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((rings * stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((W, ROWS, H), dtype) if cfg.direct_io else None,
+        plgpu.SMEM((W, ROWS, LSE_COLS), jnp.float32) if cfg.kv_splits > 1 else None,
+        plgpu.Barrier(num_arrivals=cfg.group if cfg.direct_io else 1, num_barriers=W),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=n_cp, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=users, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=users, num_barriers=rings * stages),
+        plgpu.Barrier(num_arrivals=W) if pingpong else None,
+        collective_axes="wg",
+    )
