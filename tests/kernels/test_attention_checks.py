@@ -3,10 +3,12 @@
 Meta-tests (CPU): broken attentions (one 64-token tile of one sequence dropped, every logit
 scaled by 1.01, each sequence's last page ignored) fail ``assert_rows_close`` by several times
 its tolerance for several seeds and lengths >= 4k, while the f64 oracle rounded to bf16, the
-jnp f32 references and the XLA implementations pass it. Kernels: the Mosaic GPU and Mosaic TPU
-kernels through ``jpaged.paged_attention`` / ``jpaged.ragged_paged_attention`` with default
-tuning, in their interpreters on CPU (short lengths around page and tile boundaries; one
-longer case each), and compiled on a Hopper GPU at 4k-32k tokens (``pytest -m gpu``).
+jnp f32 decode reference and the XLA implementations pass it. Kernels: the Mosaic GPU and
+Mosaic TPU kernels through ``jpaged.paged_attention`` / ``jpaged.ragged_paged_attention`` with
+default tuning, in their interpreters on CPU (short lengths around page and tile boundaries;
+one longer case each, three of them slow), and compiled on a Hopper GPU at 4k-32k tokens
+(``pytest -m gpu``: decode, and ragged batches that pick the paired FA3 body or two compute
+warpgroups).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from _attention_checks import (
 
 import jpaged
 from pallas_kernels.paged_attention.reference import paged_attention_reference
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 BF16 = jnp.bfloat16
 TOL = ROW_TOLERANCES[jnp.dtype(BF16)]
@@ -121,9 +122,8 @@ def test_correct_attention_passes_the_check(kind, seed, length):
     xla = _op(kind)(*case.args, implementation="xla")
     assert xla.dtype == jnp.dtype(BF16)
     assert_rows_close(xla, ref, BF16, err_msg="xla")
-    if kind == "decode" or length == 4096:  # the ragged jnp reference holds [T, S, K, H]
-        fn = paged_attention_reference if kind == "decode" else ragged_paged_attention_reference
-        assert_rows_close(fn(*case.args), ref, BF16, err_msg="jnp f32 reference")
+    if kind == "decode":  # (the ragged jnp reference holds [T, S, K, H]: 6 s at 4k on CPU)
+        assert_rows_close(paged_attention_reference(*case.args), ref, BF16, err_msg="jnp f32")
 
 
 def test_every_tile_and_page_matters():
