@@ -1,10 +1,11 @@
 """Attention inputs where every 64-token tile matters, their f64 oracle, and a per-row check.
 
-With i.i.d. normal q, K and V a long sequence's output is an average over thousands of keys of
-similar weight: a kernel that skips one 64-key tile of 4096, or scales every logit by 1.01,
-moves it less than bf16 rounding does, and ``assert_close`` at the bf16 row of
-``_tolerances.py`` passes it. The inputs built here make each such bug move some output row by
-several percent of that row, while a correct bf16 kernel stays within a few tenths of a percent.
+With i.i.d. normal q, K and V a long row's output entries are about 1/sqrt(keys) in size, under
+the bf16 atol of ``_tolerances.py`` (2e-2): a kernel that skips one 64-key tile of 4096, or
+scales every logit by 1.01, passes ``assert_close``. Measured per row (``row_errors``) the
+dropped tile shows, but the 1% logit scale moves such a row by only 1-2%, near bf16 noise.
+The inputs built here make each of these bugs move some row by 6% to over 100% of its largest
+entry, while a correct bf16 kernel stays under 0.6% (XLA and both interpreters, measured).
 
 The planted inputs, per sequence b and KV head k (one unit direction ``u[b, k]`` in R^H):
   * the keys are split into blocks of ``g = gcd(C, 64)`` tokens (each block lies in one page
@@ -50,13 +51,14 @@ _EPS = 0.25
 _DROP = 4000.0
 
 # Worst row error (max |out - ref| / max |ref| over a row) a correct kernel stays under, by the
-# dtype of its inputs, against the f64 oracle on the same rounded inputs. bf16: output rounding
-# alone is up to 2^-9 = 0.2%; the broken kernels of tests/kernels/test_attention_checks.py
-# score 5% and more. This is a different metric from _tolerances.py's elementwise atol/rtol.
+# dtype of its inputs, against the f64 oracle on the same rounded inputs (a different metric
+# from _tolerances.py's elementwise atol/rtol). bf16: output rounding alone is up to 2^-9 =
+# 0.2%; the XLA path and the kernels in their interpreters measured at most 0.6%; the broken
+# kernels of tests/kernels/test_attention_checks.py at least 6% (one 16-token page of 32k
+# tokens, H = 64), 15% at 4k-12k. f16: XLA measured 5e-4.
 ROW_TOLERANCES = {
-    jnp.dtype(jnp.bfloat16): 1e-2,
+    jnp.dtype(jnp.bfloat16): 1.5e-2,
     jnp.dtype(jnp.float16): 2e-3,
-    jnp.dtype(jnp.float32): 1e-4,
 }
 
 

@@ -62,10 +62,10 @@ BUGS = ["tile_first", "tile_middle", "tile_last", "logits_x1.01", "last_page"]
 
 
 @functools.cache
-def _meta_case(kind, seed, length):
+def _meta_case(kind, seed, length, dtype=BF16):
     """A long case (K = 2, G = 2, H = 64, C = 16) and its f64 oracle, shared by the tests."""
     rng = np.random.default_rng(seed)
-    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=H_META, page_size=C_META)
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=H_META, page_size=C_META, dtype=dtype)
     if kind == "decode":
         case = planted_decode_case(rng, (length, length // 2 + 7, C_META + 1, 1, 0), **shape)
     else:
@@ -124,6 +124,13 @@ def test_correct_attention_passes_the_check(kind, seed, length):
     assert_rows_close(xla, ref, BF16, err_msg="xla")
     if kind == "decode":  # (the ragged jnp reference holds [T, S, K, H]: 6 s at 4k on CPU)
         assert_rows_close(paged_attention_reference(*case.args), ref, BF16, err_msg="jnp f32")
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_xla_passes_the_check_in_f16(kind):
+    case, _ = _meta_case(kind, 0, 4096, dtype=jnp.float16)
+    out = _op(kind)(*case.args, implementation="xla")
+    assert_rows_close(out, reference(case), jnp.float16, err_msg="xla f16")
 
 
 def test_every_tile_and_page_matters():
