@@ -40,7 +40,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from _paged_inputs import dense_attention, make_paged_kv
-from test_ragged_reference import RaggedCase, dense_ragged_attention, make_ragged_case
+from _ragged_inputs import RaggedCase, dense_ragged_attention, make_ragged_case
 
 # Tokens of one kernel K/V tile: the planted blocks never straddle one.
 TILE = 64

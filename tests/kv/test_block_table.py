@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jpaged import BlockAllocator, BlockTable, HostBlockTable, _block_table, apply_delta
+from jpaged import BlockAllocator, BlockTable, HostBlockTable, apply_delta
+from jpaged.kv import block_table as _block_table
 from jpaged.kv.block_table import bucket_size
 
 B, W, C = 6, 5, 4

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ragged_inputs import dense_ragged_attention, make_ragged_case
 from _tolerances import assert_close
-from test_ragged_reference import dense_ragged_attention, make_ragged_case
 
 from pallas_kernels.ragged_paged_attention import _gpu_order, kernel_gpu, tuning_gpu
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ragged_inputs import dense_ragged_attention, make_ragged_case
 from _tolerances import assert_close
-from test_ragged_reference import dense_ragged_attention, make_ragged_case
 
 import jpaged
 from pallas_kernels.ragged_paged_attention import reference, xla
