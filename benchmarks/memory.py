@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _serving_report
 import _workloads
 import serving
 
@@ -152,7 +153,7 @@ def measure_prefix(model, spec, trace, prompts, *, prefix_len: int, budget_token
         s = system.llm.stats()
         cached = [system.num_cached_tokens[i] for i in range(len(reqs) - 1)]  # requests 1..
         u = np.asarray(rest["usage"]).reshape(-1, 4)
-        summ = serving.summarize(rest)
+        summ = _serving_report.summarize(rest)
         prompt_tokens = sum(r.prompt_len for r in reqs[1:])
         out["on" if caching else "off"] = {
             "prefill_tokens_computed": prompt_tokens - sum(cached),
@@ -164,7 +165,7 @@ def measure_prefix(model, spec, trace, prompts, *, prefix_len: int, budget_token
             "pages_used_peak": float(u[:, 1].max() * s["pages_total"]),
             "ttft_s": summ["ttft_s"],
             "compiles": summ["compiles"],  # during the measured run (0 after the warm-up)
-            "first_request_ttft_s": serving.summarize(first)["ttft_s"]["mean"],
+            "first_request_ttft_s": _serving_report.summarize(first)["ttft_s"]["mean"],
             "prefix_hit_tokens_total": s["prefix_hit_tokens"],
         }
         del system
@@ -184,7 +185,7 @@ def plot_page_map(snapshot: dict, path: str | pathlib.Path, title: str = "") -> 
     Args:
       snapshot: ``{"num_pages": P, "owners": {page: [request index per holder]}}``.
     """
-    plt = serving._pyplot()
+    plt = _serving_report._pyplot()
     P = int(snapshot["num_pages"])
     owners = {int(k): v for k, v in snapshot["owners"].items()}
     cols = math.ceil(math.sqrt(P * 2))
@@ -218,7 +219,7 @@ def memory_plots(doc: dict, stem: str | pathlib.Path) -> list[pathlib.Path]:
         if snap.get("owners"):
             what = "beam width" if r["kind"] == "beam" else "parallel sampling n"
             paths.append(plot_page_map(snap, f"{stem}_pages_{r['kind']}{r['width']}.png",
-                                       serving.plot_title(doc, f"{what} = {r['width']}")))  # fmt: skip
+                                       _serving_report.plot_title(doc, f"{what} = {r['width']}")))  # fmt: skip
     return paths
 
 
@@ -254,7 +255,7 @@ def main(argv=None) -> dict:
     common = dict(budget_tokens=kv, page_size=C, max_num_seqs=spec.max_num_seqs, progress=prog)
     out = pathlib.Path(args.out) if args.out else RESULTS / f"memory_{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"env": serving.environment(), "model": args.model, "kv_budget_tokens": kv,
+    doc = {"env": _serving_report.environment(), "model": args.model, "kv_budget_tokens": kv,
            "page_size": C}  # fmt: skip
 
     def save():

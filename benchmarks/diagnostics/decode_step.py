@@ -237,9 +237,9 @@ def _child(args) -> None:
     import jax.numpy as jnp
     import numpy as np
     import serving
-    from jpaged.engine.batches import LoopBatch, SamplingArrays
 
     import jpaged
+    from jpaged.engine.batches import LoopBatch, SamplingArrays
 
     _, options, attention, *unroll = VARIANTS[args.variant]
     if unroll:

@@ -26,6 +26,7 @@ sys.path.insert(
 )
 
 import _baselines
+import _serving_report
 import _workloads
 import memory
 import serving
@@ -174,7 +175,7 @@ def test_serving_harness_end_to_end_gives_sane_metrics():
         assert ((u[:, 2] >= 0) & (u[:, 2] <= u[:, 1]) & (u[:, 1] <= 1)).all()
         if name == "jpaged":  # paged: the last page's tail + the slots reserved for one loop
             assert ((u[:, 1] - u[:, 2]) * KV <= u[:, 3] * (C - 1 + 8) + 1e-9).all()
-        s = serving.summarize(run)
+        s = _serving_report.summarize(run)
         assert s["num_finished"] == 6 and not s["saturated"]
         assert s["throughput_tok_s"] == pytest.approx(sum(o for _, o in lengths) / s["duration_s"])
         assert s["throughput_req_s"] == pytest.approx(6 / s["duration_s"])
@@ -187,11 +188,11 @@ def test_serving_harness_end_to_end_gives_sane_metrics():
         assert s["normalized_latency_s"] == pytest.approx(sum(norm) / len(norm))
         assert s["kv_waste_mean"] == pytest.approx(s["kv_allocated_mean"] - s["kv_live_mean"])
         points.append({"rate": 200.0, **s})
-    assert serving.sustainable_rate(points, slo=math.inf) == 200.0
-    assert serving.sustainable_rate([{**points[0], "saturated": True}], slo=math.inf) == 0.0
+    assert _serving_report.sustainable_rate(points, slo=math.inf) == 200.0
+    assert _serving_report.sustainable_rate([{**points[0], "saturated": True}], slo=math.inf) == 0.0
     slo = points[0]["normalized_latency_s"]  # the bound sits exactly on jpaged's latency
-    assert serving.sustainable_rate(points[:1], slo=slo) == 200.0
-    assert serving.sustainable_rate(points[:1], slo=slo * (1 - 1e-9)) == 0.0
+    assert _serving_report.sustainable_rate(points[:1], slo=slo) == 200.0
+    assert _serving_report.sustainable_rate(points[:1], slo=slo * (1 - 1e-9)) == 0.0
 
 
 def test_serving_main_writes_json_and_merges(tmp_path):
@@ -318,7 +319,9 @@ def test_plots_write_pngs(tmp_path):
            "sharing": [{"kind": "beam", "width": 2, "page_map": {
                "num_pages": 10, "owners": {"0": [0, 1], "3": [1]}}},
                {"kind": "n", "width": 4, "page_map": {"num_pages": 10, "owners": {}}}]}  # fmt: skip
-    paths = serving.serving_plots(doc, tmp_path / "s") + memory.memory_plots(doc, tmp_path / "m")
+    paths = _serving_report.serving_plots(doc, tmp_path / "s") + memory.memory_plots(
+        doc, tmp_path / "m"
+    )
     assert [p.name for p in paths] == ["s_latency.png", "s_kv.png", "m_pages_beam2.png"]
     (tmp_path / "memory.json").write_text(json.dumps({"sharing": doc["sharing"]}))
     memory.main(["--plot-from", str(tmp_path / "memory.json")])
