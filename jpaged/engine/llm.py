@@ -22,37 +22,21 @@ engine keeps serving the other requests.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
-import math
-import pathlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
-from jpaged.engine import beam
-from jpaged.engine.appender import TokenAppender
-from jpaged.engine.counters import Counters
-from jpaged.engine.decode_chain import DecodeChain
-from jpaged.engine.kv_manager import KVManager
-from jpaged.engine.model_setup import default_kv_bytes, model_dtype, read_eos, with_params
+from jpaged.engine.assembly import assemble
+from jpaged.engine.engine_stats import engine_stats
+from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, id_order
+from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
-from jpaged.engine.requests import Request, Status
-from jpaged.engine.requests import Sequence as Seq
-from jpaged.engine.runner import Runner, default_compiler_options
+from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
-from jpaged.engine.scheduler import Scheduler
-from jpaged.engine.step import StepExecutor
 from jpaged.engine.warmup import warmup_programs
-from jpaged.kv.allocator import BlockAllocator
-from jpaged.kv.cache import PagedKVCache, pages_for_budget
+from jpaged.kv.cache import PagedKVCache
 
 __all__ = ["LLM"]
-
-Prompt = Sequence[int] | str
 
 
 class LLM:
@@ -130,99 +114,36 @@ class LLM:
         compiler_options: dict[str, Any] | None = None,
         keep_finished: int = 4096,
     ):
-        if isinstance(model, str | pathlib.Path):
-            from jpaged.models import from_pretrained, load_tokenizer
-
-            path = pathlib.Path(model)
-            self.model = from_pretrained(path, dtype=dtype)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-            if eos_token_id is None:
-                eos_token_id = read_eos(path)
-        else:
-            self.model = with_params(model, params)
-        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if not isinstance(num_decode_steps, int) or num_decode_steps < 1:
-            raise ValueError(f"{num_decode_steps=} must be an int >= 1")
-        if not isinstance(keep_finished, int) or keep_finished < 0:
-            raise ValueError(f"{keep_finished=} must be an int >= 0")
-        for name, v in (
-            ("max_model_len", max_model_len),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if v is not None and (not isinstance(v, int | np.integer) or v < 1):
-                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-        self.tokenizer = tokenizer
-        eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
-        self.eos_token_ids = frozenset(int(e) for e in eos)
-        m = self.model
-        cfg = getattr(m, "config", None)
-        if max_model_len is None:
-            max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_model_len = int(max_model_len)
-        self.page_size = C = page_size
-        self.width = W = math.ceil(self.max_model_len / C)
-        if cache_dtype is None:
-            cache_dtype = model_dtype(m)
-        L, K, H = m.num_layers, m.num_kv_heads, m.head_dim
-        if num_pages is None:
-            budget = kv_cache_memory if kv_cache_memory is not None else default_kv_bytes()
-            num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
-        cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
-        bpp = cache.bytes_per_page
-        self.alloc = BlockAllocator(
-            int(num_pages), C, watermark=watermark,
-            num_host_pages=int(swap_space // bpp), bytes_per_page=bpp,
+        self.options = opts = EngineOptions(
+            page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+            swap_space=swap_space, num_decode_steps=num_decode_steps, dtype=dtype,
+            cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
+            swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
+            compiler_options=compiler_options, keep_finished=keep_finished,
         )  # fmt: skip
-        self.kv = KVManager(self.alloc, cache)
-        self.max_num_seqs = max_num_seqs
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(256, min(2048, self.max_model_len))
-        self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.enable_prefix_caching = enable_prefix_caching
-        self.num_decode_steps = num_decode_steps
-        self.debug = debug
-        self.scheduler = Scheduler(
-            self.alloc,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-            enable_prefix_caching=enable_prefix_caching,
-            swap_bytes_per_s=swap_bytes_per_s,
-            recompute_tokens_per_s=recompute_tokens_per_s,
-            swap_space_bytes=swap_space,
-            # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and
-            # the next one; `DecodeChain`); admission keeps the pages of one loop free.
-            lookahead_tokens=self.num_decode_steps if self.num_decode_steps > 1 else 0,
-        )
-        if compiler_options is None:
-            compiler_options = default_compiler_options()
-        self.runner = Runner(m, compiler_options=compiler_options)
-        self.counters = Counters()
-        self.appender = TokenAppender(
-            self.alloc, self.scheduler, self.counters,
-            max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+        parts = assemble(model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id)
+        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len, self.width = parts.max_model_len, parts.width
+        self.page_size, self.max_num_seqs = opts.page_size, opts.max_num_seqs
+        self.max_num_batched_tokens = parts.max_num_batched_tokens
+        self.enable_prefix_caching = opts.enable_prefix_caching
+        self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.keep_finished = opts.keep_finished
+        self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
+        self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
+        self.executor, self.chain = parts.executor, parts.chain
+        self.intake = RequestIntake(
+            self.alloc, self.appender, tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids, vocab_size=self.model.vocab_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, seed=opts.seed,
         )  # fmt: skip
-        self.executor = StepExecutor(
-            self.kv, self.runner, self.appender, self.counters, width=W,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-        )  # fmt: skip
-        self.chain = DecodeChain(
-            self.kv, self.runner, self.scheduler, self.appender, self.counters,
-            num_decode_steps=num_decode_steps, max_model_len=self.max_model_len, width=W,
-            seq_bucket=self.executor.seq_bucket,
-            # On GPU a loop's dispatching call can last until the loop has run: it is made
-            # from a worker thread (elsewhere dispatch is asynchronous already, and
-            # thread-local JAX settings would not follow the call).
-            threaded_dispatch=jax.default_backend() == "gpu",
-        )  # fmt: skip
-        self._rng = np.random.default_rng(seed)
-        self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self.keep_finished = keep_finished
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
-        self._arrivals = itertools.count()
         self._failed_at_add: set[str] = set()
 
     @property
@@ -252,7 +173,7 @@ class LLM:
           progress: show a progress bar (tqdm) over finished requests.
           cache_salt: prefix-cache salt of these requests (pages are shared only within a salt).
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(prompts):
@@ -274,7 +195,7 @@ class LLM:
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {params!r}")
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         ids = self._add_all((p, params, None) for p in prompts)
         return self._run_to_completion(ids, progress)
 
@@ -287,7 +208,7 @@ class LLM:
 
         Closing the generator early (``break``, ``close()``) aborts its unfinished requests.
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         ids = self._add_all((p, params, None) for p in prompts)
         pending = set(ids)
@@ -341,39 +262,14 @@ class LLM:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
-        if request_id is None:  # auto ids skip ids users gave
-            request_id = str(next(self._ids))
-            while request_id in self._requests:
-                request_id = str(next(self._ids))
+        if request_id is None:
+            request_id = self.intake.new_id(self._requests)
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer; pass token ids instead")
-            text, prompt = prompt, self.tokenizer.encode(prompt).ids
-        tokens = [int(t) for t in prompt]
-        req = Request(request_id, tokens, params, arrival=next(self._arrivals), prompt_text=text)
-        req.salt = cache_salt
-        req.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids
-        )
+        req = self.intake.make_request(prompt, params, request_id, cache_salt)
         self._requests[request_id] = req
-        if isinstance(params, BeamSearchParams):
-            if 0 < self.max_model_len - len(tokens) < params.max_tokens:
-                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(tokens))
-                req.params = params
-            req.beam = beam.BeamState(params, len(tokens), req.stop_ids)
-        seed = params.seed if isinstance(params, SamplingParams) else None
-        if seed is None:
-            seed = int(self._rng.integers(0, 2**31 - params.n if hasattr(params, "n") else 2**31))
-        req.seqs = [Seq(self.appender.new_seq_id(), 0, list(tokens), len(tokens), seed)]
-        error = self._validate(req)
-        if error is not None:
-            req.error = error
-            req.seqs[0].finish_reason = "error"
-            req.status = Status.FINISHED
+        if req.finished:
             self._failed_at_add.add(request_id)
         else:
             self.scheduler.add(req)
@@ -412,7 +308,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
         touched = self._step()
-        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)
+        return [self._output(self._requests[rid]) for rid in sorted(touched, key=id_order)
                 if rid in self._requests]  # fmt: skip
 
     def _step(self) -> set[str]:
@@ -480,75 +376,11 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
-        s = self.alloc.stats()
-        c = self.scheduler.counters
-        return {
-            "pages_total": s.total_pages,
-            "pages_free": s.free_pages,
-            "pages_used": s.used_pages,
-            "pages_shared": s.shared_pages,
-            "pages_cached": s.cached_pages,
-            "pages_evictable": s.evictable_pages,
-            "kv_utilisation": s.utilisation,
-            "live_tokens": s.live_tokens,
-            "logical_tokens": s.logical_tokens,
-            "prefix_queries": s.prefix_queries,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "prefix_hit_rate": s.prefix_hit_tokens / max(s.prefix_query_tokens, 1),
-            "preemptions_recompute": c["preemptions_recompute"],
-            "preemptions_swap": c["preemptions_swap"],
-            "cow_copies": s.cow_copies,
-            "swapped_out_bytes": s.swapped_out_bytes,
-            "swapped_in_bytes": s.swapped_in_bytes,
-            "recompiles": self.runner.num_compiles,
-            "steps": self.counters.steps,
-            "device_calls": self.counters.device_calls,
-            "loop_decode_steps": self.counters.loop_steps,
-            "tokens_generated": self.counters.tokens_generated,
-            # Host time scheduling, host + device time in steps, and of that the time spent
-            # waiting for device results (so host work per step = step_s - device_wait_s)
-            # and the time the calls that start device work took to return (dispatch_s; a
-            # decode loop's call runs in the dispatch thread on GPU, where it can last until
-            # the loop has run: the main thread's wait for it is in device_wait_s).
-            **{f"time_{k}": v for k, v in self.counters.timing.items()},
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-        }
+        return engine_stats(self.alloc, self.scheduler, self.runner, self.counters)
 
     @property
     def preemption_events(self):
         return list(self.scheduler.events)
-
-    # ------------------------------------------------------------------ requests
-
-    def _validate(self, req: Request) -> str | None:
-        n = len(req.prompt)
-        V = self.model.vocab_size
-        if n == 0:
-            return "empty prompt: a request needs at least one prompt token"
-        if n >= self.max_model_len:
-            return f"prompt of {n} tokens must be shorter than max_model_len={self.max_model_len}"
-        if min(req.prompt) < 0 or max(req.prompt) >= V:
-            return f"prompt token ids must lie in [0, vocab_size={V})"
-        if req.fan_out > self.max_num_seqs:
-            return f"{req.fan_out} sequences exceed max_num_seqs={self.max_num_seqs}"
-        if req.is_beam and req.fan_out > self.max_num_batched_tokens:
-            return (
-                f"beam_width={req.fan_out} exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} (all beams decode in one step)"
-            )
-        C = self.page_size
-        gen = min(req.params.max_tokens, self.max_model_len - n)
-        # Full prompt pages are shared; each sequence owns the rest of its pages.
-        need = n // C + req.fan_out * (math.ceil((n + gen) / C) - n // C)
-        usable = self.alloc.num_pages - self.alloc.watermark_pages
-        if need > usable:
-            return (
-                f"cannot fit even alone: {n} prompt tokens + {gen} new tokens x {req.fan_out} "
-                f"sequence(s) need up to {need} pages of {C} tokens; the pool has {usable} "
-                f"(num_pages={self.alloc.num_pages} minus the watermark)"
-            )
-        return None
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         bar = None
@@ -574,16 +406,3 @@ class LLM:
 
     def _output(self, req: Request) -> RequestOutput:
         return request_output(req, self.tokenizer)
-
-
-def _id_order(request_id: str):
-    return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
-
-
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int | np.integer):
-        return [prompts]
-    return prompts
