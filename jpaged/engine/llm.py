@@ -378,6 +378,24 @@ class LLM:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
         return engine_stats(self.alloc, self.scheduler, self.runner, self.counters)
 
+    def page_tables(self) -> dict[tuple[str, int], list[int]]:
+        """The device pages each sequence holds now, in order (its block table).
+
+        Returns:
+          ``{(request_id, index): page ids}`` for every unfinished request's sequences that
+          hold pages (``index``: the completion or beam slot; swapped-out and waiting
+          sequences hold none). Pages shared by several sequences appear in each.
+        """
+        tables = {}
+        for req in self.scheduler.running:
+            for seq in req.seqs:
+                alive = seq.finish_reason is None and seq.seq_id in self.alloc
+                if alive and not self.alloc.is_swapped(seq.seq_id):
+                    pages = self.alloc.block_table(seq.seq_id)
+                    if pages:
+                        tables[(req.request_id, seq.index)] = list(pages)
+        return tables
+
     @property
     def preemption_events(self):
         return list(self.scheduler.events)
