@@ -130,6 +130,7 @@ def assemble(
     appender = TokenAppender(
         alloc, scheduler, counters,
         max_model_len=max_model_len, enable_prefix_caching=opts.enable_prefix_caching,
+        tokenizer=tokenizer,
     )  # fmt: skip
     executor = StepExecutor(
         kv, runner, appender, counters, width=W,
