@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_LOGPROBS", "BeamSearchParams", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "BeamSearchParams", "SamplingParams", "check_for_engine"]
 
 MAX_LOGPROBS = 20  # most alternatives per token (``logprobs``, ``prompt_logprobs``): vLLM's default
 _SEED_MAX = 2**31 - 1
@@ -261,3 +261,20 @@ class BeamSearchParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if _is_bool(self.early_stopping):
             object.__setattr__(self, "early_stopping", bool(self.early_stopping))
+
+
+def check_for_engine(params, *, vocab_size: int, has_tokenizer: bool) -> None:
+    """What a request's parameters need from the engine that serves it.
+
+    Raises:
+      ValueError: stop strings without a tokenizer, or ``logit_bias`` ids outside
+        ``[0, vocab_size)``.
+    """
+    if not isinstance(params, SamplingParams):
+        return
+    if params.stop and not has_tokenizer:
+        raise ValueError(f"stop={params.stop!r} needs a tokenizer (the engine has none): "
+                         "use stop_token_ids, or give LLM(tokenizer=...)")  # fmt: skip
+    bad = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad} must be < vocab_size={vocab_size}")
