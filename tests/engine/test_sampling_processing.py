@@ -65,7 +65,7 @@ def _random_rows(rng, R):
     rows, params, procs = [], [], []
     choices = [(), (ban_even,), (ban_last, ban_even)]
     np_choices = [(), (np_ban_even,), (np_ban_last, np_ban_even)]
-    for r in range(R):
+    for _ in range(R):
         n = int(rng.integers(1, S + 1))
         num_prompt = int(rng.integers(1, n + 1))
         tokens = rng.integers(0, V, size=n).tolist()
@@ -89,7 +89,7 @@ def _random_rows(rng, R):
 def test_processing_matches_numpy(seed):
     rng = np.random.default_rng(seed)
     R = 8
-    rows, params, procs = _random_rows(rng, R - 2)
+    rows, _, procs = _random_rows(rng, R - 2)
     inputs, chains = logits_inputs(rows, R, S)
     logits = rng.normal(size=(R, V)).astype(np.float32) * 3
     got = jax.jit(apply_processing, static_argnames="processors")(
@@ -193,7 +193,7 @@ def test_min_p_distribution_and_greedy_rows_ignore_it():
     min_p = 0.3
     keep = probs >= min_p
     ref = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
-    tok, lp = _sample_np(np.repeat(logits[None], n, 0), min_p=np.full(n, min_p, np.float32),
+    tok, _ = _sample_np(np.repeat(logits[None], n, 0), min_p=np.full(n, min_p, np.float32),
                          seed=np.arange(n, dtype=np.int32))  # fmt: skip
     freq = np.bincount(np.asarray(tok), minlength=12) / n
     np.testing.assert_allclose(freq, ref, atol=4 * np.sqrt(ref.max() / n))
