@@ -137,7 +137,7 @@ def render_conversations(template: ChatTemplate | None, messages, *, add_generat
             "tokenizer_config.json, none on the tokenizer): pass chat_template= (a Jinja "
             "string) or use generate() with a prompt"
         )
-    if isinstance(messages, Mapping) or not isinstance(messages, Sequence) or not messages:
+    if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages={messages!r} must be a list of {{'role', 'content'}} dicts, "
                          "or a list of such lists")  # fmt: skip
     conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)

@@ -177,7 +177,7 @@ def test_stop_strings_cut_text_and_tokens(num_decode_steps):
     full = llm.generate(prompt, base)[0].outputs[0]
     tok = llm.tokenizer
     # A stop string that starts inside the text, first seen at index a.
-    a = next(i for i in range(3, len(full.text) - 3) if full.text.find(full.text[i:i + 3]) == i)
+    a = next(i for i in range(3, len(full.text) - 3) if full.text.find(full.text[i : i + 3]) == i)
     stop = full.text[a : a + 3]
     n = next(k for k in range(1, 25) if stop in tok.decode(full.token_ids[:k]))
     params = jpaged.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
