@@ -408,8 +408,10 @@ class LLM:
         Covers the decode step for every sequence bucket, the decode loop for every sequence
         bucket and sampling mode (greedy, random, truncated), the ragged step for every
         (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`KVManager.warmup_page_programs`); beam search's top-k variant compiles on first
-        use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        (`KVManager.warmup_page_programs`); beam search's top-k variant and the variants of
+        the sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
+        processors: `jpaged.engine.logits_process`) compile on first use, once per
+        combination met in a batch. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.

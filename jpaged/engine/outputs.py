@@ -45,7 +45,7 @@ def logprob_entry(token: int, logprob: float, top, k: int, tokenizer: Any) -> di
         return None if tokenizer is None else tokenizer.decode([t])
 
     entry = {int(token): Logprob(float(logprob), int(rank), piece(int(token)))}
-    for i in range(k):
+    for i in range(min(k, len(ids))):
         t = int(ids[i])
         if t not in entry:
             entry[t] = Logprob(float(vals[i]), i + 1, piece(t))

@@ -72,7 +72,7 @@ def test_chat_renders_like_transformers(tmp_path, where):
     assert outs[1].prompt == "<s>[USER] The quick brown fox\n[ASSISTANT] "
     with pytest.raises(jinja2.TemplateError, match="unknown role: tool"):
         llm.chat([{"role": "tool", "content": "x"}], GREEDY)
-    with pytest.raises(ValueError, match="messages=.* must be a list of"):
+    with pytest.raises(ValueError, match=r"messages=.* must be a list of"):
         llm.chat("hello", GREEDY)
     with pytest.raises(ValueError, match="must be a list of dicts with a 'role'"):
         llm.chat([["hello"]], GREEDY)
@@ -113,7 +113,7 @@ def test_transformers_tokenizer_object_is_adapted(tmp_path):
 
 @pytest.mark.parametrize("bad", [123, "tokenizer.json", object()])
 def test_other_tokenizers_are_refused(bad):
-    with pytest.raises(ValueError, match="expected a tokenizers.Tokenizer or a transformers"):
+    with pytest.raises(ValueError, match=r"expected a tokenizers\.Tokenizer or a transformers"):
         jpaged.LLM(CKPT, tokenizer=bad, **ENGINE)
 
 

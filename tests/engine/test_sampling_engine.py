@@ -5,6 +5,7 @@ greedy log-probabilities); rows without features unchanged beside rows with them
 compiles again for new values; stop strings (text, tokens, streaming)."""
 
 import functools
+import itertools
 import json
 import pathlib
 
@@ -93,7 +94,7 @@ def test_repetition_penalty_and_logprobs_match_transformers(num_decode_steps):
     ref = log_softmax(np.asarray(g["logits"]))
     for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
         top = np.argsort(-ref[i], kind="stable")[:5]
-        assert list(entry)[0] == t
+        assert next(iter(entry)) == t
         assert set(top) <= set(entry) and len(entry) <= 6
         for tok, lp in entry.items():
             np.testing.assert_allclose(lp.logprob, ref[i, tok], rtol=1e-4, atol=1e-4)
@@ -113,7 +114,7 @@ def test_prompt_logprobs_match_the_dense_forward_and_skip_the_prefix_cache():
     assert len(pl) == len(prompt) and pl[0] is None
     for pos in range(1, len(prompt)):
         entry, row = pl[pos], ref[pos - 1]
-        assert list(entry)[0] == prompt[pos]
+        assert next(iter(entry)) == prompt[pos]
         assert set(np.argsort(-row, kind="stable")[:3]) <= set(entry)
         for tok, lp in entry.items():
             np.testing.assert_allclose(lp.logprob, row[tok], rtol=1e-4, atol=1e-4)
@@ -189,7 +190,7 @@ def test_stop_strings_cut_text_and_tokens(num_decode_steps):
     # Streaming: every snapshot extends the previous one and never shows the stop string.
     seen = [o.outputs[0].text for o in llm.stream([prompt], params)]
     assert seen[-1] == full.text[:a]
-    for x, y in zip(seen, seen[1:], strict=False):
+    for x, y in itertools.pairwise(seen):
         assert y.startswith(x) and stop not in x
     # Before min_tokens a stop string does not stop generation.
     late = llm.generate(prompt, jpaged.SamplingParams(
@@ -201,7 +202,7 @@ def test_stop_strings_cut_text_and_tokens(num_decode_steps):
 
 def test_engine_level_checks():
     llm = make_llm()
-    with pytest.raises(ValueError, match="stop=.* needs a tokenizer"):
+    with pytest.raises(ValueError, match=r"stop=.* needs a tokenizer"):
         llm.add_request([1, 2, 3], jpaged.SamplingParams(stop="x"))
     with pytest.raises(ValueError, match=r"logit_bias token ids \[300\] must be < vocab_size=300"):
         llm.add_request([1, 2, 3], jpaged.SamplingParams(logit_bias={300: 1.0}))

@@ -275,3 +275,15 @@ def test_find_stop(text, old, stops, found):
 )
 def test_held_back(text, stops, shown):
     assert stop_strings.held_back(text, stops) == shown
+
+
+@pytest.mark.parametrize(
+    "module", ["jpaged.engine.stop_strings", "jpaged.engine.tokenizer_adapter",
+               "jpaged.engine.params"],
+)  # fmt: skip
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
