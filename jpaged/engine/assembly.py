@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jpaged.engine.appender import TokenAppender
+from jpaged.engine.chat import load_chat_template
 from jpaged.engine.counters import Counters
 from jpaged.engine.decode_chain import DecodeChain
 from jpaged.engine.kv_manager import KVManager
@@ -22,6 +23,7 @@ from jpaged.engine.options import EngineOptions
 from jpaged.engine.runner import Runner, default_compiler_options
 from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.step import StepExecutor
+from jpaged.engine.tokenizer_adapter import as_engine_tokenizer
 from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.cache import PagedKVCache, pages_for_budget
 
@@ -39,6 +41,7 @@ class EngineParts:
       max_model_len: longest sequence, prompt and generated tokens.
       width: W, block-table entries per sequence (``ceil(max_model_len / page_size)``).
       max_num_batched_tokens: the token budget of one step.
+      chat_template: the `ChatTemplate` of the tokenizer or checkpoint, or None.
     """
 
     model: Any
@@ -55,11 +58,15 @@ class EngineParts:
     appender: TokenAppender
     executor: StepExecutor
     chain: DecodeChain
+    chat_template: Any = None
 
 
 def load_model(model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype: Any):
-    """``(model, tokenizer, eos_token_ids)``: a checkpoint directory loaded (its tokenizer and
-    end-of-sequence ids unless given), or a model object with ``params`` applied."""
+    """``(model, tokenizer, eos_token_ids, chat_template)``: a checkpoint directory loaded
+    (its tokenizer and end-of-sequence ids unless given), or a model object with ``params``
+    applied; the tokenizer as the engine uses it (`as_engine_tokenizer`)."""
+    tokenizer = as_engine_tokenizer(tokenizer)
+    path = None
     if isinstance(model, str | pathlib.Path):
         from jpaged.models import from_pretrained, load_tokenizer
 
@@ -71,7 +78,8 @@ def load_model(model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype
     else:
         model = with_params(model, params)
     eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
-    return model, tokenizer, frozenset(int(e) for e in eos)
+    chat_template = load_chat_template(path, tokenizer)
+    return model, tokenizer, frozenset(int(e) for e in eos), chat_template
 
 
 def assemble(
@@ -83,7 +91,9 @@ def assemble(
     eos_token_id: int | Sequence[int] | None = None,
 ) -> EngineParts:
     """Builds the engine's parts (arguments as ``jpaged.LLM``'s)."""
-    model, tokenizer, eos_ids = load_model(model, params, tokenizer, eos_token_id, opts.dtype)
+    model, tokenizer, eos_ids, chat_template = load_model(
+        model, params, tokenizer, eos_token_id, opts.dtype
+    )
     cfg = getattr(model, "config", None)
     max_model_len = opts.max_model_len
     if max_model_len is None:
@@ -130,6 +140,7 @@ def assemble(
     appender = TokenAppender(
         alloc, scheduler, counters,
         max_model_len=max_model_len, enable_prefix_caching=opts.enable_prefix_caching,
+        tokenizer=tokenizer,
     )  # fmt: skip
     executor = StepExecutor(
         kv, runner, appender, counters, width=W,
@@ -148,4 +159,5 @@ def assemble(
         model=model, tokenizer=tokenizer, eos_token_ids=eos_ids, max_model_len=max_model_len,
         width=W, max_num_batched_tokens=max_tokens, alloc=alloc, kv=kv, scheduler=scheduler,
         runner=runner, counters=counters, appender=appender, executor=executor, chain=chain,
+        chat_template=chat_template,
     )  # fmt: skip

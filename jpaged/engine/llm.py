@@ -27,10 +27,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jpaged.engine.assembly import assemble
+from jpaged.engine.chat import render_conversations
 from jpaged.engine.engine_stats import engine_stats
 from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, id_order
 from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
+from jpaged.engine.params import check_for_engine
 from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
 from jpaged.engine.warmup import warmup_programs
@@ -66,7 +68,9 @@ class LLM:
         decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
       cache_dtype: K/V dtype (default: the model's embedding dtype).
-      tokenizer: a ``tokenizers.Tokenizer`` (loaded from the checkpoint when None).
+      tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer (wrapped in
+        `jpaged.engine.tokenizer_adapter.TransformersTokenizer`, which ``self.tokenizer``
+        then is); loaded from the checkpoint when None.
       eos_token_id: end-of-sequence id(s) (read from the checkpoint when None).
       watermark: fraction of the pool kept free at admission.
       seed: seeds requests that give no seed.
@@ -136,6 +140,7 @@ class LLM:
         self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
         self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
         self.executor, self.chain = parts.executor, parts.chain
+        self.chat_template = parts.chat_template
         self.intake = RequestIntake(
             self.alloc, self.appender, tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids, vocab_size=self.model.vocab_size,
@@ -180,6 +185,45 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = self._add_all((p, sp, cache_salt) for p, sp in zip(prompts, params, strict=False))
         return self._run_to_completion(ids, progress)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
+        a list of conversations, through the model's chat template (`jpaged.engine.chat`:
+        rendered as transformers' ``apply_chat_template`` renders it, then tokenized without
+        added special tokens); ``RequestOutput.prompt`` holds the rendered text.
+
+        Args:
+          chat_template: a Jinja template that overrides the checkpoint's.
+          add_generation_prompt: end the prompt with the assistant's turn header.
+          chat_template_kwargs: more variables for the template.
+
+        Raises:
+          ValueError: no tokenizer, no chat template, or malformed messages.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer: give LLM(tokenizer=...)")
+        texts = render_conversations(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **(chat_template_kwargs or {}),
+        )  # fmt: skip
+        ids = [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(ids) if not isinstance(params, Sequence) else list(params)
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} sampling params for {len(ids)} conversations")
+        rids = self._add_all((p, sp, None) for p, sp in zip(ids, params, strict=True))
+        for rid, text in zip(rids, texts, strict=True):
+            self._requests[rid].prompt_text = text
+        return self._run_to_completion(rids, progress)
 
     def beam_search(
         self,
@@ -262,6 +306,8 @@ class LLM:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        check_for_engine(params, vocab_size=self.model.vocab_size,
+                         has_tokenizer=self.tokenizer is not None)  # fmt: skip
         if request_id is None:
             request_id = self.intake.new_id(self._requests)
         request_id = str(request_id)
@@ -362,8 +408,10 @@ class LLM:
         Covers the decode step for every sequence bucket, the decode loop for every sequence
         bucket and sampling mode (greedy, random, truncated), the ragged step for every
         (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`KVManager.warmup_page_programs`); beam search's top-k variant compiles on first
-        use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        (`KVManager.warmup_page_programs`); beam search's top-k variant and the variants of
+        the sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
+        processors: `jpaged.engine.logits_process`) compile on first use, once per
+        combination met in a batch. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.

@@ -436,7 +436,7 @@ class Scheduler:
             for seq in self._admitted_seqs(req):
                 tokens = req.prompt if req.refork else seq.tokens
                 seq.num_committed = 0
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and req.reads_prefix_cache:
                     cached = self.alloc.allocate_with_prefix(seq.seq_id, tokens, req.salt)
                     seq.num_computed = cached
                     if req.num_cached_tokens is None:
