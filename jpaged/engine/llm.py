@@ -22,13 +22,20 @@ engine keeps serving the other requests.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jpaged.engine.assembly import assemble
 from jpaged.engine.engine_stats import engine_stats
-from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, id_order
+from jpaged.engine.intake import (
+    Prompt,
+    RequestIntake,
+    as_prompt_list,
+    check_cache_salt,
+    id_order,
+)
 from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.requests import Request
@@ -37,6 +44,13 @@ from jpaged.engine.warmup import warmup_programs
 from jpaged.kv.cache import PagedKVCache
 
 __all__ = ["LLM"]
+
+_log = logging.getLogger("jpaged")
+
+
+def _check_params(params: Any, name: str) -> None:
+    if not isinstance(params, SamplingParams | BeamSearchParams):
+        raise ValueError(f"{name} must be SamplingParams or BeamSearchParams, got {params!r}")
 
 
 class LLM:
@@ -178,7 +192,7 @@ class LLM:
         params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all((p, sp, cache_salt) for p, sp in zip(prompts, params, strict=False))
+        ids = self._add_all(prompts, params, cache_salt)
         return self._run_to_completion(ids, progress)
 
     def beam_search(
@@ -196,7 +210,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {params!r}")
         prompts = as_prompt_list(prompts)
-        ids = self._add_all((p, params, None) for p in prompts)
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         return self._run_to_completion(ids, progress)
 
     def stream(
@@ -209,8 +223,8 @@ class LLM:
         Closing the generator early (``break``, ``close()``) aborts its unfinished requests.
         """
         prompts = as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
-        ids = self._add_all((p, params, None) for p in prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         pending = set(ids)
         try:
             for rid in ids:
@@ -226,16 +240,34 @@ class LLM:
         finally:
             self._abort_all(pending)
 
-    def _add_all(self, requests) -> list[str]:
-        """Adds ``(prompt, params, cache_salt)`` requests; on an error aborts those added."""
+    def _add_all(self, prompts: list, params: list, cache_salt: str | None) -> list[str]:
+        """Adds one request per prompt, all or nothing: every prompt and parameter set is
+        checked before the first is added, and on a later error the requests added are
+        removed (the caller never got their ids, so no later step may report them).
+
+        Raises:
+          ValueError: naming the first bad prompt (``prompts[i]``) or parameter set.
+        """
+        check_cache_salt(cache_salt)
+        for i, sp in enumerate(params):
+            _check_params(sp, f"sampling params [{i}]")
+        read = [self.intake.read_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids: list[str] = []
         try:
-            for prompt, params, salt in requests:
-                ids.append(self.add_request(prompt, params, cache_salt=salt))
+            for prompt, sp in zip(read, params, strict=True):
+                ids.append(self._add(prompt, sp, None, cache_salt))
         except BaseException:
-            self._abort_all(ids)
+            self._discard(ids)
             raise
         return ids
+
+    def _discard(self, ids) -> None:
+        """Aborts and forgets requests whose ids never reached the caller."""
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is not None and not req.finished:
+                self.scheduler.abort(req)
+            self._failed_at_add.discard(rid)
 
     def _abort_all(self, ids) -> None:
         for rid in ids:
@@ -256,15 +288,22 @@ class LLM:
         (see the module docstring); its output is available from ``step``/``generate``.
 
         Raises:
-          ValueError: ``params`` is not a ``SamplingParams``/``BeamSearchParams``, a string
-            prompt without a tokenizer, or a duplicate ``request_id``.
+          ValueError: (nothing is queued) ``params`` is not a ``SamplingParams``/
+            ``BeamSearchParams``; the prompt is not a list of token ids (``int``/numpy
+            integers) nor a string with a tokenizer; ``cache_salt`` is not a str or None;
+            ``request_id`` is not a str, or is already in use.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams | BeamSearchParams):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        _check_params(params, "params")
+        check_cache_salt(cache_salt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str or None")
+        return self._add(self.intake.read_prompt(prompt), params, request_id, cache_salt)
+
+    def _add(self, prompt, params, request_id: str | None, cache_salt: str | None) -> str:
+        """Queues a checked request (``prompt`` as `RequestIntake.read_prompt` returns it)."""
         if request_id is None:
             request_id = self.intake.new_id(self._requests)
-        request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
         req = self.intake.make_request(prompt, params, request_id, cache_salt)
@@ -319,29 +358,62 @@ class LLM:
             t1 = time.perf_counter()
             # Rows finished in an earlier loop of the chain were reported then (and may be
             # retired); rows finishing now are reported through the scheduler's finished list.
-            touched = {it.request.request_id for it in self.chain.state[0]
-                       if not it.request.finished}  # fmt: skip
+            items = self.chain.state[0]
+            touched = {it.request.request_id for it in items if not it.request.finished}
             self.counters.steps += 1
-            self.chain.advance()
+            try:
+                self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
+            except Exception as e:
+                self._fail_step([it.request for it in items], e)
             timing["step_s"] += time.perf_counter() - t1
             return self._after_step(touched)
         # A decode loop left running by the chain that ended: wait for it here, so that its
         # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
-        # or swap that could then not run).
-        self.kv.cache  # noqa: B018
+        # or swap that could then not run). Its rows have finished on the host.
+        try:
+            self.kv.cache  # noqa: B018
+        except Exception as e:
+            self._fail_step([], e)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
-        t1 = time.perf_counter()
-        timing["schedule_s"] += t1 - t0
         touched = {s.request.request_id for s in plan.scheduled}
         touched |= {rid for rid, _ in plan.preempted}
+        step_requests = [s.request for s in plan.scheduled]
+        try:
+            self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
+        except Exception as e:  # the requests whose pages these operations move fail too
+            moved = [self._requests.get(op.request_id) for op in plan.page_ops]
+            self._fail_step(step_requests + moved, e)
+            return self._after_step(touched)
+        t1 = time.perf_counter()
+        timing["schedule_s"] += t1 - t0
         if plan.scheduled:
             self.counters.steps += 1
-            if not (self.chain.can_loop(plan) and self.chain.start(plan)):
-                self.executor.run(plan)
+            try:
+                if not (self.chain.can_loop(plan) and self.chain.start(plan)):
+                    self.executor.run(plan)
+            except Exception as e:
+                self._fail_step(step_requests, e)
         timing["step_s"] += time.perf_counter() - t1
         return self._after_step(touched)
+
+    def _fail_step(self, requests: list, error: Exception) -> None:
+        """A step raised ``error``: its requests fail (finish reason "error", the message in
+        ``RequestOutput.error``, their pages freed) and the engine goes on serving. If the
+        device pool was lost with the failed call (it had been donated), a zero-filled pool
+        replaces it, the running requests start again from their tokens (recompute) and the
+        prefix cache is emptied."""
+        _log.error("an engine step failed; its requests fail", exc_info=error)
+        text = f"{type(error).__name__}: {error}"
+        message = "the engine step running this request failed: " + (
+            text if len(text) <= 1000 else text[:1000] + " ..."
+        )
+        for req in requests:
+            if req is not None and not req.finished:
+                self.scheduler.fail(req, message)
+        if self.kv.replace_lost_pool():
+            self.scheduler.restart_running()
+            self.alloc.reset_prefix_cache()
 
     def _after_step(self, touched: set[str]) -> set[str]:
         if self.debug:
