@@ -138,7 +138,9 @@ class DecodeChain:
         for b, s in enumerate(stop_lists):
             stop_ids[b, : len(s)] = s
         samp = np.asarray([sampling_row(it.request, it.seq, it.seq.seed) for it in items])
-        min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
+        # At most the row's limit (a min_tokens beyond it must not overflow the int32 array).
+        min_steps = [min(max(it.request.params.min_tokens - it.seq.num_generated, 0), lim)
+                     for it, lim in zip(items, limits, strict=True)]  # fmt: skip
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),

@@ -137,8 +137,17 @@ class RequestIntake:
           params: the request's parameters.
           request_id: its id.
           cache_salt: its prefix-cache salt (a str or None).
+
+        Raises:
+          ValueError: a stop token id outside the vocabulary.
         """
         tokens, text = prompt
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"stop_token_ids {bad_stops[:4]} must lie in [0, vocab_size={self.vocab_size}) "
+                "(the model cannot emit other ids)"
+            )
         req = Request(request_id, tokens, params, arrival=next(self._arrivals), prompt_text=text)
         req.salt = cache_salt
         req.stop_ids = frozenset(params.stop_token_ids) | (

@@ -12,11 +12,16 @@ one device call (`StepExecutor`) or starts a chain of decode loops (`DecodeChain
 >>> len(out[0].outputs[0].token_ids)
 4
 
-Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built. A
-request the engine cannot serve (empty prompt, a prompt of ``max_model_len`` tokens or
-more, token ids outside the vocabulary, a request that cannot fit in the pool even alone)
-does not raise: its output has ``finish_reason == "error"`` and ``error`` says why, and the
-engine keeps serving the other requests.
+Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built, and
+so do malformed requests where they enter (``add_request``, ``generate``: a prompt that is not
+token ids nor a string with a tokenizer, named with the offending element; a ``cache_salt``
+that is not a str), leaving nothing queued. A request the engine cannot serve (empty prompt,
+a prompt of ``max_model_len`` tokens or more, token ids outside the vocabulary, a request
+that cannot fit in the pool even alone) does not raise: its output has
+``finish_reason == "error"`` and ``error`` says why, and the engine keeps serving the other
+requests. A step that raises (a page operation, the device call, the token appender) fails
+the requests of that step the same way, with the exception as ``error``; ``step()`` itself
+raises nothing and the engine serves the next call (`LLM._fail_step`).
 """
 
 from __future__ import annotations
@@ -186,6 +191,11 @@ class LLM:
           sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
           progress: show a progress bar (tqdm) over finished requests.
           cache_salt: prefix-cache salt of these requests (pages are shared only within a salt).
+
+        Raises:
+          ValueError: (nothing is queued) a prompt that is not token ids nor a string with a
+            tokenizer (``prompts[i]`` and the element named), parameters of the wrong type or
+            count, a ``cache_salt`` that is not a str or None.
         """
         prompts = as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -250,7 +260,7 @@ class LLM:
         """
         check_cache_salt(cache_salt)
         for i, sp in enumerate(params):
-            _check_params(sp, f"sampling params [{i}]")
+            _check_params(sp, f"sampling_params[{i}]")
         read = [self.intake.read_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids: list[str] = []
         try:
@@ -378,13 +388,14 @@ class LLM:
         plan = self.scheduler.schedule()
         touched = {s.request.request_id for s in plan.scheduled}
         touched |= {rid for rid, _ in plan.preempted}
-        step_requests = [s.request for s in plan.scheduled]
-        try:
-            self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
-        except Exception as e:  # the requests whose pages these operations move fail too
-            moved = [self._requests.get(op.request_id) for op in plan.page_ops]
-            self._fail_step(step_requests + moved, e)
-            return self._after_step(touched)
+        for i, op in enumerate(plan.page_ops):  # swap-outs, copies, swap-ins, in order
+            try:
+                self.kv.apply([op])
+            except Exception as e:
+                # The requests of this and the later operations fail; the others of the
+                # plan run in a later step (their slots stay allocated).
+                self._fail_step([self._requests.get(o.request_id) for o in plan.page_ops[i:]], e)
+                return self._after_step(touched)
         t1 = time.perf_counter()
         timing["schedule_s"] += t1 - t0
         if plan.scheduled:
@@ -393,7 +404,7 @@ class LLM:
                 if not (self.chain.can_loop(plan) and self.chain.start(plan)):
                     self.executor.run(plan)
             except Exception as e:
-                self._fail_step(step_requests, e)
+                self._fail_step([s.request for s in plan.scheduled], e)
         timing["step_s"] += time.perf_counter() - t1
         return self._after_step(touched)
 
@@ -455,6 +466,16 @@ class LLM:
         return list(self.scheduler.events)
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        """Steps until the requests ``ids`` finish; returns their outputs, in order. If
+        anything raises meanwhile (an interrupt, a bug), the unfinished ones are aborted and
+        forgotten: the caller never gets their ids, so no later step may run them."""
+        try:
+            return self._steps_until_done(ids, progress)
+        except BaseException:
+            self._discard([rid for rid in ids if rid in self._requests])
+            raise
+
+    def _steps_until_done(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         bar = None
         if progress:
             from tqdm.auto import tqdm

@@ -211,6 +211,8 @@ def _float(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers < 5 writes `rope_theta` + `rope_scaling`; 5 writes `rope_parameters`.
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"config.json: rope parameters {params!r} must be a JSON object")
     theta = _float(params, "rope_theta", _float(hf, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
