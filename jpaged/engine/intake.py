@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = ["Prompt", "RequestIntake", "as_prompt_list", "check_cache_salt", "id_
 Prompt = Sequence[int] | str
 
 _PROMPT_HELP = "a prompt is a list of token ids (int) or a string (with a tokenizer)"
+_repr = reprlib.Repr(maxstring=40, maxother=40, maxlist=8, maxtuple=8, maxset=8, maxdict=4).repr
 
 
 def _is_token_id(v: Any) -> bool:
@@ -114,11 +116,11 @@ class RequestIntake:
                 )
             return np.asarray(prompt).astype(np.int64).tolist(), None
         if not isinstance(prompt, list | tuple | range):
-            raise ValueError(f"{name}={prompt!r} ({type(prompt).__name__}): {_PROMPT_HELP}")
+            raise ValueError(f"{name}={_repr(prompt)} ({type(prompt).__name__}): {_PROMPT_HELP}")
         for i, t in enumerate(prompt):
             if not _is_token_id(t):
                 raise ValueError(
-                    f"{name}[{i}]={t!r} ({type(t).__name__}) is not a token id: {_PROMPT_HELP}"
+                    f"{name}[{i}]={_repr(t)} ({type(t).__name__}) is not a token id: {_PROMPT_HELP}"
                 )
         return [int(t) for t in prompt], None
 
@@ -224,7 +226,7 @@ def as_prompt_list(prompts: Any) -> list:
         return [prompts] if prompts.ndim == 1 else list(prompts)
     if not isinstance(prompts, list | tuple | range):
         raise ValueError(
-            f"prompts={prompts!r} ({type(prompts).__name__}) must be a prompt or a list of "
+            f"prompts={_repr(prompts)} ({type(prompts).__name__}) must be a prompt or a list of "
             f"prompts: {_PROMPT_HELP}"
         )
     prompts = list(prompts)

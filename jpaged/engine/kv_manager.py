@@ -78,18 +78,25 @@ class KVManager:
         self._cache = value
 
     def replace_lost_pool(self) -> bool:
-        """After a failed device call: if the pool was lost (donated to the call), puts a
-        zero-filled pool of the same shapes and dtypes in its place and returns True (every
-        K/V it held is gone: the caller recomputes or fails what lived there)."""
+        """After a failed device call: if the pool was lost (donated to the call, or the
+        output of a call that failed on the device), puts a zero-filled pool of the same
+        shapes and dtypes in its place and returns True (every K/V it held is gone: the
+        caller recomputes or fails what lived there)."""
         fut = self.pending
         if fut is not None:
             if not fut.done() or fut.exception() is None:
                 return False  # a loop still owns (or has returned) the pool
             self.pending = None
-        if not any(x.is_deleted() for x in jax.tree.leaves(self._cache)):
-            return False
-        self._cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._cache)
-        return True
+        leaves = jax.tree.leaves(self._cache)
+        lost = any(x.is_deleted() for x in leaves)
+        if not lost:
+            try:  # the output of a call that failed on the device holds its error
+                jax.block_until_ready(leaves)
+            except Exception:
+                lost = True
+        if lost:
+            self._cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._cache)
+        return lost
 
     def apply(self, ops: Iterable[PageOp]) -> None:
         """Runs a plan's page operations on the device, in order."""

@@ -421,6 +421,9 @@ class LLM:
         )
         for req in requests:
             if req is not None and not req.finished:
+                # Pages this step registered (or swapped in) may not hold their tokens' K/V.
+                held = [s.seq_id for s in req.live_seqs() if s.seq_id in self.alloc]
+                self.alloc.reset_prefix_cache(held)
                 self.scheduler.fail(req, message)
         if self.kv.replace_lost_pool():
             self.scheduler.restart_running()

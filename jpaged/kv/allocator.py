@@ -418,11 +418,16 @@ class BlockAllocator:
             self._freed_ids.popitem(last=False)
         self._dirty.add(seq_id)
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached page's hash (e.g. after the device pool was lost and
-        zeroed): evictable pages become free; pages that sequences hold stay theirs."""
-        self._pool.drop_cache()
-        for seq in self._seqs.values():
+    def reset_prefix_cache(self, seq_ids: Iterable[Hashable] | None = None) -> None:
+        """Forgets cached hashes whose pages may not hold what they say (the device pool was
+        lost, a failed step did not write them): of every page (evictable ones become free),
+        or of the device pages of ``seq_ids``. Held pages stay with their sequences."""
+        ids = list(self._seqs) if seq_ids is None else list(seq_ids)
+        seqs = [self._get(i, "reset_prefix_cache", allow_swapped=True) for i in ids]
+        if seq_ids is None:
+            self._pool.drop_cache()
+        self._pool.uncache(p for seq in seqs if not seq.swapped for p in seq.pages)
+        for seq in seqs:
             seq.hashes = []
 
     # ------------------------------------------------------------------ swap

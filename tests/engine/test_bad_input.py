@@ -319,3 +319,22 @@ def test_limits_beyond_int32_never_fail_a_decode_loop(llm):
     out = llm.generate([prompt], params)[0]
     assert out.error is None and out.outputs[0].finish_reason == "length"
     assert out.outputs[0].token_ids == dense_greedy(prompt, 64 - 50)
+
+
+def test_a_failed_swap_in_leaves_no_unwritten_page_in_the_prefix_cache(monkeypatch):
+    """Swap-in registers the pages' hashes again before the device copy runs: when that copy
+    fails, the request fails and its pages must leave the prefix cache, or the next request
+    with its prompt would read pages that were never written (the pool starts NaN)."""
+    llm = make_llm(num_pages=8, watermark=0.0, preemption_mode="swap", num_decode_steps=1)
+    _fail_on(monkeypatch, llm.kv, "swap_in", 1, message="simulated swap-in failure")
+    a, b = random_prompts(39, (17, 17))
+    long = jpaged.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([a, b], long)
+    assert llm.stats()["preemptions_swap"] >= 1
+    failed = [o for o in outs if o.error is not None]
+    assert len(failed) == 1 and "simulated swap-in failure" in failed[0].error
+    served = next(o for o in outs if o.error is None)
+    assert served.outputs[0].token_ids == dense_greedy(served.prompt_token_ids, 20)
+    again = llm.generate([failed[0].prompt_token_ids], long)[0]
+    assert again.outputs[0].token_ids == dense_greedy(failed[0].prompt_token_ids, 20)
+    assert_idle(llm)

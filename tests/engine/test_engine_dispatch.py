@@ -161,12 +161,14 @@ def test_a_failure_while_processing_a_loop_fails_its_rows_and_keeps_the_pool_con
     assert [o.outputs[0].token_ids for o in again] == [dense_greedy(p, 20) for p in prompts]
 
 
-def test_a_failure_after_the_loop_took_the_pool_replaces_the_pool(monkeypatch):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failure_after_the_loop_took_the_pool_replaces_the_pool(monkeypatch, threaded):
     """The failed loop had taken (donated) the pool: its rows fail, a zero-filled pool
     replaces the lost one, a running request that was not in the loop starts again from
     its tokens, and the prefix cache (whose pages were lost) is emptied: later requests
     get the tokens of a fresh engine."""
-    llm = make_llm(num_decode_steps=4, max_num_seqs=2)  # threaded or not: the same path
+    llm = make_llm(num_decode_steps=4, max_num_seqs=2)
+    llm.chain.threaded_dispatch = threaded
     loop = llm.runner.decode_loop
     calls = [0]
 

@@ -24,7 +24,7 @@ VOCAB = 300  # the checkpoint's vocabulary
 _PROMPTS = random_prompts(40, (1, 7, 8, 9, 20, 13))
 VALID = [  # (prompt, params, cache_salt)
     (_PROMPTS[0], jpaged.SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True), None),
-    (_PROMPTS[1], jpaged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), None),
+    (_PROMPTS[1], jpaged.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), None),
     (_PROMPTS[2], jpaged.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), "t1"),
     (
         _PROMPTS[3],
@@ -33,7 +33,7 @@ VALID = [  # (prompt, params, cache_salt)
     ),
     (
         _PROMPTS[4],
-        jpaged.SamplingParams(max_tokens=7, temperature=0.8, n=2, seed=5, ignore_eos=True),
+        jpaged.SamplingParams(max_tokens=24, temperature=0.8, n=2, seed=5, ignore_eos=True),
         None,
     ),
     (_PROMPTS[5], jpaged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "t2"),
@@ -82,7 +82,13 @@ class _Injector:
     """One-shot failures of the engine's device calls and page copies (before the call, or
     after it took the donated pool)."""
 
-    TARGETS = (("runner", "step"), ("runner", "decode_loop"), ("kv", "copy"))
+    TARGETS = (
+        ("runner", "step"),
+        ("runner", "decode_loop"),
+        ("kv", "copy"),
+        ("kv", "swap_out"),
+        ("kv", "swap_in"),
+    )
 
     def __init__(self, llm):
         self.armed = None  # (target name, after) or None
@@ -105,7 +111,7 @@ class _Injector:
 
 @functools.cache
 def _engine():
-    llm = make_llm(num_pages=24, max_num_seqs=4, num_decode_steps=4, watermark=0.0)
+    llm = make_llm(num_pages=12, max_num_seqs=4, num_decode_steps=4, watermark=0.0)
     return llm, _Injector(llm)
 
 
@@ -117,7 +123,9 @@ _actions = st.one_of(
     st.tuples(st.just("duplicate_id"), st.just(0)),
     st.tuples(
         st.just("inject"),
-        st.tuples(st.sampled_from(["step", "decode_loop", "copy"]), st.booleans()),
+        st.tuples(
+            st.sampled_from(["step", "decode_loop", "copy", "swap_out", "swap_in"]), st.booleans()
+        ),
     ),
 )
 
@@ -177,14 +185,14 @@ def _run(actions):
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 
-@settings(max_examples=6, **_SETTINGS)
+@settings(max_examples=8, **_SETTINGS)
 @given(st.lists(_actions, min_size=1, max_size=14))
 def test_malformed_requests_never_change_valid_ones(actions):
     _run(actions)
 
 
 @pytest.mark.slow
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_actions, min_size=1, max_size=30))
 def test_malformed_requests_never_change_valid_ones_long(actions):
     _run(actions)
