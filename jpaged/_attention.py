@@ -18,8 +18,10 @@ import jax
 
 from pallas_kernels import _backend
 from pallas_kernels.paged_attention import dispatch as _paged_dispatch
+from pallas_kernels.paged_attention import sanitize as _paged_sanitize
 from pallas_kernels.paged_attention import validate as _paged_validate
 from pallas_kernels.ragged_paged_attention import dispatch as _ragged_dispatch
+from pallas_kernels.ragged_paged_attention import sanitize as _ragged_sanitize
 from pallas_kernels.ragged_paged_attention import validate as _ragged_validate
 
 Implementation = Literal["xla", "pallas_gpu", "pallas_tpu"]
@@ -80,6 +82,17 @@ def _check_tuning(implementation: str | None, tuning: dict[str, Any]) -> None:
         )
 
 
+def _checks_values(check: bool | None, *metadata: Any) -> tuple[bool, bool]:
+    """``(check eagerly, check with checkify)`` for ``check`` and the metadata arrays: eager
+    when they are concrete (unless ``check=False``); under ``jit`` only with ``check=True``."""
+    if check is not None and not isinstance(check, bool):
+        raise ValueError(f"check={check!r} must be None (check concrete values), True or False")
+    if check is False:
+        return False, False
+    traced = any(isinstance(x, jax.core.Tracer) for x in metadata)
+    return not traced, traced and check is True
+
+
 def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -104,6 +117,7 @@ def paged_attention(
     layer: Any = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    check: bool | None = None,
     **tuning: Any,
 ) -> jax.Array:
     """Decode attention over a paged KV cache: one query token per sequence.
@@ -120,14 +134,24 @@ def paged_attention(
       layer: layer index (int or i32[]) into a 5-D pool.
       implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
       interpret: run the Pallas kernel in its interpreter (any backend).
+      check: value checks (lengths in ``[0, W * C]``, used page ids in ``[0, P)``, ``layer``
+        in ``[0, L)``). None (default): checked when the values are concrete (eager call;
+        they are read back to the host), not under ``jit``. True: also under ``jit``, as
+        ``jax.experimental.checkify`` checks (wrap the caller in ``checkify.checkify``).
+        False: never. Unchecked invalid values get one result in every implementation: a
+        sequence with a bad length or used page id gives zeros, a traced ``layer`` out of
+        range gives zeros everywhere (``pallas_kernels/paged_attention/sanitize.py``).
       **tuning: implementation-specific knobs (block sizes, splits); they need an explicit
         ``implementation``.
 
     Returns:
-      [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
+      [B, N, H] in ``q.dtype``; zeros for sequences of length 0. NaN or inf in ``q``, or in
+      the keys and values a query sees, give NaN in that query head's output (never read
+      slots and pages do not matter); so does ``sm_scale=nan``.
 
     Raises:
-      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run
+        them; with the value checks on, an invalid value (its index named).
 
     >>> import jax.numpy as jnp, jpaged
     >>> q = jnp.ones((1, 2, 4)); kv = jnp.ones((1, 3, 2, 4))
@@ -138,6 +162,15 @@ def paged_attention(
         q, k_pages, v_pages, block_tables, lengths,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
     )  # fmt: skip
+    eager, traced = _checks_values(check, block_tables, lengths, layer)
+    if eager:  # valid values pass `sanitize` unchanged: it is skipped
+        _paged_validate.validate_dynamic(q, k_pages, v_pages, block_tables, lengths, layer=layer)
+    else:
+        if traced:
+            _paged_sanitize.check_traced(block_tables, lengths, layer, k_pages_shape=k_pages.shape)
+        block_tables, lengths, layer = _paged_sanitize.sanitize(
+            block_tables, lengths, layer, k_pages_shape=k_pages.shape
+        )
     args = (q, k_pages, v_pages, block_tables, lengths)
     kwargs = dict(
         sm_scale=_sm_scale(sm_scale, q.shape[-1]),
@@ -167,6 +200,7 @@ def ragged_paged_attention(
     layer: Any = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    check: bool | None = None,
     **tuning: Any,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens over a paged KV cache.
@@ -190,18 +224,40 @@ def ragged_paged_attention(
       layer: layer index into a 5-D pool.
       implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
       interpret: run the Pallas kernel in its interpreter.
+      check: value checks (``cu_q_lens`` from 0, non-decreasing, ending at most at T;
+        ``num_seqs`` in ``[0, B]``; ``q_len_b <= kv_lens[b] <= W * C``; used page ids in
+        ``[0, P)``; ``layer`` in ``[0, L)``). None (default): checked when the values are
+        concrete (eager call), not under ``jit``. True: also under ``jit``, as
+        ``jax.experimental.checkify`` checks. False: never. Unchecked invalid values get one
+        result in every implementation: the whole output is zeros
+        (``pallas_kernels/ragged_paged_attention/sanitize.py``).
       **tuning: implementation-specific knobs; they need an explicit ``implementation``.
 
     Returns:
-      [T, N, H] in ``q.dtype``.
+      [T, N, H] in ``q.dtype``. NaN or inf in ``q``, or in the keys and values a row sees,
+      give NaN in that row's head (never read slots and pages do not matter); so does
+      ``sm_scale=nan``.
 
     Raises:
-      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+      ValueError: on inconsistent shapes or dtypes, a non-bool ``causal``, or an
+        implementation that cannot run them; with the value checks on, an invalid value
+        (its index named).
     """
     _ragged_validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
+        causal=causal,
     )  # fmt: skip
+    metadata = (block_tables, kv_lens, cu_q_lens, num_seqs)
+    eager, traced = _checks_values(check, *metadata, layer)
+    if eager:  # valid values pass `sanitize` unchanged: it is skipped
+        _ragged_validate.validate_dynamic(q, k_pages, v_pages, *metadata, layer=layer)
+    else:
+        shapes = dict(num_rows=q.shape[0], k_pages_shape=k_pages.shape)
+        if traced:
+            _ragged_sanitize.check_traced(*metadata, layer, **shapes)
+        *metadata, layer = _ragged_sanitize.sanitize(*metadata, layer, **shapes)
+    block_tables, kv_lens, cu_q_lens, num_seqs = metadata
     args = (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
     kwargs = dict(
         sm_scale=_sm_scale(sm_scale, q.shape[-1]),

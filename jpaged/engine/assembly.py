@@ -90,15 +90,25 @@ def assemble(
     tokenizer: Any = None,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> EngineParts:
-    """Builds the engine's parts (arguments as ``jpaged.LLM``'s)."""
+    """Builds the engine's parts (arguments as ``jpaged.LLM``'s).
+
+    Raises:
+      ValueError: ``max_model_len`` beyond the model's ``max_position_embeddings``.
+    """
     model, tokenizer, eos_ids, chat_template = load_model(
         model, params, tokenizer, eos_token_id, opts.dtype
     )
     cfg = getattr(model, "config", None)
     max_model_len = opts.max_model_len
+    max_positions = getattr(cfg, "max_position_embeddings", None)
     if max_model_len is None:
-        max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        max_model_len = int(max_positions if max_positions is not None else 2048)
     max_model_len = int(max_model_len)
+    if max_positions is not None and max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{max_positions} (the longest sequence it was built for)"
+        )
     C = opts.page_size
     W = math.ceil(max_model_len / C)
     cache_dtype = opts.cache_dtype if opts.cache_dtype is not None else model_dtype(model)

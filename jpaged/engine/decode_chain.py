@@ -144,7 +144,9 @@ class DecodeChain:
             self.width * self.kv.alloc.page_size,
         )  # fmt: skip
         num_top = num_top_for([it.request.params for it in items])
-        min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
+        # At most the row's limit (a min_tokens beyond it must not overflow the int32 array).
+        min_steps = [min(max(it.request.params.min_tokens - it.seq.num_generated, 0), lim)
+                     for it, lim in zip(items, limits, strict=True)]  # fmt: skip
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),

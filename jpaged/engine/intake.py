@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +19,28 @@ from jpaged.engine.requests import Sequence as Seq
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
 from jpaged.kv.allocator import BlockAllocator
 
-__all__ = ["Prompt", "RequestIntake", "as_prompt_list", "id_order"]
+__all__ = ["Prompt", "RequestIntake", "as_prompt_list", "check_cache_salt", "id_order"]
 
 Prompt = Sequence[int] | str
+
+_PROMPT_HELP = "a prompt is a list of token ids (int) or a string (with a tokenizer)"
+_repr = reprlib.Repr(maxstring=40, maxother=40, maxlist=8, maxtuple=8, maxset=8, maxdict=4).repr
+
+
+def _is_token_id(v: Any) -> bool:
+    """An ``int``, a numpy integer or a 0-d integer array, never a ``bool`` (nor a float,
+    str or bytes)."""
+    if isinstance(v, bool | np.bool_):
+        return False
+    if isinstance(v, int | np.integer):
+        return True
+    return getattr(v, "ndim", None) == 0 and np.issubdtype(getattr(v, "dtype", None), np.integer)
+
+
+def check_cache_salt(cache_salt: Any) -> None:
+    """Raises ``ValueError`` unless ``cache_salt`` is a str or None."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt={cache_salt!r} must be a str or None")
 
 
 class RequestIntake:
@@ -69,9 +89,44 @@ class RequestIntake:
             request_id = str(next(self._ids))
         return request_id
 
+    def read_prompt(self, prompt: Any, name: str = "prompt") -> tuple[list[int], str | None]:
+        """``(token ids, text or None)`` of a prompt: token ids as given (``int`` or numpy
+        integers, or a 1-D integer array), or a string encoded by the tokenizer.
+
+        Args:
+          prompt: the prompt.
+          name: how error messages name it (``"prompt"``, ``"prompts[2]"``).
+
+        Raises:
+          ValueError: naming ``name`` and the offending element: a string without a
+            tokenizer, or anything but a string, a list/tuple of ids or a 1-D integer array
+            (floats, bools, strings of digits, bytes and None are not token ids).
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{name} is a string, which needs a tokenizer; pass token ids instead"
+                )
+            return [int(t) for t in self.tokenizer.encode(prompt).ids], prompt
+        if hasattr(prompt, "ndim") and hasattr(prompt, "dtype"):  # numpy / jax arrays
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise ValueError(
+                    f"{name} is an array of shape {tuple(prompt.shape)} and dtype "
+                    f"{prompt.dtype}: a prompt array must be 1-D of an integer dtype"
+                )
+            return np.asarray(prompt).astype(np.int64).tolist(), None
+        if not isinstance(prompt, list | tuple | range):
+            raise ValueError(f"{name}={_repr(prompt)} ({type(prompt).__name__}): {_PROMPT_HELP}")
+        for i, t in enumerate(prompt):
+            if not _is_token_id(t):
+                raise ValueError(
+                    f"{name}[{i}]={_repr(t)} ({type(t).__name__}) is not a token id: {_PROMPT_HELP}"
+                )
+        return [int(t) for t in prompt], None
+
     def make_request(
         self,
-        prompt: Prompt,
+        prompt: tuple[list[int], str | None],
         params: SamplingParams | BeamSearchParams,
         request_id: str,
         cache_salt: str | None,
@@ -79,15 +134,22 @@ class RequestIntake:
         """The request with its first sequence; finished with ``error`` set if it cannot be
         served (`unservable_reason`).
 
+        Args:
+          prompt: ``(token ids, text or None)``, as `read_prompt` returns it.
+          params: the request's parameters.
+          request_id: its id.
+          cache_salt: its prefix-cache salt (a str or None).
+
         Raises:
-          ValueError: a string prompt without a tokenizer.
+          ValueError: a stop token id outside the vocabulary.
         """
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer; pass token ids instead")
-            text, prompt = prompt, self.tokenizer.encode(prompt).ids
-        tokens = [int(t) for t in prompt]
+        tokens, text = prompt
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"stop_token_ids {bad_stops[:4]} must lie in [0, vocab_size={self.vocab_size}) "
+                "(the model cannot emit other ids)"
+            )
         req = Request(request_id, tokens, params, arrival=next(self._arrivals), prompt_text=text)
         req.salt = cache_salt
         req.stop_ids = frozenset(params.stop_token_ids) | (
@@ -145,11 +207,30 @@ def id_order(request_id: str):
     return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
 
 
-def as_prompt_list(prompts) -> list:
-    """One prompt (a string or a list of ids) as a list of one, a list of prompts as is."""
+def as_prompt_list(prompts: Any) -> list:
+    """One prompt (a string, a list of ids, a 1-D array) as a list of one; a list of
+    prompts (or a 2-D array, one prompt a row) as a list.
+
+    Raises:
+      ValueError: ``prompts`` is neither a prompt nor a list of prompts (e.g. ``5``,
+        ``None``, bytes or a set).
+    """
     if isinstance(prompts, str):
         return [prompts]
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype"):
+        if prompts.ndim not in (1, 2):
+            raise ValueError(
+                f"prompts is an array of shape {tuple(prompts.shape)}: pass one prompt "
+                "(1-D) or one prompt a row (2-D)"
+            )
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if not isinstance(prompts, list | tuple | range):
+        raise ValueError(
+            f"prompts={_repr(prompts)} ({type(prompts).__name__}) must be a prompt or a list of "
+            f"prompts: {_PROMPT_HELP}"
+        )
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int | np.integer):
-        return [prompts]
+    nested = (str, bytes, list, tuple, range, dict, set)
+    if prompts and not any(isinstance(p, nested) or getattr(p, "ndim", 0) for p in prompts):
+        return [prompts]  # ids (or scalars that `read_prompt` rejects): one prompt
     return prompts

@@ -12,16 +12,22 @@ one device call (`StepExecutor`) or starts a chain of decode loops (`DecodeChain
 >>> len(out[0].outputs[0].token_ids)
 4
 
-Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built. A
-request the engine cannot serve (empty prompt, a prompt of ``max_model_len`` tokens or
-more, token ids outside the vocabulary, a request that cannot fit in the pool even alone)
-does not raise: its output has ``finish_reason == "error"`` and ``error`` says why, and the
-engine keeps serving the other requests.
+Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built, and
+so do malformed requests where they enter (``add_request``, ``generate``: a prompt that is not
+token ids nor a string with a tokenizer, named with the offending element; a ``cache_salt``
+that is not a str), leaving nothing queued. A request the engine cannot serve (empty prompt,
+a prompt of ``max_model_len`` tokens or more, token ids outside the vocabulary, a request
+that cannot fit in the pool even alone) does not raise: its output has
+``finish_reason == "error"`` and ``error`` says why, and the engine keeps serving the other
+requests. A step that raises (a page operation, the device call, the token appender) fails
+the requests of that step the same way, with the exception as ``error``; ``step()`` itself
+raises nothing and the engine serves the next call (`LLM._fail_step`).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,7 +35,13 @@ from typing import Any
 from jpaged.engine.assembly import assemble
 from jpaged.engine.chat import render_conversations
 from jpaged.engine.engine_stats import engine_stats
-from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, id_order
+from jpaged.engine.intake import (
+    Prompt,
+    RequestIntake,
+    as_prompt_list,
+    check_cache_salt,
+    id_order,
+)
 from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.params import check_for_engine
@@ -39,6 +51,13 @@ from jpaged.engine.warmup import warmup_programs
 from jpaged.kv.cache import PagedKVCache
 
 __all__ = ["LLM"]
+
+_log = logging.getLogger("jpaged")
+
+
+def _check_params(params: Any, name: str) -> None:
+    if not isinstance(params, SamplingParams | BeamSearchParams):
+        raise ValueError(f"{name} must be SamplingParams or BeamSearchParams, got {params!r}")
 
 
 class LLM:
@@ -177,13 +196,18 @@ class LLM:
           sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
           progress: show a progress bar (tqdm) over finished requests.
           cache_salt: prefix-cache salt of these requests (pages are shared only within a salt).
+
+        Raises:
+          ValueError: (nothing is queued) a prompt that is not token ids nor a string with a
+            tokenizer (``prompts[i]`` and the element named), parameters of the wrong type or
+            count, a ``cache_salt`` that is not a str or None.
         """
         prompts = as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all((p, sp, cache_salt) for p, sp in zip(prompts, params, strict=False))
+        ids = self._add_all(prompts, params, cache_salt)
         return self._run_to_completion(ids, progress)
 
     def chat(
@@ -220,7 +244,7 @@ class LLM:
         params = [params] * len(ids) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(ids):
             raise ValueError(f"got {len(params)} sampling params for {len(ids)} conversations")
-        rids = self._add_all((p, sp, None) for p, sp in zip(ids, params, strict=True))
+        rids = self._add_all(ids, params, None)
         for rid, text in zip(rids, texts, strict=True):
             self._requests[rid].prompt_text = text
         return self._run_to_completion(rids, progress)
@@ -240,7 +264,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {params!r}")
         prompts = as_prompt_list(prompts)
-        ids = self._add_all((p, params, None) for p in prompts)
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         return self._run_to_completion(ids, progress)
 
     def stream(
@@ -253,8 +277,8 @@ class LLM:
         Closing the generator early (``break``, ``close()``) aborts its unfinished requests.
         """
         prompts = as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
-        ids = self._add_all((p, params, None) for p in prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         pending = set(ids)
         try:
             for rid in ids:
@@ -270,16 +294,36 @@ class LLM:
         finally:
             self._abort_all(pending)
 
-    def _add_all(self, requests) -> list[str]:
-        """Adds ``(prompt, params, cache_salt)`` requests; on an error aborts those added."""
+    def _add_all(self, prompts: list, params: list, cache_salt: str | None) -> list[str]:
+        """Adds one request per prompt, all or nothing: every prompt and parameter set is
+        checked before the first is added, and on a later error the requests added are
+        removed (the caller never got their ids, so no later step may report them).
+
+        Raises:
+          ValueError: naming the first bad prompt (``prompts[i]``) or parameter set.
+        """
+        check_cache_salt(cache_salt)
+        for i, sp in enumerate(params):
+            _check_params(sp, f"sampling_params[{i}]")
+            check_for_engine(sp, vocab_size=self.model.vocab_size,
+                             has_tokenizer=self.tokenizer is not None)  # fmt: skip
+        read = [self.intake.read_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids: list[str] = []
         try:
-            for prompt, params, salt in requests:
-                ids.append(self.add_request(prompt, params, cache_salt=salt))
+            for prompt, sp in zip(read, params, strict=True):
+                ids.append(self._add(prompt, sp, None, cache_salt))
         except BaseException:
-            self._abort_all(ids)
+            self._discard(ids)
             raise
         return ids
+
+    def _discard(self, ids) -> None:
+        """Aborts and forgets requests whose ids never reached the caller."""
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is not None and not req.finished:
+                self.scheduler.abort(req)
+            self._failed_at_add.discard(rid)
 
     def _abort_all(self, ids) -> None:
         for rid in ids:
@@ -300,17 +344,24 @@ class LLM:
         (see the module docstring); its output is available from ``step``/``generate``.
 
         Raises:
-          ValueError: ``params`` is not a ``SamplingParams``/``BeamSearchParams``, a string
-            prompt without a tokenizer, or a duplicate ``request_id``.
+          ValueError: (nothing is queued) ``params`` is not a ``SamplingParams``/
+            ``BeamSearchParams``; the prompt is not a list of token ids (``int``/numpy
+            integers) nor a string with a tokenizer; ``cache_salt`` is not a str or None;
+            ``request_id`` is not a str, or is already in use.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams | BeamSearchParams):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        _check_params(params, "params")
         check_for_engine(params, vocab_size=self.model.vocab_size,
                          has_tokenizer=self.tokenizer is not None)  # fmt: skip
+        check_cache_salt(cache_salt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str or None")
+        return self._add(self.intake.read_prompt(prompt), params, request_id, cache_salt)
+
+    def _add(self, prompt, params, request_id: str | None, cache_salt: str | None) -> str:
+        """Queues a checked request (``prompt`` as `RequestIntake.read_prompt` returns it)."""
         if request_id is None:
             request_id = self.intake.new_id(self._requests)
-        request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
         req = self.intake.make_request(prompt, params, request_id, cache_salt)
@@ -365,29 +416,66 @@ class LLM:
             t1 = time.perf_counter()
             # Rows finished in an earlier loop of the chain were reported then (and may be
             # retired); rows finishing now are reported through the scheduler's finished list.
-            touched = {it.request.request_id for it in self.chain.state[0]
-                       if not it.request.finished}  # fmt: skip
+            items = self.chain.state[0]
+            touched = {it.request.request_id for it in items if not it.request.finished}
             self.counters.steps += 1
-            self.chain.advance()
+            try:
+                self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
+            except Exception as e:
+                self._fail_step([it.request for it in items], e)
             timing["step_s"] += time.perf_counter() - t1
             return self._after_step(touched)
         # A decode loop left running by the chain that ended: wait for it here, so that its
         # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
-        # or swap that could then not run).
-        self.kv.cache  # noqa: B018
+        # or swap that could then not run). Its rows have finished on the host.
+        try:
+            self.kv.cache  # noqa: B018
+        except Exception as e:
+            self._fail_step([], e)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
-        t1 = time.perf_counter()
-        timing["schedule_s"] += t1 - t0
         touched = {s.request.request_id for s in plan.scheduled}
         touched |= {rid for rid, _ in plan.preempted}
+        for i, op in enumerate(plan.page_ops):  # swap-outs, copies, swap-ins, in order
+            try:
+                self.kv.apply([op])
+            except Exception as e:
+                # The requests of this and the later operations fail; the others of the
+                # plan run in a later step (their slots stay allocated).
+                self._fail_step([self._requests.get(o.request_id) for o in plan.page_ops[i:]], e)
+                return self._after_step(touched)
+        t1 = time.perf_counter()
+        timing["schedule_s"] += t1 - t0
         if plan.scheduled:
             self.counters.steps += 1
-            if not (self.chain.can_loop(plan) and self.chain.start(plan)):
-                self.executor.run(plan)
+            try:
+                if not (self.chain.can_loop(plan) and self.chain.start(plan)):
+                    self.executor.run(plan)
+            except Exception as e:
+                self._fail_step([s.request for s in plan.scheduled], e)
         timing["step_s"] += time.perf_counter() - t1
         return self._after_step(touched)
+
+    def _fail_step(self, requests: list, error: Exception) -> None:
+        """A step raised ``error``: its requests fail (finish reason "error", the message in
+        ``RequestOutput.error``, their pages freed) and the engine goes on serving. If the
+        device pool was lost with the failed call (it had been donated), a zero-filled pool
+        replaces it, the running requests start again from their tokens (recompute) and the
+        prefix cache is emptied."""
+        _log.error("an engine step failed; its requests fail", exc_info=error)
+        text = f"{type(error).__name__}: {error}"
+        message = "the engine step running this request failed: " + (
+            text if len(text) <= 1000 else text[:1000] + " ..."
+        )
+        for req in requests:
+            if req is not None and not req.finished:
+                # Pages this step registered (or swapped in) may not hold their tokens' K/V.
+                held = [s.seq_id for s in req.live_seqs() if s.seq_id in self.alloc]
+                self.alloc.reset_prefix_cache(held)
+                self.scheduler.fail(req, message)
+        if self.kv.replace_lost_pool():
+            self.scheduler.restart_running()
+            self.alloc.reset_prefix_cache()
 
     def _after_step(self, touched: set[str]) -> set[str]:
         if self.debug:
@@ -449,6 +537,16 @@ class LLM:
         return list(self.scheduler.events)
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        """Steps until the requests ``ids`` finish; returns their outputs, in order. If
+        anything raises meanwhile (an interrupt, a bug), the unfinished ones are aborted and
+        forgotten: the caller never gets their ids, so no later step may run them."""
+        try:
+            return self._steps_until_done(ids, progress)
+        except BaseException:
+            self._discard([rid for rid in ids if rid in self._requests])
+            raise
+
+    def _steps_until_done(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         bar = None
         if progress:
             from tqdm.auto import tqdm

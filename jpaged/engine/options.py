@@ -9,11 +9,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["EngineOptions"]
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
+# Quantized K/V names ``cache_dtype`` accepts besides float dtypes.
+QUANTIZED_CACHE_DTYPES = ("fp8", "int8")
+
+
+def _dtype_problem(name: str, value: Any, *, quantized: bool) -> str | None:
+    """Why ``value`` is not a valid ``dtype`` / ``cache_dtype`` (None: it is valid).
+
+    ``dtype`` takes None or a float dtype; ``cache_dtype`` also the quantized names
+    ``"fp8"``, ``"int8"`` and the dtypes ``int8`` and float8.
+    """
+    if value is None or (quantized and isinstance(value, str) and value in QUANTIZED_CACHE_DTYPES):
+        return None
+    expected = "None or a float dtype (float32, bfloat16, float16)"
+    if quantized:
+        expected += f", or one of {QUANTIZED_CACHE_DTYPES}"
+    try:
+        dt = jnp.dtype(value)
+    except (TypeError, ValueError):
+        return f"{name}={value!r} must be {expected}"
+    if jnp.issubdtype(dt, jnp.floating) or (quantized and dt == jnp.int8):
+        return None
+    return f"{name}={value!r} must be {expected}"
 
 
 def _is_int(v: Any) -> bool:
@@ -76,5 +99,9 @@ class EngineOptions:
         for name in ("enable_prefix_caching", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        for name, quantized in (("dtype", False), ("cache_dtype", True)):
+            problem = _dtype_problem(name, getattr(self, name), quantized=quantized)
+            if problem is not None:
+                raise ValueError(problem)
         if self.compiler_options is not None and not isinstance(self.compiler_options, dict):
             raise ValueError(f"compiler_options={self.compiler_options!r} must be None or a dict")

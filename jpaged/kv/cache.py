@@ -236,6 +236,20 @@ def _check_range(name: str, x: Any, hi: int, validate: bool) -> None:
         )
 
 
+def _check_distinct_slots(x: Any, validate: bool) -> None:
+    """Eagerly checks that the written (non ``-1``) slots of concrete ``x`` are distinct."""
+    values = _concrete(x) if validate else None
+    if values is None:
+        return
+    written = values[values >= 0]
+    unique, counts = np.unique(written, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"slots_T must be distinct (two tokens written to one slot leave either one), "
+            f"repeated: {unique[counts > 1][:8].tolist()}"
+        )
+
+
 def _check_kv(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
     if tuple(np.shape(x)) != expected:
         raise ValueError(f"{name} must have shape [{letters}] = {expected}, got {np.shape(x)}")
@@ -345,13 +359,14 @@ def write_kv(
       k_LTKH: [L, T, K, H] keys (cast to the cache dtype).
       v_LTKH: [L, T, K, H] values.
       slots_T: i32[T], ``page * C + offset`` per token; ``-1`` skips the token.
-      validate: check concrete ``slots_T`` values eagerly.
+      validate: check concrete ``slots_T`` values eagerly (in range, distinct).
 
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes or dtypes, or a concrete slot outside ``[-1, P * C)``.
+      ValueError: wrong shapes or dtypes, or a concrete slot outside ``[-1, P * C)`` or
+        repeated.
 
     >>> cache = PagedKVCache.create(1, 1, 2, 2, 4, jnp.float32)
     >>> k = jnp.ones((1, 2, 1, 4), jnp.float32)
@@ -365,6 +380,7 @@ def write_kv(
     _check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H")
     _check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H")
     _check_range("slots_T", slots_T, cache.num_slots, validate)
+    _check_distinct_slots(slots_T, validate)
     return _write_kv(cache, k_LTKH, v_LTKH, slots_T)
 
 
@@ -389,14 +405,15 @@ def write_kv_layer(
       k_TKH: [T, K, H] keys (cast to the cache dtype).
       v_TKH: [T, K, H] values.
       slots_T: i32[T], ``page * C + offset``; ``-1`` skips the token.
-      validate: check concrete ``layer`` and ``slots_T`` values eagerly.
+      validate: check concrete ``layer`` and ``slots_T`` values eagerly (slots in range
+        and distinct).
 
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes or dtypes, a concrete slot outside ``[-1, P * C)`` or a
-        concrete layer outside ``[0, L)``.
+      ValueError: wrong shapes or dtypes, a concrete slot outside ``[-1, P * C)`` or
+        repeated, or a concrete layer outside ``[0, L)``.
     """
     L, K, _, _, H = cache.k_pages.shape
     slots_T = _check_int_vector("slots_T", slots_T)
@@ -406,6 +423,7 @@ def write_kv_layer(
     _check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H")
     _check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H")
     _check_range("slots_T", slots_T, cache.num_slots, validate)
+    _check_distinct_slots(slots_T, validate)
     if validate:
         layer_value = _concrete(layer)
         if layer_value is not None and not 0 <= int(layer_value) < L:

@@ -227,6 +227,6 @@ def _paged_attention_xla(
         jnp.zeros((B, K, G, H), jnp.float32),
     )
     _, _, l_BKG, acc_BKGH = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
-    safe_l_BKG = jnp.where(l_BKG > 0, l_BKG, 1.0)
-    o_BKGH = jnp.where(l_BKG[..., None] > 0, acc_BKGH / safe_l_BKG[..., None], 0.0)
+    safe_l_BKG = jnp.where(l_BKG != 0, l_BKG, 1.0)
+    o_BKGH = jnp.where(l_BKG[..., None] != 0, acc_BKGH / safe_l_BKG[..., None], 0.0)
     return o_BKGH.reshape(B, N, H).astype(q_BNH.dtype)

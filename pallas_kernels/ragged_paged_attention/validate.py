@@ -59,6 +59,7 @@ def validate_static(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    causal: Any = True,
 ) -> None:
     """Checks shapes, dtypes and static knobs; works on tracers.
 
@@ -73,11 +74,14 @@ def validate_static(
       logits_soft_cap: None or a positive float.
       sliding_window: None or an int >= 1.
       layer: None for a 4-D pool; an int in [0, L) or an integer scalar array for a 5-D pool.
+      causal: a bool.
 
     Raises:
       ValueError: listing every mismatch found.
     """
     errors: list[str] = []
+    if not isinstance(causal, bool | np.bool_):
+        errors.append(f"causal={causal!r} must be a bool")
     if q.ndim != 3:
         errors.append(f"q must be [T, N, H] (3-D), got {q.shape=}")
     elif not jnp.issubdtype(q.dtype, jnp.floating):

@@ -189,8 +189,8 @@ def _ragged_xla(
         jnp.zeros((NT, K, Tq, G, H), _F32),
     )
     _, l_IKQG, acc_IKQGH = jax.lax.fori_loop(chunk_lo, chunk_hi, body, init)
-    l_safe = jnp.where(l_IKQG > 0, l_IKQG, 1.0)
-    o_IKQGH = jnp.where(l_IKQG[..., None] > 0, acc_IKQGH / l_safe[..., None], 0.0)
+    l_safe = jnp.where(l_IKQG != 0, l_IKQG, 1.0)
+    o_IKQGH = jnp.where(l_IKQG[..., None] != 0, acc_IKQGH / l_safe[..., None], 0.0)
     o_rows = o_IKQGH.transpose(0, 2, 1, 3, 4).reshape(NT * Tq, N, H)
     o_TNH = o_rows[ts.tile_T * Tq + ts.row_T]
     return jnp.where(tm.valid_T[:, None, None], o_TNH, 0.0).astype(q_TNH.dtype)
