@@ -14,7 +14,6 @@ kernels").
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
 
@@ -31,19 +30,10 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_F32_HEAD_DIM = 128
 
 
-@functools.cache
 def backend_reason() -> str | None:
     """None when this JAX has Pallas's Triton backend, else why not (it was deprecated in
-    2026 and is expected to be removed)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from jax.experimental.pallas import triton as plt
-
-        plt.CompilerParams  # noqa: B018  (the attribute the kernels need)
-    except (ImportError, AttributeError) as e:
-        return f"this JAX ({jax.__version__}) has no Pallas Triton backend ({e})"
-    return None
+    2026 and is expected to be removed): ``_backend.triton_route_reason``."""
+    return _backend.triton_route_reason()
 
 
 def triton_module():
