@@ -97,5 +97,6 @@ def auto_route() -> AutoRoute:
             return AutoRoute(None, f"{sm}: {missing}; the XLA path")
         return AutoRoute("pallas_triton", f"{sm}: Pallas-Triton kernels (Ampere/Ada)")
     return AutoRoute(
-        None, f"{sm}: XLA's Triton compiler targets sm80 and newer and Mosaic GPU sm90: the XLA path"
+        None,
+        f"{sm}: XLA's Triton compiler targets sm80 and newer and Mosaic GPU sm90: the XLA path",
     )

@@ -184,7 +184,9 @@ def _paged_attention_xla(
     )
     last_col_B = jnp.clip(pages_used_B - 1, 0, W - 1)
     # Each sequence's last page id (clipped into the pool): where idle slots read.
-    last_id_B = jnp.clip(jnp.take_along_axis(tables_BW, last_col_B[:, None], axis=1)[:, 0], 0, P - 1)
+    last_id_B = jnp.clip(
+        jnp.take_along_axis(tables_BW, last_col_B[:, None], axis=1)[:, 0], 0, P - 1
+    )
 
     q_BKGH = q_BNH.reshape(B, K, G, H).astype(dot_dtype)
     page_R = jnp.arange(R, dtype=jnp.int32)

@@ -212,7 +212,6 @@ def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, se
     pos0, kv_len = pos0_ref[i], kvlen_ref[i]
     m = jnp.arange(M, dtype=jnp.int32)
     tok, g = m // G, m % G
-    row_ok = (tok < q_rows) & (m < cfg.block_q * G)
     cols = jnp.arange(H, dtype=jnp.int32)
     q_tok = q_start + jnp.minimum(tok, jnp.maximum(q_rows - 1, 0))
     q_idx = q_tok * cfg.num_q_heads + h * G + g

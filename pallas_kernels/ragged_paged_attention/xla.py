@@ -194,4 +194,3 @@ def _ragged_xla(
     o_rows = o_IKQGH.transpose(0, 2, 1, 3, 4).reshape(NT * Tq, N, H)
     o_TNH = o_rows[ts.tile_T * Tq + ts.row_T]
     return jnp.where(tm.valid_T[:, None, None], o_TNH, 0.0).astype(q_TNH.dtype)
-
