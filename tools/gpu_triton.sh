@@ -70,7 +70,7 @@ case "$PART" in
       --old-xla "${OLD_XLA:-}" ${SWEEP_ARGS:-} --out "$DEST/triton_sweep_h200.json"
     ;;
   tests)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 run "${TEST_TIMEOUT:-240}" "$DEST/tests.log" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18} run "${TEST_TIMEOUT:-240}" "$DEST/tests.log" \
       "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-4}" \
       --durations=5 tests/kernels/paged_attention/test_paged_attention_triton.py \
       tests/kernels/ragged_paged_attention/test_ragged_triton.py ${TEST_ARGS:-}
