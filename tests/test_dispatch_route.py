@@ -88,7 +88,9 @@ def test_a_call_records_and_logs_its_choice(monkeypatch, caplog):
 
     def spy(*a, **k):
         calls.append(k)
-        return dispatch.IMPLEMENTATIONS["xla"](*a, **{x: y for x, y in k.items() if x != "interpret"})
+        return dispatch.IMPLEMENTATIONS["xla"](
+            *a, **{x: y for x, y in k.items() if x != "interpret"}
+        )
 
     monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, "pallas_triton", lambda *a, **k: None)
     monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", spy)

@@ -19,6 +19,7 @@ Split-KV (``num_splits`` > 1, the default when (tile, KV head) programs are too 
 the GPU: a few long chunks, decode batches at long context) cuts each tile's key range into
 contiguous parts; each stores its normalised partial and base-2 log-sum-exp per tile row, and
 XLA merges them (``_gpu.merge.merge_splits``) and gathers the rows back into ``[T, N, H]``.
+Prefill-like batches take their tiles longest first (``_tile_order``, one small XLA sort).
 """
 
 from __future__ import annotations
@@ -203,10 +204,11 @@ def _key_ranges(cfg: TritonRaggedConfig, pos0, q_rows, kv_len):
     return first, a, b, end
 
 
-def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, seq_ref,
-            qstart_ref, qrows_ref, pos0_ref, kvlen_ref, pad_ref, *outs):  # fmt: skip
+def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, order_ref,
+            seq_ref, qstart_ref, qrows_ref, pos0_ref, kvlen_ref, pad_ref, *outs):  # fmt: skip
     """One (KV head, split, query tile) program (module docstring)."""
-    h, split, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, split = pl.program_id(0), pl.program_id(1)
+    i = order_ref[pl.program_id(2)]
     K, G, H, T, M = cfg.num_kv_heads, cfg.group, cfg.head_dim, cfg.block_kv, cfg.block_m
     seq, q_start, q_rows = seq_ref[i], qstart_ref[i], qrows_ref[i]
     pos0, kv_len = pos0_ref[i], kvlen_ref[i]
@@ -278,6 +280,18 @@ def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, se
     plt.store(o_ref.at[out_idx[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=ok[:, None])
 
 
+def _tile_order(cfg: TritonRaggedConfig, ts: schedule.TileSchedule) -> jax.Array:
+    """i32[NT]: the tile each program takes. Prefill-like batches (``T > 2 B``) go longest
+    first (key tiles visited, descending: a causal prompt's last tiles do the most work, and
+    the GPU hands out programs in grid order, so the last wave holds the shortest); other
+    batches in schedule order (no sort to pay for)."""
+    NT = cfg.num_tiles
+    if cfg.num_tokens <= 2 * cfg.num_seqs:
+        return jnp.arange(NT, dtype=jnp.int32)
+    first, _, _, end = _key_ranges(cfg, ts.pos0, ts.q_rows, ts.kv_len)
+    return jnp.argsort(first - end, stable=True).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_lens, num_seqs,
             layer):  # fmt: skip
@@ -289,6 +303,7 @@ def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_
     )  # fmt: skip
     k_rows, layer = _triton.flat_rows(k_pages, layer)
     v_rows, _ = _triton.flat_rows(v_pages, None)
+    order = _tile_order(cfg, ts)
     if S > 1:
         out_shape = (
             jax.ShapeDtypeStruct((S * NT * K * M, H), jnp.float32),
@@ -313,7 +328,7 @@ def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_
             interpret=cfg.interpret,
             name=name,
         )(
-            q.reshape(Tn * N, H), k_rows, v_rows, tables.astype(jnp.int32), layer, ts.seq,
+            q.reshape(Tn * N, H), k_rows, v_rows, tables.astype(jnp.int32), layer, order, ts.seq,
             ts.q_start, ts.q_rows, ts.pos0, ts.kv_len, ts.pad_start,
         )  # fmt: skip
     if S == 1:
