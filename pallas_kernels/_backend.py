@@ -43,7 +43,8 @@ def has_mosaic_gpu() -> bool:
 
 # Compute capabilities whose GPUs auto dispatch gives the Pallas-Triton kernels: Ampere and
 # Ada (sm80 A100, sm86 A10 / RTX 30xx, sm87 Orin, sm89 L4 / RTX 40xx). Turing (sm75, T4) is
-# left out: XLA's Triton compiler targets sm80 and newer (BUILD.md, dispatch matrix).
+# left out: the kernels lower for it but were never compiled for it (no bf16 MMA there, and
+# XLA's Triton pipeline is built for Ampere and newer; BUILD.md, dispatch matrix).
 TRITON_AUTO_CAPABILITIES = ((8, 0), (9, 0))
 
 

@@ -61,9 +61,9 @@ EOF
 }
 
 case "$PART" in
-  probe)
-    run 60 "$DEST/probe.log" probe
-    run 120 "$DEST/probe.log" sm80_ptx
+  probe)  # shell functions: no per-command timeout (give the call's own)
+    probe 2>&1 | tee -a "$DEST/probe.log"
+    sm80_ptx 2>&1 | tee -a "$DEST/probe.log"
     ;;
   sweep)
     run "${BENCH_TIMEOUT:-300}" "$DEST/sweep.log" "$PY" benchmarks/diagnostics/triton_sweep.py \

@@ -41,42 +41,54 @@ from pallas_kernels._gpu.tuning import Measured
 MAX_GROUP_ROWS = 64
 MAX_SPLITS = 64
 
+# Measured on the H200 (CUPTI, quick-table rows; benchmarks/results/triton_sweep_h200.json,
+# benchmarks/diagnostics/triton_sweep.py). Unmeasured on sm80-sm89.
 TUNING: dict[str, Measured] = {
     "default_block_kv": Measured(
         knob="block_kv",
-        rule="8192 / H tokens (64 at H=128), 32 to 128; f32: half",
-        evidence="Triton's usual flash-decoding tile: 16 KiB of K and of V a stage at bf16",
-        device="(rule of thumb; see BENCHMARKS.md for the H200 figures)",
+        rule="128 keys at H <= 128 (64 at H=128 with more than 8 splits or on 100 KiB-SMEM "
+        "parts), 32 at H=256; f32: half",
+        evidence="B=128 / 2k: 250.4 us at 128 vs 262.7 at 64; B=32 / 2k: 73.6 vs 78.9; "
+        "B=1 / 32k (64 splits): 57.5 vs 50.8; H=64: 128 (78.7) vs 32 (87.4)",
         date="2026-12-05",
-        commit="(this branch)",
+        commit="(branch h-triton)",
     ),
     "default_num_splits": Measured(
         knob="num_splits",
-        rule="about 4 programs per SM: ceil(4 * SMs / (B * K)), >= 4 tiles a split, <= 64",
-        evidence="the Mosaic kernel's measured rule (~512 CTAs on 132 SMs) in SM units",
-        device="(rule of thumb)",
+        rule="ceil(2 * SMs / (B * K * head blocks)), >= 4 tiles a split, <= 64",
+        evidence="256 pairs: 2 splits 73.2 us, 3 78.9, 1 89.1; 512 pairs (H=64): 1 split "
+        "72.9, 2 79.1; 1024 pairs: 1 264.0, 2 253.2; B=1 / 32k: 64 splits 50.8, 1 1007.6",
         date="2026-12-05",
-        commit="(this branch)",
+        commit="(branch h-triton)",
+    ),
+    "default_num_warps": Measured(
+        knob="num_warps",
+        rule="4",
+        evidence="8 warps 8-26% slower on all four rows; 2 within 3% of 4",
+        date="2026-12-05",
+        commit="(branch h-triton)",
     ),
 }
 
 
-def default_block_kv(head_dim: int, dtype) -> int:
+def default_block_kv(head_dim: int, dtype, num_splits: int = 1) -> int:
     """Tokens per K/V tile (``TUNING["default_block_kv"]``)."""
-    t = min(128, max(32, 8192 // head_dim))
+    t = 128 if head_dim <= 128 else 32
+    if head_dim == 128 and (num_splits > 8 or _triton.smem_budget() < 2 * 2 * 128 * 128 * 2):
+        t = 64  # (or where two stages of 128-key bf16 tiles do not fit: sm86/sm89's 100 KiB)
     return t // 2 if jnp.dtype(dtype) == jnp.float32 else t
 
 
 def default_num_splits(num_programs: int, max_tokens: int, block_kv: int) -> int:
     """Split-KV factor from static shapes (``TUNING["default_num_splits"]``); ``num_programs``:
     (sequence, KV head, head block) triples; ``max_tokens``: the table's width x page size."""
-    target = 4 * _backend.gpu_num_sms()
+    target = 2 * _backend.gpu_num_sms()
     max_tiles = -(-max_tokens // block_kv)
     return max(1, min(-(-target // max(num_programs, 1)), max_tiles // 4, MAX_SPLITS))
 
 
 def default_num_warps(group_rows: int, head_dim: int) -> int:
-    """4 warps (a 16-64-row tile is one warp's MMA rows each), 8 for the largest tiles."""
+    """4 warps (``TUNING["default_num_warps"]``), 8 for the largest Q tiles (64 x 256)."""
     return 8 if group_rows * head_dim >= 64 * 256 else 4
 
 
@@ -150,13 +162,14 @@ def make_config(
     G = N // K
     rows = min(MAX_GROUP_ROWS, _triton.pow2_at_least(G, 16))
     head_blocks = -(-G // rows)
+    if num_splits is None:  # from the tile the splits' default would see (64 keys at H=128)
+        tile = block_kv or default_block_kv(H, q.dtype, num_splits=MAX_SPLITS)
+        num_splits = default_num_splits(B * K * head_blocks, W * C, tile)
     if block_kv is None:
-        block_kv = default_block_kv(H, q.dtype)
+        block_kv = default_block_kv(H, q.dtype, num_splits)
     _int_knob("block_kv", block_kv, 16, 256)
     if block_kv & (block_kv - 1):
         raise ValueError(f"block_kv={block_kv} must be a power of two (Triton tile sizes)")
-    if num_splits is None:
-        num_splits = default_num_splits(B * K * head_blocks, W * C, block_kv)
     _int_knob("num_splits", num_splits, 1, 1024)
     num_warps = _int_knob(
         "num_warps", default_num_warps(rows, H) if num_warps is None else num_warps, 1, 16
@@ -329,4 +342,5 @@ def paged_attention_pallas_triton(
     )  # fmt: skip
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
-    return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
+    with _triton.quiet_deprecation():  # lowered here when called outside a jit
+        return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)

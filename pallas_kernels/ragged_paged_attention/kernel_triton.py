@@ -164,8 +164,8 @@ def make_config(
     if num_splits is None:
         num_splits = default_num_splits(NT * K, W * C, block_kv)
     _int_knob("num_splits", num_splits, 1, 256)
-    if num_warps is None:
-        num_warps = 8 if block_m * H >= 128 * 128 else 4
+    if num_warps is None:  # 8 warps: 7.33 ms at 8k prefill on the H200, 4: 5.32 (CUPTI)
+        num_warps = 4
     _int_knob("num_warps", num_warps, 1, 16)
     if num_stages is None:
         num_stages = _triton.default_num_stages(block_kv, H, dt)
@@ -383,4 +383,5 @@ def ragged_paged_attention_pallas_triton(
     )  # fmt: skip
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
-    return _ragged(cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer)
+    with _triton.quiet_deprecation():  # lowered here when called outside a jit
+        return _ragged(cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer)

@@ -2,14 +2,15 @@
 
 Memory-lean (never a dense [T, S] score matrix over the pool): the query rows are cut into
 tiles of ``block_q`` rows of one sequence each (metadata computed on device,
-``schedule.tile_schedule``), and a ``while_loop`` walks KV chunks of ``pages_per_chunk`` pages,
-gathering for every tile only its own sequence's pages of that chunk, from the tile's first
-visible key on (a sliding window's start). The trip count is static, ``ceil(W /
-pages_per_chunk)``: a trip count from the lengths would be a ``while_loop`` whose condition XLA
-on GPU reads back to the host every iteration. Slots past a tile's last page are redirected to
-that page, so idle steps re-read one page (from L2), never the rest of the table. Math is f32,
-so the result is exact to f32 rounding against the reference. Shapes are static in (T, B, W)
-and ``num_seqs`` is dynamic: one compile serves every batch.
+``schedule.tile_schedule``), and a loop walks KV chunks of ``pages_per_chunk`` pages, gathering
+for every tile only its own sequence's pages of that chunk, from the tile's first visible key on
+(a sliding window's start). The trip count is static, ``ceil(W / pages_per_chunk)`` (with a
+causal window, the chunks its span can touch when fewer): a trip count from the lengths would be
+a ``while_loop`` whose condition XLA on GPU reads back to the host every iteration. Slots past a
+tile's last page are redirected to that page, so idle steps re-read one page (from L2), never
+the rest of the table. Math is f32, so the result is exact to f32 rounding against the
+reference. Shapes are static in (T, B, W) and ``num_seqs`` is dynamic: one compile serves every
+batch.
 """
 
 from __future__ import annotations
@@ -187,8 +188,12 @@ def _ragged_xla(
         jnp.zeros((NT, K, Tq, G), _F32),
         jnp.zeros((NT, K, Tq, G, H), _F32),
     )
-    # A static trip count: no loop condition read back to the host (module docstring).
-    _, l_IKQG, acc_IKQGH = jax.lax.fori_loop(0, -(-W // pc), body, init)
+    # A static trip count: no loop condition read back to the host (module docstring). With a
+    # causal window a tile's keys span at most w + Tq - 1 positions from its first chunk's start.
+    steps = -(-W // pc)
+    if sliding_window is not None and causal:
+        steps = min(steps, -(-(sliding_window + Tq - 1) // Sc) + 1)
+    _, l_IKQG, acc_IKQGH = jax.lax.fori_loop(0, steps, body, init)
     l_safe = jnp.where(l_IKQG > 0, l_IKQG, 1.0)
     o_IKQGH = jnp.where(l_IKQG[..., None] > 0, acc_IKQGH / l_safe[..., None], 0.0)
     o_rows = o_IKQGH.transpose(0, 2, 1, 3, 4).reshape(NT * Tq, N, H)
