@@ -99,5 +99,5 @@ def auto_route() -> AutoRoute:
         return AutoRoute("pallas_triton", f"{sm}: Pallas-Triton kernels (Ampere/Ada)")
     return AutoRoute(
         None,
-        f"{sm}: XLA's Triton compiler targets sm80 and newer and Mosaic GPU sm90: the XLA path",
+        f"{sm}: no kernel verified below sm80 (Pallas-Triton) and sm90 (Mosaic GPU): the XLA path",
     )
