@@ -1,7 +1,8 @@
 """Decode attention benchmark: jpaged's Mosaic GPU kernel against its anchors, on one GPU.
 
 In ONE process it measures the HBM read roofline (``jnp.sum`` over 4 GiB), then per case:
-jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
+jpaged ``pallas_gpu`` and ``pallas_triton`` (the Pallas-Triton kernel for sm80-sm89, forced
+here), cuDNN non-paged (``jax.nn.dot_product_attention`` with
 ``key_value_seq_lengths`` on the same lengths), JAX's deprecated Pallas-Triton paged kernel and
 the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
 a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
@@ -209,6 +210,19 @@ def _ragged(inp: Inputs, case: Case, **tuning):
     return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
 
 
+def _pallas_triton(inp: Inputs, case: Case, **tuning):
+    """jpaged's Pallas-Triton decode kernel (auto dispatch's kernel on sm80-sm89), forced."""
+    from pallas_kernels.paged_attention import kernel_triton
+
+    scale = 1.0 / math.sqrt(case.H)
+    f = jax.jit(
+        lambda q, k, v, bt, ln: kernel_triton.paged_attention_pallas_triton(
+            q, k, v, bt, ln, sm_scale=scale, **tuning
+        )
+    )
+    return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
 def _xla(inp: Inputs, case: Case):
     from pallas_kernels.paged_attention import xla
 
@@ -345,6 +359,8 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
         kw = {} if spec == "default" else _parse_kwargs(spec)
         name = f"pallas_gpu_ragged_{spec}"
         _measure(name, lambda kw=kw: _ragged(inp, case, **kw), nbytes, ns, res, ref)
+    if not ns.skip_pallas_triton:
+        _measure("pallas_triton", lambda: _pallas_triton(inp, case), nbytes, ns, res, ref)
     if not ns.skip_cudnn:
         kd, vd = _dense_kv(inp, case)
         _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), nbytes, ns, res, ref)
@@ -384,6 +400,13 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
             row[f"vs_{anchor}"] = a["wall_us"] / ours["wall_us"]
         if "loop_us" in ours and "loop_us" in a:
             row[f"vs_{anchor}_loop"] = a["loop_us"] / ours["loop_us"]
+    trit = res.get("pallas_triton", {})
+    for anchor in ("cudnn", "triton_deprecated", "xla"):
+        a = res.get(anchor, {})
+        if "wall_us" in trit and "wall_us" in a:
+            row[f"pallas_triton_vs_{anchor}"] = a["wall_us"] / trit["wall_us"]
+    if "wall_tbs" in trit:
+        row["pallas_triton_pct_roofline"] = 100 * trit["wall_tbs"] / roofline
     if "wall_tbs" in ours:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
     if "loop_tbs" in ours and roofline_loop:
@@ -405,6 +428,7 @@ def print_table(rows, roofline, roofline_loop=None):
     hdr = (
         f"{'case':<26} {'us':>7} {'cupti':>7} {'TB/s':>5} {'%roof':>5} "
         f"{'cuDNN':>5} {'xla':>5} {'trit':>5} {'vsCuDNN':>7} {'vsTrit':>6} S"
+        f" | {'pl_trt':>6} {'vsCuDNN':>7} {'vsTrit':>6}"
     )
     print(hdr)
     for r in rows:
@@ -419,6 +443,8 @@ def print_table(rows, roofline, roofline_loop=None):
             f"{tb('pallas_gpu'):>5} {_fmt(r.get('pct_roofline'), '5.0f')} {tb('cudnn'):>5} "
             f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
             f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
+            f" | {tb('pallas_triton'):>6} {_fmt(r.get('pallas_triton_vs_cudnn'), '7.2f')} "
+            f"{_fmt(r.get('pallas_triton_vs_triton_deprecated'), '6.2f')}"
         )
         if "loop_us" in o:
             print(
@@ -488,6 +514,7 @@ def main(argv=None):
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--skip-pallas-triton", action="store_true")
     p.add_argument(
         "--only",
         type=int,

@@ -9,6 +9,7 @@ cannot run raises ``ValueError`` with the reason.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -24,8 +25,20 @@ from pallas_kernels.ragged_paged_attention import dispatch as _ragged_dispatch
 from pallas_kernels.ragged_paged_attention import sanitize as _ragged_sanitize
 from pallas_kernels.ragged_paged_attention import validate as _ragged_validate
 
-Implementation = Literal["xla", "pallas_gpu", "pallas_tpu"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu")
+Implementation = Literal["xla", "pallas_gpu", "pallas_tpu", "pallas_triton"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu", "pallas_triton")
+_PALLAS = ("pallas_gpu", "pallas_tpu", "pallas_triton")
+_log = logging.getLogger("jpaged.dispatch")
+# The latest auto choice per op: (implementation, why), read by ``last_auto_choice``.
+_LAST_AUTO: dict[str, tuple[str, str]] = {}
+
+
+def last_auto_choice(op: str = "paged_attention") -> tuple[str, str] | None:
+    """The implementation ``implementation=None`` picked at the latest trace of ``op``
+    ("paged_attention" or "ragged_paged_attention") and why, or None before any. The same
+    line goes to the ``jpaged.dispatch`` logger at DEBUG level; ``jpaged._backend.auto_route()``
+    says which kernel this machine tries first without a call."""
+    return _LAST_AUTO.get(op)
 
 
 def _lookup(op: str, table: Mapping[str, Callable], impl: str) -> Callable:
@@ -40,10 +53,10 @@ def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | No
     op's module of tables (``IMPLEMENTATIONS``, ``UNSUPPORTED_REASONS``)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be None (auto) or one of {IMPLEMENTATIONS}")
-    if interpret and implementation not in ("pallas_gpu", "pallas_tpu"):
+    if interpret and implementation not in _PALLAS:
         raise ValueError(
             f"interpret=True runs a Pallas kernel in its interpreter: pass "
-            f"implementation='pallas_gpu' or 'pallas_tpu' (got {implementation=})"
+            f"implementation= one of {_PALLAS} (got {implementation=})"
         )
     reasons = dispatch.UNSUPPORTED_REASONS
     if implementation is not None:
@@ -55,16 +68,17 @@ def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | No
                     f"implementation={implementation!r} cannot run this call: {reason}"
                 )
         return implementation
-    platform = _backend.default_platform()
-    candidates: list[str] = []
-    if platform == "tpu":
-        candidates.append("pallas_tpu")
-    elif platform == "gpu" and _backend.has_mosaic_gpu():
-        candidates.append("pallas_gpu")
-    for impl in candidates:
-        if impl in dispatch.IMPLEMENTATIONS and reasons[impl](*args, **kwargs) is None:
-            return impl
-    return "xla"
+    route = _backend.auto_route()
+    impl, why = "xla", route.reason
+    if route.kernel is not None and route.kernel in dispatch.IMPLEMENTATIONS:
+        reason = reasons[route.kernel](*args, **kwargs)
+        if reason is None:
+            impl = route.kernel
+        else:
+            why = f"{route.reason}; {route.kernel} cannot run this call ({reason}): the XLA path"
+    _LAST_AUTO[op] = (impl, why)
+    _log.debug("%s: implementation=None picked %r: %s", op, impl, why)
+    return impl
 
 
 def _call(op: str, dispatch, impl: str, interpret, args, kwargs, tuning):
@@ -132,7 +146,7 @@ def paged_attention(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, only the last ``sliding_window`` keys are seen.
       layer: layer index (int or i32[]) into a 5-D pool.
-      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter (any backend).
       check: value checks (lengths in ``[0, W * C]``, used page ids in ``[0, P)``, ``layer``
         in ``[0, L)``). None (default): checked when the values are concrete (eager call;
@@ -222,7 +236,7 @@ def ragged_paged_attention(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, a query at position p sees keys j with ``p - j < sliding_window``.
       layer: layer index into a 5-D pool.
-      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter.
       check: value checks (``cu_q_lens`` from 0, non-decreasing, ending at most at T;
         ``num_seqs`` in ``[0, B]``; ``q_len_b <= kv_lens[b] <= W * C``; used page ids in

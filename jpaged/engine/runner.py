@@ -48,24 +48,49 @@ GPU_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_enable_dynamic_slice_fusion": True,
 }
+# The options per NVIDIA GPU generation (compute capability major) where they were measured:
+# Hopper (sm90: the H200). Every other generation (Ampere/Ada sm80-sm89, Turing sm75,
+# Blackwell sm100+) keeps XLA's defaults until it is measured there.
+MEASURED_GPU_OPTIONS: dict[int, dict[str, Any]] = {9: GPU_COMPILER_OPTIONS}
 
 
-def default_compiler_options(platform: str | None = None) -> dict[str, Any]:
-    """The step programs' XLA options for ``platform``: "cuda" gets ``GPU_COMPILER_OPTIONS``
-    (measured on an H200), anything else (CPU, TPU, ROCm: not measured) XLA's defaults.
-    Default: the default backend's platform ("gpu" resolves to "cuda" or "rocm").
+def _cuda_capability() -> tuple[int, int] | None:
+    """The default backend's NVIDIA compute capability, None off an NVIDIA GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return tuple(int(x) for x in str(cc).split(".")[:2])  # type: ignore[return-value]
+    except ValueError:  # ROCm names its architecture ("gfx90a")
+        return None
+
+
+def default_compiler_options(
+    platform: str | None = None, compute_capability: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """The step programs' XLA options: on a "cuda" platform those measured for the GPU's
+    generation (``MEASURED_GPU_OPTIONS``: Hopper's ``GPU_COMPILER_OPTIONS``), XLA's defaults
+    for unmeasured generations and anything else (CPU, TPU, ROCm). Default: the default
+    backend's platform ("gpu" resolves to "cuda" or "rocm") and GPU. ``compute_capability``
+    (major, minor) picks the generation; with "cuda" and none given, the local GPU's, else
+    Hopper's (the measured one).
 
     >>> default_compiler_options("cpu"), default_compiler_options("rocm")
     ({}, {})
-    >>> sorted(default_compiler_options("cuda"))
+    >>> sorted(default_compiler_options("cuda", (9, 0)))
     ['xla_gpu_enable_dynamic_slice_fusion', 'xla_gpu_enable_triton_gemm']
+    >>> default_compiler_options("cuda", (8, 9)), default_compiler_options("cuda", (10, 0))
+    ({}, {})
     """
     if platform is None:
         platform = jax.default_backend()
         if platform == "gpu":
             version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
             platform = "rocm" if "rocm" in version or "hip" in version else "cuda"
-    return dict(GPU_COMPILER_OPTIONS) if platform == "cuda" else {}
+    if platform != "cuda":
+        return {}
+    cc = compute_capability or _cuda_capability() or (9, 0)
+    return dict(MEASURED_GPU_OPTIONS.get(cc[0], {}))
 
 
 _TRACES = [0]  # traces (= compiles) of the step programs in this process
