@@ -90,12 +90,14 @@ class PagedTinyGPT(TinyGPT):
 # ---- end of the adaptation ----
 
 
-def dense_greedy(model: TinyGPT, prompt: list[int], max_tokens: int) -> list[int]:
-    """The model's own greedy decode: one dense forward over the whole sequence per token."""
+def dense_greedy(model: TinyGPT, prompt: list[int], max_tokens: int, S: int = 64) -> list[int]:
+    """The model's own greedy decode: one dense forward per token over the sequence padded
+    to S tokens (causal, so the padding after it changes nothing; one compiled shape)."""
     forward = nnx.jit(TinyGPT.dense)
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(int(forward(model, jnp.array(tokens, jnp.int32))[-1].argmax()))
+        logits = forward(model, jnp.array(tokens + [0] * (S - len(tokens)), jnp.int32))
+        tokens.append(int(logits[len(tokens) - 1].argmax()))
     return tokens[len(prompt) :]
 
 
