@@ -26,7 +26,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jpaged.engine.assembly import assemble
+from jpaged.engine.assembly import assemble, load_replicas
+from jpaged.engine.data_parallel import ReplicaSet, combined_stats
 from jpaged.engine.engine_stats import engine_stats
 from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, id_order
 from jpaged.engine.options import EngineOptions
@@ -35,6 +36,7 @@ from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
 from jpaged.engine.warmup import warmup_programs
 from jpaged.kv.cache import PagedKVCache
+from jpaged.parallel.mesh import DATA_AXIS
 
 __all__ = ["LLM"]
 
@@ -77,6 +79,13 @@ class LLM:
       keep_finished: finished requests whose outputs ``get_output`` still returns; older
         ones are dropped (a long-running server's memory stays bounded). Unfinished requests
         are always kept, and ``generate``/``stream`` return every output they started.
+      tensor_parallel_size: split the model over this many devices (the first ones of
+        ``jax.devices()``): heads, MLP and vocabulary (``jpaged.parallel``, docs/parallel.md).
+      mesh: a ``jax.sharding.Mesh`` with axes ``"model"`` (tensor parallel: the model and
+        the pool's KV heads split over it) and/or ``"data"`` (independent replicas, each
+        with its own pool, allocator and scheduler, behind this one engine). Under
+        ``jax.distributed`` it may span hosts (BUILD.md, "Several devices and several
+        hosts"). ``kv_cache_memory`` is per device.
 
     Attributes:
       model: the model served.
@@ -85,6 +94,8 @@ class LLM:
       kv: the `KVManager` (allocator, pool, host swap space).
       scheduler: the `Scheduler`.
       runner: the `Runner` of the jitted step programs.
+      replicas: with a ``"data"`` axis, one engine per replica (then ``alloc``, ``kv``,
+        ``scheduler`` and ``runner`` are None: each replica has its own); else empty.
     """
 
     def __init__(
@@ -113,6 +124,8 @@ class LLM:
         recompute_tokens_per_s: float = 20e3,
         compiler_options: dict[str, Any] | None = None,
         keep_finished: int = 4096,
+        tensor_parallel_size: int = 1,
+        mesh: Any = None,
     ):
         self.options = opts = EngineOptions(
             page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
@@ -123,7 +136,22 @@ class LLM:
             cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
+            tensor_parallel_size=tensor_parallel_size, mesh=mesh,
         )  # fmt: skip
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
+        self._failed_at_add: set[str] = set()
+        self.replicas: list[LLM] = []
+        engine_mesh = opts.engine_mesh()
+        if engine_mesh is not None and engine_mesh.shape[DATA_AXIS] > 1:
+            models, tokenizer, eos = load_replicas(
+                model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id
+            )
+            self.replicas = [LLM(m, tokenizer=tokenizer, eos_token_id=sorted(eos) or None,
+                                 **opts.replica_options()) for m in models]  # fmt: skip
+            self._replica_set = ReplicaSet(self.replicas)
+            self._init_from(self.replicas[0], opts)
+            return
         parts = assemble(model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id)
         self.model, self.tokenizer = parts.model, parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
@@ -142,13 +170,26 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, seed=opts.seed,
         )  # fmt: skip
-        self._requests: dict[str, Request] = {}
-        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
-        self._failed_at_add: set[str] = set()
+
+    def _init_from(self, replica: LLM, opts: EngineOptions) -> None:
+        """The data-parallel front's settings, from its first replica (no parts of its own;
+        request ids come from that replica's counter)."""
+        self.model, self.tokenizer = replica.model, replica.tokenizer
+        self.eos_token_ids, self.max_model_len = replica.eos_token_ids, replica.max_model_len
+        self.width, self.page_size = replica.width, opts.page_size
+        self.max_num_seqs = opts.max_num_seqs
+        self.max_num_batched_tokens = replica.max_num_batched_tokens
+        self.enable_prefix_caching = opts.enable_prefix_caching
+        self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.keep_finished, self.intake = opts.keep_finished, replica.intake
+        self.alloc = self.kv = self.scheduler = self.runner = self.counters = None
+        self.appender = self.executor = self.chain = None
 
     @property
     def cache(self) -> PagedKVCache:
         """The K/V pool (``kv.cache``: waits for a decode loop being dispatched)."""
+        if self.replicas:
+            raise AttributeError("each data-parallel replica has its own pool: replicas[i].cache")
         return self.kv.cache
 
     @cache.setter
@@ -267,11 +308,16 @@ class LLM:
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
-        req = self.intake.make_request(prompt, params, request_id, cache_salt)
+        if self.replicas:
+            replica = self._replica_set.pick(prompt, cache_salt)
+            replica.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            req = replica._requests[request_id]
+        else:
+            req = self.intake.make_request(prompt, params, request_id, cache_salt)
         self._requests[request_id] = req
         if req.finished:
             self._failed_at_add.add(request_id)
-        else:
+        elif not self.replicas:
             self.scheduler.add(req)
         return request_id
 
@@ -280,10 +326,14 @@ class LLM:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
-        if not req.finished:
+        if not req.finished and self.replicas:
+            self._replica_set.owner(request_id).abort(request_id)
+        elif not req.finished:
             self.scheduler.abort(req)
 
     def has_unfinished_requests(self) -> bool:
+        if self.replicas:
+            return any(r.has_unfinished_requests() for r in self.replicas)
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
@@ -314,6 +364,11 @@ class LLM:
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
         self._retire()  # at the start: the previous step's outputs have been built
+        if self.replicas:  # every replica with work steps; the front keeps the finished ids
+            touched = self._replica_set.step() | self._failed_at_add
+            self._finished_ids.extend(rid for rid in touched if self._requests[rid].finished)
+            self._failed_at_add = set()
+            return touched
         timing = self.counters.timing
         if self.chain.state is not None:  # a decode loop is in flight: just advance the chain
             t1 = time.perf_counter()
@@ -366,8 +421,10 @@ class LLM:
         use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
-          The number of program shapes run.
+          The number of program shapes run (summed over data-parallel replicas).
         """
+        if self.replicas:
+            return sum(r.warmup(progress=progress) for r in self.replicas)
         return warmup_programs(
             self.kv, self.runner, width=self.width, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -375,11 +432,16 @@ class LLM:
         )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
-        """Pool, sharing, prefix-cache, preemption and compile counters."""
+        """Pool, sharing, prefix-cache, preemption and compile counters (with data-parallel
+        replicas: summed, and each replica's under ``"replicas"``)."""
+        if self.replicas:
+            return combined_stats([r.stats() for r in self.replicas])
         return engine_stats(self.alloc, self.scheduler, self.runner, self.counters)
 
     @property
     def preemption_events(self):
+        if self.replicas:
+            return [e for r in self.replicas for e in r.scheduler.events]
         return list(self.scheduler.events)
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
@@ -393,7 +455,7 @@ class LLM:
         if bar is not None:
             bar.update(len(ids) - len(pending))
         while pending:
-            if not self.scheduler.has_unfinished():
+            if not self.has_unfinished_requests():
                 raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
             for rid in self._step() & pending:
                 if reqs[rid].finished:

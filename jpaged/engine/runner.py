@@ -30,10 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch
 from jpaged.engine.sampling import sample, sampling_mode, top_logprobs
 from jpaged.models._protocol import AttentionMetadata
+from jpaged.parallel.tp import TensorParallelModel
 
 SAMPLING_MODES = ("greedy", "random", "truncate")  # the decode loop's static sampling modes
 
@@ -201,6 +203,13 @@ class Runner:
         self.vocab_size = int(model.vocab_size)
         self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
+        # A model split over a mesh: the batch goes to every device of it (host arrays and a
+        # loop's carry alike, so both hit one compiled program).
+        mesh = model.mesh if isinstance(model, TensorParallelModel) else None
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+    def _placed(self, batch):
+        return batch if self._replicated is None else jax.device_put(batch, self._replicated)
 
     @property
     def num_compiles(self) -> int:
@@ -208,6 +217,7 @@ class Runner:
 
     def step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0):
         """Runs one step; returns (cache, tokens i32[R], logprobs f32[R], top or None)."""
+        batch = self._placed(batch)
         return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None):
@@ -224,4 +234,4 @@ class Runner:
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode)
+        return self._loop(self.leaves, cache, self._placed(batch), num_steps=num_steps, mode=mode)
