@@ -205,8 +205,13 @@ def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
     (``jpaged.parallel``): the two row-parallel projections are summed over it.
     """
     F = c.intermediate_size
-    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"])
-    attn = _sum_over_shards(attn, shard_axis)
+    # Split, the partial sums stay f32 through the all-reduce and are rounded once, as the
+    # one-device GEMM rounds its f32 accumulator once (bf16 partials rounded per device
+    # changed greedy tokens of the bf16 test checkpoints at TP=2).
+    acc = None if shard_axis is None else jnp.float32
+    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"],
+                      preferred_element_type=acc)  # fmt: skip
+    attn = _sum_over_shards(attn, shard_axis).astype(x.dtype)
     if c.o_bias:
         attn = attn + p["bo_LD"]
     x = x + attn
@@ -215,8 +220,8 @@ def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
     if c.mlp_bias:
         gate_up = gate_up + p["b_gate_up_LX"]
     down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:],
-                      p["w_down_LFD"])  # fmt: skip
-    down = _sum_over_shards(down, shard_axis)
+                      p["w_down_LFD"], preferred_element_type=acc)  # fmt: skip
+    down = _sum_over_shards(down, shard_axis).astype(x.dtype)
     if c.mlp_bias:
         down = down + p["b_down_LD"]
     return x + down

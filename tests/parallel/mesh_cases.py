@@ -60,6 +60,9 @@ SLOW_CASES = [
 ] + [
     "test_attention_runs_per_device_on_local_heads[ragged-pallas_gpu]",
     "test_attention_runs_per_device_on_local_heads[ragged-pallas_tpu]",
+    "test_bf16_split_model_gives_the_one_device_tokens[llama2-4]",
+    "test_bf16_split_model_gives_the_one_device_tokens[qwen2-8]",
+    "test_pool_keeps_its_sharding_through_page_programs",
 ]
 
 
@@ -253,6 +256,21 @@ def test_checkpoint_loads_each_devices_rows_one_layer_at_a_time(monkeypatch):
     tokens = jnp.asarray([_golden("qwen2")["prompt_ids"]], jnp.int32)
     assert_close(jax.jit(lambda m, t: m.forward_dense(t))(split, tokens),
                  one.forward_dense(tokens), jnp.float32, scale=2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("name,tp", [("mistral", 2), ("llama2", 4), ("qwen2", 8)])
+def test_bf16_split_model_gives_the_one_device_tokens(name, tp):
+    # The partial sums are all-reduced in f32 and rounded once, as the one-device GEMM does:
+    # with bf16 partials these greedy runs diverged from the one-device run (mistral at TP=2
+    # after its first few tokens).
+    g = _golden(name)
+    prompts = [g["prompt_ids"], g["prompt_ids"][:9]]
+    path = f"tests/checkpoints/{name}"
+    one = jpaged.LLM(path, dtype=jnp.bfloat16, **ENGINE).generate(prompts, GREEDY)
+    split = jpaged.LLM(path, dtype=jnp.bfloat16, tensor_parallel_size=tp, **ENGINE)
+    assert split.cache.dtype == jnp.bfloat16
+    got = split.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in one]
 
 
 def test_padded_mlp_and_vocabulary_blocks_add_nothing():
