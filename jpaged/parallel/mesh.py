@@ -73,6 +73,12 @@ def engine_mesh(tensor_parallel_size: int = 1, mesh: Mesh | None = None) -> Mesh
             f"tensor_parallel_size={tensor_parallel_size} must be 1 or the mesh's "
             f"{MODEL_AXIS!r} axis size {model} when a mesh is given"
         )
+    if data > 1 and jax.process_count() > 1:
+        raise ValueError(
+            f"a {DATA_AXIS!r} axis of {data} under jax.distributed is not supported: every "
+            "process runs every engine in lockstep; run one engine per host instead, or put "
+            f"all devices on {MODEL_AXIS!r}"
+        )
     devices = mesh.devices
     order = [mesh.axis_names.index(a) for a in AXES if a in mesh.axis_names]
     grid = np.transpose(devices, order).reshape(data, model)
