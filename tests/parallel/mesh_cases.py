@@ -128,7 +128,7 @@ def test_kv_heads_fewer_than_devices_are_copied_to_each_reader(name, tp):
     prompts = [g["prompt_ids"], g["prompt_ids"][:7]]
     kw = dict(ENGINE, enable_prefix_caching=False)
     one = jpaged.LLM(_one_device_model(name), **kw)
-    split = jpaged.LLM(f"tests/checkpoints/{name}", tensor_parallel_size=tp, **kw)
+    split = jpaged.LLM(_one_device_model(name), tensor_parallel_size=tp, **kw)  # a model object
     a = one.generate(prompts, GREEDY)
     b = split.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -153,3 +153,20 @@ def test_one_device_mesh_runs_the_split_model():
                                                                 ignore_eos=True))  # fmt: skip
     assert out[0].outputs[0].token_ids == g["greedy"]["tokens"]
     assert dataclasses.replace(llm.options, mesh=None).engine_mesh() is None
+
+
+@pytest.mark.parametrize("module", ["jpaged.parallel.layout", "jpaged.parallel.mesh",
+                                    "jpaged.parallel.multihost"])  # fmt: skip
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0
+
+
+def test_one_process_broadcast_is_the_object():
+    from jpaged.parallel import broadcast_from_leader, is_leader
+
+    obj = [("r0", [1, 2, 3], jpaged.SamplingParams(max_tokens=2))]
+    assert is_leader() and broadcast_from_leader(obj) is obj
