@@ -283,6 +283,8 @@ class LlamaForCausalLM(nnx.Module):
       layers: ``DecoderLayers`` (stacked [L, ...] parameters, see ``param_shapes``).
       norm_D: [D] final RMSNorm weight.
       lm_head_DV: [D, V] output projection (None when tied to ``embed_VD``).
+      shard_axis: None, or the mesh axis when this module is one device's shard of a
+        tensor-parallel model (``jpaged.parallel``).
     """
 
     def __init__(

@@ -200,7 +200,7 @@ def build_model(layout: TensorParallelLayout, mesh: Mesh, read: Reader, dtype: A
       ValueError: ``layout.axis`` is not an axis of ``mesh`` or its size is not
         ``layout.size``.
     """
-    check_axis(mesh, layout)
+    _check_axis(mesh, layout)
     local = layout.local_config
     zeros = {k: jnp.zeros(s, dtype) for k, s in param_shapes(local).items()}
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(local, params=zeros, shard_axis=layout.axis))
@@ -211,7 +211,7 @@ def build_model(layout: TensorParallelLayout, mesh: Mesh, read: Reader, dtype: A
     return TensorParallelModel(nnx.merge(graphdef, state), layout, mesh)
 
 
-def check_axis(mesh: Mesh, layout: TensorParallelLayout) -> None:
+def _check_axis(mesh: Mesh, layout: TensorParallelLayout) -> None:
     """Raises ValueError unless ``layout.axis`` is an axis of ``mesh`` of ``layout.size``."""
     if layout.axis not in mesh.shape or mesh.shape[layout.axis] != layout.size:
         raise ValueError(
