@@ -28,6 +28,7 @@ from jpaged.kv.allocator import BlockAllocator as BlockAllocator
 
 # --- models ---
 from jpaged import models as models
+from jpaged import parallel as parallel
 from jpaged.models._protocol import AttentionMetadata as AttentionMetadata
 
 # --- engine ---

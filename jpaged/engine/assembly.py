@@ -26,8 +26,10 @@ from jpaged.engine.step import StepExecutor
 from jpaged.engine.tokenizer_adapter import as_engine_tokenizer
 from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.cache import PagedKVCache, pages_for_budget
+from jpaged.parallel.mesh import DATA_AXIS
+from jpaged.parallel.tp import TensorParallelModel, create_cache, data_replicas, shard_model
 
-__all__ = ["EngineParts", "assemble"]
+__all__ = ["EngineParts", "assemble", "load_replicas"]
 
 
 @dataclasses.dataclass
@@ -61,22 +63,27 @@ class EngineParts:
     chat_template: Any = None
 
 
-def load_model(model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype: Any):
+def load_model(
+    model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype: Any, mesh: Any = None
+):  # fmt: skip
     """``(model, tokenizer, eos_token_ids, chat_template)``: a checkpoint directory loaded
     (its tokenizer and end-of-sequence ids unless given), or a model object with ``params``
-    applied; the tokenizer as the engine uses it (`as_engine_tokenizer`)."""
+    applied; the tokenizer as the engine uses it (`as_engine_tokenizer`); with a ``mesh``,
+    split over its ``"model"`` axis (copies along ``"data"``)."""
     tokenizer = as_engine_tokenizer(tokenizer)
     path = None
     if isinstance(model, str | pathlib.Path):
         from jpaged.models import from_pretrained, load_tokenizer
 
         path = pathlib.Path(model)
-        model = from_pretrained(path, dtype=dtype)
+        model = from_pretrained(path, dtype=dtype, mesh=mesh)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         if eos_token_id is None:
             eos_token_id = read_eos(path)
     else:
         model = with_params(model, params)
+        if mesh is not None:
+            model = shard_model(model, mesh)
     eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
     chat_template = load_chat_template(path, tokenizer)
     return model, tokenizer, frozenset(int(e) for e in eos), chat_template
@@ -90,13 +97,18 @@ def assemble(
     tokenizer: Any = None,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> EngineParts:
-    """Builds the engine's parts (arguments as ``jpaged.LLM``'s).
+    """Builds the engine's parts (arguments as ``jpaged.LLM``'s; one replica: a mesh's
+    ``"data"`` axis must be 1, see `load_replicas`).
 
     Raises:
-      ValueError: ``max_model_len`` beyond the model's ``max_position_embeddings``.
+      ValueError: ``max_model_len`` beyond the model's ``max_position_embeddings``; a mesh
+        with a ``"data"`` axis above 1.
     """
+    mesh = opts.engine_mesh()
+    if mesh is not None and mesh.shape[DATA_AXIS] > 1:
+        raise ValueError(f"one engine replica runs on a mesh of data size 1, got {mesh.shape}")
     model, tokenizer, eos_ids, chat_template = load_model(
-        model, params, tokenizer, eos_token_id, opts.dtype
+        model, params, tokenizer, eos_token_id, opts.dtype, mesh=mesh
     )
     cfg = getattr(model, "config", None)
     max_model_len = opts.max_model_len
@@ -113,11 +125,17 @@ def assemble(
     W = math.ceil(max_model_len / C)
     cache_dtype = opts.cache_dtype if opts.cache_dtype is not None else model_dtype(model)
     L, K, H = model.num_layers, model.num_kv_heads, model.head_dim
+    split = isinstance(model, TensorParallelModel)
     num_pages = opts.num_pages
-    if num_pages is None:
+    if num_pages is None:  # the budget is per device: each holds its own KV heads
         budget = opts.kv_cache_memory if opts.kv_cache_memory is not None else default_kv_bytes()
-        num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), opts.max_num_seqs * W)
-    cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
+        K_device = model.layout.kv_heads_per_device if split else K
+        num_pages = pages_for_budget(budget, L, K_device, C, H, cache_dtype)
+        num_pages = min(num_pages, opts.max_num_seqs * W)
+    if split:
+        cache = create_cache(model, int(num_pages), C, cache_dtype)
+    else:
+        cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
     bpp = cache.bytes_per_page
     alloc = BlockAllocator(
         int(num_pages), C, watermark=opts.watermark,
@@ -171,3 +189,16 @@ def assemble(
         runner=runner, counters=counters, appender=appender, executor=executor, chain=chain,
         chat_template=chat_template,
     )  # fmt: skip
+
+
+def load_replicas(
+    model: Any, opts: EngineOptions, *, params: Any = None, tokenizer: Any = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> tuple[list[TensorParallelModel], Any, frozenset[int], Any]:  # fmt: skip
+    """``(models, tokenizer, eos_token_ids, chat_template)`` of a data-parallel engine: the
+    model loaded once over the whole mesh, then one model per ``"data"`` index on its own
+    devices (sharing the loaded buffers)."""
+    whole, tokenizer, eos_ids, chat_template = load_model(
+        model, params, tokenizer, eos_token_id, opts.dtype, mesh=opts.engine_mesh()
+    )
+    return data_replicas(whole, DATA_AXIS), tokenizer, eos_ids, chat_template

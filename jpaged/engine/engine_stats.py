@@ -1,4 +1,5 @@
-"""``LLM.stats()``: the pool, sharing, prefix-cache, preemption, compile and timing figures."""
+"""What the engine reports about itself: ``LLM.stats()`` (the pool, sharing, prefix-cache,
+preemption, compile and timing figures) and ``LLM.page_tables()``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from jpaged.engine.runner import Runner
 from jpaged.engine.scheduler import Scheduler
 from jpaged.kv.allocator import BlockAllocator
 
-__all__ = ["engine_stats"]
+__all__ = ["engine_stats", "held_page_tables"]
 
 
 def engine_stats(
@@ -51,3 +52,19 @@ def engine_stats(
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
     }
+
+
+def held_page_tables(
+    scheduler: Scheduler, alloc: BlockAllocator
+) -> dict[tuple[str, int], list[int]]:
+    """``{(request_id, index): page ids}``: the device pages each running sequence holds,
+    in block-table order (swapped-out, waiting and finished sequences hold none)."""
+    tables = {}
+    for req in scheduler.running:
+        for seq in req.seqs:
+            alive = seq.finish_reason is None and seq.seq_id in alloc
+            if alive and not alloc.is_swapped(seq.seq_id):
+                pages = alloc.block_table(seq.seq_id)
+                if pages:
+                    tables[(req.request_id, seq.index)] = list(pages)
+    return tables

@@ -6,6 +6,10 @@ copies (`jpaged.copy_pages`), swap-outs (`jpaged.gather_pages` into host arrays)
 swap-ins (`jpaged.scatter_pages` back), each padded to a page-count bucket so nothing
 compiles after warm-up. It also owns the pool's hand-over from a decode loop dispatched in
 another thread (``pending``): reading ``cache`` waits for that call.
+
+Swapped-out pages are kept as this process's blocks of the pool's KV-head axis (the whole
+pool on one device; each device's heads of a tensor-parallel pool), so under
+``jax.distributed`` each host keeps the heads of its own devices.
 """
 
 from __future__ import annotations
@@ -35,14 +39,15 @@ class KVManager:
     Attributes:
       alloc: the allocator.
       pending: a future of a decode-loop call whose output holds the current pool, or None.
-      host_pages: host slot -> ``(k f[L, K, C, H], v f[L, K, C, H])`` of swapped-out pages.
+      host_pages: host slot -> ``(k, v)`` of a swapped-out page, each ``{first KV head:
+        f[L, K_block, C, H]}``: this process's blocks of the page.
     """
 
     def __init__(self, alloc: BlockAllocator, cache: PagedKVCache):
         self.alloc = alloc
         self._cache = cache
         self.pending: concurrent.futures.Future | None = None
-        self.host_pages: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.host_pages: dict[int, tuple[dict[int, np.ndarray], dict[int, np.ndarray]]] = {}
 
     @property
     def cache(self) -> PagedKVCache:
@@ -123,9 +128,9 @@ class KVManager:
         dev = np.asarray([p for p, _ in pairs], np.int32)
         M = bucket(len(dev), 8, 1 << 30)
         k, v = gather_pages(self.cache, pad_to(dev, M, -1), validate=False)
-        k, v = np.asarray(k), np.asarray(v)
+        k, v = _local_blocks(k), _local_blocks(v)
         for i, (_, slot) in enumerate(pairs):
-            self.host_pages[slot] = (k[:, :, i], v[:, :, i])
+            self.host_pages[slot] = tuple({h: x[:, :, i] for h, x in b.items()} for b in (k, v))
 
     def swap_in(self, pairs) -> None:
         """Writes host pages ``(host_slot, device_page)`` back into the pool."""
@@ -133,11 +138,14 @@ class KVManager:
             return
         M = bucket(len(pairs), 8, 1 << 30)
         dst = pad_to(np.asarray([d for _, d in pairs], np.int32), M, -1)
-        k = np.stack([self.host_pages[s][0] for s, _ in pairs], axis=2)
-        v = np.stack([self.host_pages[s][1] for s, _ in pairs], axis=2)
         pad = [(0, 0), (0, 0), (0, M - len(pairs)), (0, 0), (0, 0)]
-        k, v = np.pad(k, pad), np.pad(v, pad)
-        self.cache = scatter_pages(self.cache, dst, k, v, validate=False)
+        kv = []
+        for which in (0, 1):
+            first = self.host_pages[pairs[0][0]][which]
+            blocks = {h: np.pad(np.stack([self.host_pages[s][which][h] for s, _ in pairs], 2), pad)
+                      for h in first}  # fmt: skip
+            kv.append(_from_local_blocks(blocks, self.cache.k_pages))
+        self.cache = scatter_pages(self.cache, dst, *kv, validate=False)
         for s, _ in pairs:
             del self.host_pages[s]
 
@@ -156,3 +164,21 @@ class KVManager:
                 self.cache = scatter_pages(self.cache, ids, k, v, validate=False)
                 num += 2
         return num
+
+
+def _local_blocks(x: jax.Array) -> dict[int, np.ndarray]:
+    """This process's blocks of ``x`` [L, K, M, C, H] along the KV-head axis, by first head."""
+    return {(s.index[1].start or 0): np.asarray(s.data) for s in x.addressable_shards}
+
+
+def _from_local_blocks(blocks: dict[int, np.ndarray], like: jax.Array) -> jax.Array:
+    """The array [L, K, M, C, H] laid out as ``like`` (the pool) from this process's blocks."""
+    block = next(iter(blocks.values()))
+    shape = (block.shape[0], like.shape[1], *block.shape[2:])
+
+    def heads(index):
+        lo, hi, _ = index[1].indices(shape[1])
+        start = max(h for h in blocks if h <= lo)
+        return blocks[start][:, lo - start : hi - start]
+
+    return jax.make_array_from_callback(shape, like.sharding, heads, dtype=block.dtype)

@@ -1,9 +1,8 @@
-"""``jpaged.LLM``: the serving engine's user API (vLLM-shaped) and its step loop.
+"""``jpaged.LLM``: the serving engine's user API (vLLM-shaped).
 
-The facade builds the parts and drives them, one engine step at a time: the `Scheduler`
-plans (`StepPlan`), the `KVManager` runs the plan's page operations, and the plan runs as
-one device call (`StepExecutor`) or starts a chain of decode loops (`DecodeChain`); the
-`TokenAppender` applies the sampled tokens.
+The facade builds the parts (`jpaged.engine.assembly`) and drives them one engine step at
+a time (`jpaged.engine.engine_step.EngineStep`); it keeps the requests and builds their
+outputs.
 
 >>> import jpaged
 >>> llm = jpaged.LLM("tests/checkpoints/llama2", page_size=8, num_pages=64, max_num_seqs=8,
@@ -21,27 +20,21 @@ that cannot fit in the pool even alone) does not raise: its output has
 ``finish_reason == "error"`` and ``error`` says why, and the engine keeps serving the other
 requests. A step that raises (a page operation, the device call, the token appender) fails
 the requests of that step the same way, with the exception as ``error``; ``step()`` itself
-raises nothing and the engine serves the next call (`LLM._fail_step`).
+raises nothing and the engine serves the next call (`jpaged.engine.engine_step`).
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jpaged.engine.assembly import assemble
+from jpaged.engine.assembly import assemble, load_replicas
 from jpaged.engine.chat import render_conversations
-from jpaged.engine.engine_stats import engine_stats
-from jpaged.engine.intake import (
-    Prompt,
-    RequestIntake,
-    as_prompt_list,
-    check_cache_salt,
-    id_order,
-)
+from jpaged.engine.data_parallel import ReplicaSet, combined_stats
+from jpaged.engine.engine_stats import engine_stats, held_page_tables
+from jpaged.engine.engine_step import EngineStep
+from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, check_cache_salt, id_order
 from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.params import check_for_engine
@@ -49,10 +42,9 @@ from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
 from jpaged.engine.warmup import warmup_programs
 from jpaged.kv.cache import PagedKVCache
+from jpaged.parallel.mesh import DATA_AXIS
 
 __all__ = ["LLM"]
-
-_log = logging.getLogger("jpaged")
 
 
 def _check_params(params: Any, name: str) -> None:
@@ -100,6 +92,13 @@ class LLM:
       keep_finished: finished requests whose outputs ``get_output`` still returns; older
         ones are dropped (a long-running server's memory stays bounded). Unfinished requests
         are always kept, and ``generate``/``stream`` return every output they started.
+      tensor_parallel_size: split the model over this many devices (the first ones of
+        ``jax.devices()``): heads, MLP and vocabulary (``jpaged.parallel``, docs/parallel.md).
+      mesh: a ``jax.sharding.Mesh`` with axes ``"model"`` (tensor parallel: the model and
+        the pool's KV heads split over it) and/or ``"data"`` (independent replicas, each
+        with its own pool, allocator and scheduler, behind this one engine). Under
+        ``jax.distributed`` it may span hosts (BUILD.md, "Several devices and several
+        hosts"). ``kv_cache_memory`` is per device.
 
     Attributes:
       model: the model served.
@@ -108,6 +107,8 @@ class LLM:
       kv: the `KVManager` (allocator, pool, host swap space).
       scheduler: the `Scheduler`.
       runner: the `Runner` of the jitted step programs.
+      replicas: with a ``"data"`` axis, one engine per replica (then ``alloc``, ``kv``,
+        ``scheduler`` and ``runner`` are None: each replica has its own); else empty.
     """
 
     def __init__(
@@ -136,6 +137,8 @@ class LLM:
         recompute_tokens_per_s: float = 20e3,
         compiler_options: dict[str, Any] | None = None,
         keep_finished: int = 4096,
+        tensor_parallel_size: int = 1,
+        mesh: Any = None,
     ):
         self.options = opts = EngineOptions(
             page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
@@ -146,7 +149,23 @@ class LLM:
             cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
+            tensor_parallel_size=tensor_parallel_size, mesh=mesh,
         )  # fmt: skip
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
+        self._failed_at_add: set[str] = set()
+        self.replicas: list[LLM] = []
+        engine_mesh = opts.engine_mesh()
+        if engine_mesh is not None and engine_mesh.shape[DATA_AXIS] > 1:
+            models, tokenizer, eos, chat_template = load_replicas(
+                model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id
+            )
+            self.replicas = [LLM(m, tokenizer=tokenizer, eos_token_id=sorted(eos) or None,
+                                 **opts.replica_options()) for m in models]  # fmt: skip
+            self._replica_set = ReplicaSet(self.replicas)
+            self._init_from(self.replicas[0], opts)
+            self.chat_template = chat_template
+            return
         parts = assemble(model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id)
         self.model, self.tokenizer = parts.model, parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
@@ -159,6 +178,11 @@ class LLM:
         self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
         self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
         self.executor, self.chain = parts.executor, parts.chain
+        self.engine_step = EngineStep(
+            alloc=self.alloc, kv=self.kv, scheduler=self.scheduler, chain=self.chain,
+            executor=self.executor, counters=self.counters, request=self._requests.get,
+            debug=self.debug,
+        )  # fmt: skip
         self.chat_template = parts.chat_template
         self.intake = RequestIntake(
             self.alloc, self.appender, tokenizer=self.tokenizer,
@@ -166,13 +190,26 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, seed=opts.seed,
         )  # fmt: skip
-        self._requests: dict[str, Request] = {}
-        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
-        self._failed_at_add: set[str] = set()
+
+    def _init_from(self, replica: LLM, opts: EngineOptions) -> None:
+        """The data-parallel front's settings, from its first replica (no parts of its own;
+        request ids come from that replica's counter)."""
+        self.model, self.tokenizer = replica.model, replica.tokenizer
+        self.eos_token_ids, self.max_model_len = replica.eos_token_ids, replica.max_model_len
+        self.width, self.page_size = replica.width, opts.page_size
+        self.max_num_seqs = opts.max_num_seqs
+        self.max_num_batched_tokens = replica.max_num_batched_tokens
+        self.enable_prefix_caching = opts.enable_prefix_caching
+        self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.keep_finished, self.intake = opts.keep_finished, replica.intake
+        self.alloc = self.kv = self.scheduler = self.runner = self.counters = None
+        self.appender = self.executor = self.chain = self.engine_step = None
 
     @property
     def cache(self) -> PagedKVCache:
         """The K/V pool (``kv.cache``: waits for a decode loop being dispatched)."""
+        if self.replicas:
+            raise AttributeError("each data-parallel replica has its own pool: replicas[i].cache")
         return self.kv.cache
 
     @cache.setter
@@ -364,11 +401,16 @@ class LLM:
             request_id = self.intake.new_id(self._requests)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
-        req = self.intake.make_request(prompt, params, request_id, cache_salt)
+        if self.replicas:
+            replica = self._replica_set.pick(prompt, cache_salt)
+            replica.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            req = replica._requests[request_id]
+        else:
+            req = self.intake.make_request(prompt, params, request_id, cache_salt)
         self._requests[request_id] = req
         if req.finished:
             self._failed_at_add.add(request_id)
-        else:
+        elif not self.replicas:
             self.scheduler.add(req)
         return request_id
 
@@ -377,10 +419,14 @@ class LLM:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
-        if not req.finished:
+        if not req.finished and self.replicas:
+            self._replica_set.owner(request_id).abort(request_id)
+        elif not req.finished:
             self.scheduler.abort(req)
 
     def has_unfinished_requests(self) -> bool:
+        if self.replicas:
+            return any(r.has_unfinished_requests() for r in self.replicas)
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
@@ -411,82 +457,15 @@ class LLM:
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
         self._retire()  # at the start: the previous step's outputs have been built
-        timing = self.counters.timing
-        if self.chain.state is not None:  # a decode loop is in flight: just advance the chain
-            t1 = time.perf_counter()
-            # Rows finished in an earlier loop of the chain were reported then (and may be
-            # retired); rows finishing now are reported through the scheduler's finished list.
-            items = self.chain.state[0]
-            touched = {it.request.request_id for it in items if not it.request.finished}
-            self.counters.steps += 1
-            try:
-                self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
-            except Exception as e:
-                self._fail_step([it.request for it in items], e)
-            timing["step_s"] += time.perf_counter() - t1
-            return self._after_step(touched)
-        # A decode loop left running by the chain that ended: wait for it here, so that its
-        # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
-        # or swap that could then not run). Its rows have finished on the host.
-        try:
-            self.kv.cache  # noqa: B018
-        except Exception as e:
-            self._fail_step([], e)
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        touched = {s.request.request_id for s in plan.scheduled}
-        touched |= {rid for rid, _ in plan.preempted}
-        for i, op in enumerate(plan.page_ops):  # swap-outs, copies, swap-ins, in order
-            try:
-                self.kv.apply([op])
-            except Exception as e:
-                # The requests of this and the later operations fail; the others of the
-                # plan run in a later step (their slots stay allocated).
-                self._fail_step([self._requests.get(o.request_id) for o in plan.page_ops[i:]], e)
-                return self._after_step(touched)
-        t1 = time.perf_counter()
-        timing["schedule_s"] += t1 - t0
-        if plan.scheduled:
-            self.counters.steps += 1
-            try:
-                if not (self.chain.can_loop(plan) and self.chain.start(plan)):
-                    self.executor.run(plan)
-            except Exception as e:
-                self._fail_step([s.request for s in plan.scheduled], e)
-        timing["step_s"] += time.perf_counter() - t1
-        return self._after_step(touched)
-
-    def _fail_step(self, requests: list, error: Exception) -> None:
-        """A step raised ``error``: its requests fail (finish reason "error", the message in
-        ``RequestOutput.error``, their pages freed) and the engine goes on serving. If the
-        device pool was lost with the failed call (it had been donated), a zero-filled pool
-        replaces it, the running requests start again from their tokens (recompute) and the
-        prefix cache is emptied."""
-        _log.error("an engine step failed; its requests fail", exc_info=error)
-        text = f"{type(error).__name__}: {error}"
-        message = "the engine step running this request failed: " + (
-            text if len(text) <= 1000 else text[:1000] + " ..."
-        )
-        for req in requests:
-            if req is not None and not req.finished:
-                # Pages this step registered (or swapped in) may not hold their tokens' K/V.
-                held = [s.seq_id for s in req.live_seqs() if s.seq_id in self.alloc]
-                self.alloc.reset_prefix_cache(held)
-                self.scheduler.fail(req, message)
-        if self.kv.replace_lost_pool():
-            self.scheduler.restart_running()
-            self.alloc.reset_prefix_cache()
-
-    def _after_step(self, touched: set[str]) -> set[str]:
-        if self.debug:
-            self.alloc.check_invariants()
-        self.alloc.take_dirty()  # the engine rebuilds tables per step; keep the set bounded
-        # Requests that finished or failed this step, scheduled or not (errors, aborts).
-        done = [r.request_id for r in self.scheduler.take_finished()]
+        if self.replicas:  # every replica with work steps; the front keeps the finished ids
+            touched = self._replica_set.step() | self._failed_at_add
+            self._finished_ids.extend(rid for rid in touched if self._requests[rid].finished)
+            self._failed_at_add = set()
+            return touched
+        touched, done = self.engine_step.run()
         self._finished_ids.extend(done)
         self._finished_ids.extend(self._failed_at_add)
-        touched |= set(done)
-        touched |= self._failed_at_add
+        touched |= set(done) | self._failed_at_add
         self._failed_at_add = set()
         return touched
 
@@ -502,8 +481,10 @@ class LLM:
         combination met in a batch. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
-          The number of program shapes run.
+          The number of program shapes run (summed over data-parallel replicas).
         """
+        if self.replicas:
+            return sum(r.warmup(progress=progress) for r in self.replicas)
         return warmup_programs(
             self.kv, self.runner, width=self.width, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -511,7 +492,10 @@ class LLM:
         )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
-        """Pool, sharing, prefix-cache, preemption and compile counters."""
+        """Pool, sharing, prefix-cache, preemption and compile counters (with data-parallel
+        replicas: summed, and each replica's under ``"replicas"``)."""
+        if self.replicas:
+            return combined_stats([r.stats() for r in self.replicas])
         return engine_stats(self.alloc, self.scheduler, self.runner, self.counters)
 
     def page_tables(self) -> dict[tuple[str, int], list[int]]:
@@ -520,20 +504,17 @@ class LLM:
         Returns:
           ``{(request_id, index): page ids}`` for every unfinished request's sequences that
           hold pages (``index``: the completion or beam slot; swapped-out and waiting
-          sequences hold none). Pages shared by several sequences appear in each.
+          sequences hold none). Pages shared by several sequences appear in each. With
+          data-parallel replicas, each page id is one of its own replica's pool.
         """
-        tables = {}
-        for req in self.scheduler.running:
-            for seq in req.seqs:
-                alive = seq.finish_reason is None and seq.seq_id in self.alloc
-                if alive and not self.alloc.is_swapped(seq.seq_id):
-                    pages = self.alloc.block_table(seq.seq_id)
-                    if pages:
-                        tables[(req.request_id, seq.index)] = list(pages)
-        return tables
+        if self.replicas:
+            return {key: pages for r in self.replicas for key, pages in r.page_tables().items()}
+        return held_page_tables(self.scheduler, self.alloc)
 
     @property
     def preemption_events(self):
+        if self.replicas:
+            return [e for r in self.replicas for e in r.scheduler.events]
         return list(self.scheduler.events)
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
@@ -557,7 +538,7 @@ class LLM:
         if bar is not None:
             bar.update(len(ids) - len(pending))
         while pending:
-            if not self.scheduler.has_unfinished():
+            if not self.has_unfinished_requests():
                 raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
             for rid in self._step() & pending:
                 if reqs[rid].finished:

@@ -12,6 +12,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.parallel.mesh import engine_mesh
+
 __all__ = ["EngineOptions"]
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -72,9 +74,11 @@ class EngineOptions:
     recompute_tokens_per_s: float = 20e3
     compiler_options: dict[str, Any] | None = None
     keep_finished: int = 4096
+    tensor_parallel_size: int = 1
+    mesh: Any = None
 
     def __post_init__(self):
-        for name in ("page_size", "max_num_seqs", "num_decode_steps"):
+        for name in ("page_size", "max_num_seqs", "num_decode_steps", "tensor_parallel_size"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -105,3 +109,13 @@ class EngineOptions:
                 raise ValueError(problem)
         if self.compiler_options is not None and not isinstance(self.compiler_options, dict):
             raise ValueError(f"compiler_options={self.compiler_options!r} must be None or a dict")
+        self.engine_mesh()  # raises for a mesh of other axes or a size mismatch
+
+    def engine_mesh(self):
+        """The ``("data", "model")`` mesh the engine runs on, or None for one device."""
+        return engine_mesh(self.tensor_parallel_size, self.mesh)
+
+    def replica_options(self) -> dict[str, Any]:
+        """The options of one data-parallel replica (its model carries its mesh)."""
+        opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return opts | {"tensor_parallel_size": 1, "mesh": None}

@@ -31,11 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jpaged.engine.batches import LoopBatch, StepBatch
 from jpaged.engine.logits_process import penalty_state, prompt_logprobs, update_penalty_state
 from jpaged.engine.sampling import sample_rows, sampling_mode
 from jpaged.models._protocol import AttentionMetadata
+from jpaged.parallel.tp import TensorParallelModel
 
 SAMPLING_MODES = ("greedy", "random", "truncate")  # the decode loop's static sampling modes
 
@@ -274,6 +276,13 @@ class Runner:
         self.vocab_size = int(model.vocab_size)
         self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
+        # A model split over a mesh: the batch goes to every device of it (host arrays and a
+        # loop's carry alike, so both hit one compiled program).
+        mesh = model.mesh if isinstance(model, TensorParallelModel) else None
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+    def _placed(self, batch):
+        return batch if self._replicated is None else jax.device_put(batch, self._replicated)
 
     @property
     def num_compiles(self) -> int:
@@ -294,8 +303,8 @@ class Runner:
           ``batch.prompt_targets``) is None or ``(logprob f32[T], f32[T, num_top],
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
-        return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top,
-                          processors=processors)  # fmt: skip
+        return self._step(self.leaves, cache, self._placed(batch), decode=decode,
+                          num_top=num_top, processors=processors)  # fmt: skip
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
                     num_top: int = 0, processors: tuple = ()):  # fmt: skip
@@ -314,5 +323,5 @@ class Runner:
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode,
-                          num_top=num_top, processors=processors)  # fmt: skip
+        return self._loop(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+                          mode=mode, num_top=num_top, processors=processors)  # fmt: skip

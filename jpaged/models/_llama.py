@@ -198,10 +198,20 @@ def layer_qkv(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array, position
 
 
 def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
-                  o: jax.Array) -> jax.Array:  # fmt: skip
-    """The rest of the layer after attention: output projection, residual, SwiGLU MLP."""
+                  o: jax.Array, *, shard_axis: str | None = None) -> jax.Array:  # fmt: skip
+    """The rest of the layer after attention: output projection, residual, SwiGLU MLP.
+
+    ``shard_axis``: the mesh axis when ``p`` holds one device's heads and MLP columns
+    (``jpaged.parallel``): the two row-parallel projections are summed over it.
+    """
     F = c.intermediate_size
-    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"])
+    # Split, the partial sums stay f32 through the all-reduce and are rounded once, as the
+    # one-device GEMM rounds its f32 accumulator once (bf16 partials rounded per device
+    # changed greedy tokens of the bf16 test checkpoints at TP=2).
+    acc = None if shard_axis is None else jnp.float32
+    attn = jnp.einsum("...nh,nhd->...d", o.astype(x.dtype), p["wo_LNHD"],
+                      preferred_element_type=acc)  # fmt: skip
+    attn = _sum_over_shards(attn, shard_axis).astype(x.dtype)
     if c.o_bias:
         attn = attn + p["bo_LD"]
     x = x + attn
@@ -210,10 +220,28 @@ def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
     if c.mlp_bias:
         gate_up = gate_up + p["b_gate_up_LX"]
     down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:],
-                      p["w_down_LFD"])  # fmt: skip
+                      p["w_down_LFD"], preferred_element_type=acc)  # fmt: skip
+    down = _sum_over_shards(down, shard_axis).astype(x.dtype)
     if c.mlp_bias:
         down = down + p["b_down_LD"]
     return x + down
+
+
+def _sum_over_shards(x: jax.Array, axis: str | None) -> jax.Array:
+    """The all-reduce of a row-parallel projection's partial sums (identity on one device)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _embed(table_VD: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Array:
+    """Embedding lookup; with ``axis``, ``table_VD`` is this device's block of rows (the
+    vocabulary split in equal blocks along the axis) and the rows are summed over it."""
+    if axis is None:
+        return table_VD[tokens]
+    V_local = table_VD.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * V_local
+    mine = (local >= 0) & (local < V_local)
+    rows = table_VD[jnp.clip(local, 0, V_local - 1)]
+    return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), axis)
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -255,6 +283,8 @@ class LlamaForCausalLM(nnx.Module):
       layers: ``DecoderLayers`` (stacked [L, ...] parameters, see ``param_shapes``).
       norm_D: [D] final RMSNorm weight.
       lm_head_DV: [D, V] output projection (None when tied to ``embed_VD``).
+      shard_axis: None, or the mesh axis when this module is one device's shard of a
+        tensor-parallel model (``jpaged.parallel``).
     """
 
     def __init__(
@@ -264,6 +294,7 @@ class LlamaForCausalLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         params: Mapping[str, jax.Array] | None = None,
         dtype: Any = jnp.float32,
+        shard_axis: str | None = None,
     ):
         """Builds the model from ``params`` (as ``param_shapes`` names them) or at random.
 
@@ -274,12 +305,18 @@ class LlamaForCausalLM(nnx.Module):
           params: parameter arrays by name (device or NumPy arrays, moved to the default
             device); used in their dtype (cast them beforehand).
           dtype: parameter dtype for random init.
+          shard_axis: set by ``jpaged.parallel`` on one device's shard of a tensor-parallel
+            model (its config has the device's heads, MLP columns and vocabulary rows): the
+            forward then runs inside ``shard_map`` over this mesh axis, all-reduces the
+            attention and MLP outputs, and returns the logits of the whole (padded)
+            vocabulary. None: the whole model on one device.
 
         Raises:
           ValueError: if neither or both of ``rngs``/``params`` are given, or a parameter is
             missing, unexpected or of the wrong shape.
         """
         self.config = config
+        self.shard_axis = shard_axis
         shapes = param_shapes(config)
         if (rngs is None) == (params is None):
             raise ValueError("pass exactly one of rngs= (random init) or params= (loaded)")
@@ -329,7 +366,7 @@ class LlamaForCausalLM(nnx.Module):
             p, idx = xs
             q, k, v = layer_qkv(c, p, x, positions, inv_freq)
             o, carry = attend(q, k, v, carry, idx)
-            return (layer_out_mlp(c, p, x, o), carry), None
+            return (layer_out_mlp(c, p, x, o, shard_axis=self.shard_axis), carry), None
 
         xs = (self.layers.arrays(), jnp.arange(c.num_layers, dtype=jnp.int32))
         (x, carry), _ = jax.lax.scan(layer, (x, carry), xs, unroll=LAYER_SCAN_UNROLL)
@@ -338,12 +375,16 @@ class LlamaForCausalLM(nnx.Module):
     def _logits(self, x: jax.Array) -> jax.Array:
         x = _rms_norm(x, self.norm_D[...], self.config.rms_norm_eps)
         if self.lm_head_DV is None:
-            return jnp.einsum(
+            logits = jnp.einsum(
                 "...d,vd->...v", x, self.embed_VD[...], preferred_element_type=jnp.float32
             )
-        return jnp.einsum(
-            "...d,dv->...v", x, self.lm_head_DV[...], preferred_element_type=jnp.float32
-        )
+        else:
+            logits = jnp.einsum(
+                "...d,dv->...v", x, self.lm_head_DV[...], preferred_element_type=jnp.float32
+            )
+        if self.shard_axis is None:
+            return logits
+        return jax.lax.all_gather(logits, self.shard_axis, axis=logits.ndim - 1, tiled=True)
 
     def __call__(
         self,
@@ -370,7 +411,7 @@ class LlamaForCausalLM(nnx.Module):
           ``(logits_RV, cache)``: f32 logits of the rows ``metadata.logits_indices`` and the
           cache with this batch's K/V written.
         """
-        x_TD = self.embed_VD[...][tokens_T]
+        x_TD = _embed(self.embed_VD[...], tokens_T, self.shard_axis)
         window = self.config.sliding_window
 
         def attend(q, k, v, cache, layer):
@@ -392,7 +433,7 @@ class LlamaForCausalLM(nnx.Module):
           f32[B, S, V] logits at every position.
         """
         B, S = tokens_BS.shape
-        x_BSD = self.embed_VD[...][tokens_BS]
+        x_BSD = _embed(self.embed_VD[...], tokens_BS, self.shard_axis)
         positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         window = self.config.sliding_window
 

@@ -8,6 +8,7 @@ read: jpaged never touches the network.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
@@ -15,10 +16,13 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jpaged.models._config import ModelConfig, read_json_file
 from jpaged.models._llama import LlamaForCausalLM, param_shapes
+from jpaged.parallel.layout import MODEL_AXIS, Reader, TensorParallelLayout
+from jpaged.parallel.tp import TensorParallelModel, build_model
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
@@ -101,20 +105,16 @@ def _hf_name(name: str, layer: int | None) -> str:
 
 
 def _to_jpaged_layout(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """Converts one Hugging Face tensor (torch Linear [out, in]) to jpaged's layout."""
-    c = config
-    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    """Converts one Hugging Face tensor (torch Linear [out, in]), or a block of its heads, to
+    jpaged's layout."""
+    H, D = config.head_dim, config.hidden_size
     match name:
-        case "wq_LDNH":
-            return w.T.reshape(D, N, H)
-        case "wk_LDKH" | "wv_LDKH":
-            return w.T.reshape(D, K, H)
+        case "wq_LDNH" | "wk_LDKH" | "wv_LDKH":
+            return w.T.reshape(D, -1, H)
         case "wo_LNHD":
-            return w.T.reshape(N, H, D)
-        case "bq_LNH":
-            return w.reshape(N, H)
-        case "bk_LKH" | "bv_LKH":
-            return w.reshape(K, H)
+            return w.T.reshape(-1, H, D)
+        case "bq_LNH" | "bk_LKH" | "bv_LKH":
+            return w.reshape(-1, H)
         case "w_gate_LDF" | "w_up_LDF" | "w_down_LFD" | "lm_head_DV":
             return w.T
         case _:
@@ -132,6 +132,56 @@ def _default_dtype(ckpt: pathlib.Path, files: dict[str, pathlib.Path]) -> Any:
     return jnp.dtype(
         {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, "float32")
     )
+
+
+def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape of one layer's tensor of jpaged shape ``shape``."""
+    match name:
+        case "wq_LDNH" | "wk_LDKH" | "wv_LDKH":
+            return (shape[1] * shape[2], shape[0])
+        case "wo_LNHD":
+            return (shape[2], shape[0] * shape[1])
+        case "bq_LNH" | "bk_LKH" | "bv_LKH":
+            return (shape[0] * shape[1],)
+        case "w_gate_LDF" | "w_up_LDF" | "w_down_LFD" | "lm_head_DV":
+            return (shape[1], shape[0])
+        case _:
+            return shape
+
+
+def _wanted(
+    ckpt: pathlib.Path, files: dict[str, pathlib.Path], config: ModelConfig
+) -> dict[str, tuple[str, int | None]]:
+    """Hugging Face name -> (jpaged name, layer) of every tensor the model needs.
+
+    Raises:
+      ValueError: tensors missing from or unexpected in the checkpoint.
+    """
+    wanted: dict[str, tuple[str, int | None]] = {}
+    for name in param_shapes(config):
+        if name.startswith("layers."):
+            for i in range(config.num_layers):
+                wanted[_hf_name(name.removeprefix("layers."), i)] = (name, i)
+        else:
+            wanted[_hf_name(name, None)] = (name, None)
+    missing = sorted(set(wanted) - set(files), key=_natural_key)
+    if missing:
+        raise ValueError(
+            f"checkpoint {str(ckpt)!r} is missing {len(missing)} tensor(s) that "
+            f"model_type={config.model_type!r} needs: {missing[:8]}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+    ignorable = {n for n in files if _IGNORED.match(n)}
+    if config.tie_word_embeddings:
+        ignorable.add(_TOP_NAMES["lm_head_DV"])  # some checkpoints store the tied head too
+    unexpected = sorted(set(files) - set(wanted) - ignorable, key=_natural_key)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {str(ckpt)!r} has {len(unexpected)} tensor(s) that "
+            f"model_type={config.model_type!r} does not use: {unexpected[:8]}"
+            + (" ..." if len(unexpected) > 8 else "")
+        )
+    return wanted
 
 
 def load_params(
@@ -156,31 +206,7 @@ def load_params(
         dtype = _default_dtype(ckpt, files)
     np_dtype = jnp.dtype(dtype)
     shapes = param_shapes(config)
-    wanted: dict[str, tuple[str, int | None]] = {}  # hf name -> (jpaged name, layer)
-    for name in shapes:
-        if name.startswith("layers."):
-            for i in range(config.num_layers):
-                wanted[_hf_name(name.removeprefix("layers."), i)] = (name, i)
-        else:
-            wanted[_hf_name(name, None)] = (name, None)
-    missing = sorted(set(wanted) - set(files), key=_natural_key)
-    if missing:
-        raise ValueError(
-            f"checkpoint {str(ckpt)!r} is missing {len(missing)} tensor(s) that "
-            f"model_type={config.model_type!r} needs: {missing[:8]}"
-            + (" ..." if len(missing) > 8 else "")
-        )
-    ignorable = {n for n in files if _IGNORED.match(n)}
-    if config.tie_word_embeddings:
-        ignorable.add(_TOP_NAMES["lm_head_DV"])  # some checkpoints store the tied head too
-    unexpected = sorted(set(files) - set(wanted) - ignorable, key=_natural_key)
-    if unexpected:
-        raise ValueError(
-            f"checkpoint {str(ckpt)!r} has {len(unexpected)} tensor(s) that "
-            f"model_type={config.model_type!r} does not use: {unexpected[:8]}"
-            + (" ..." if len(unexpected) > 8 else "")
-        )
-
+    wanted = _wanted(ckpt, files, config)
     params = {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
     by_file: dict[pathlib.Path, list[str]] = {}
     for hf_name in wanted:
@@ -204,20 +230,63 @@ def load_params(
     return params
 
 
-def from_pretrained(path: str | pathlib.Path, *, dtype: Any = None) -> LlamaForCausalLM:
+def _sharded_reader(ckpt: pathlib.Path, files, wanted, config: ModelConfig, stack) -> Reader:
+    """Reads blocks of one layer's tensors straight from the safetensors files (only the
+    rows asked for), in jpaged's layout; ``stack`` (an ExitStack) keeps the files open."""
+    by_name = {v: k for k, v in wanted.items()}
+    local_shapes = {n.removeprefix("layers."): s[n.startswith("layers.") :]
+                    for n, s in param_shapes(config).items()}  # fmt: skip
+    handles: dict[pathlib.Path, Any] = {}
+    for hf_name, (name, _) in wanted.items():  # every shape checked before any read
+        if files[hf_name] not in handles:
+            handles[files[hf_name]] = stack.enter_context(safe_open(files[hf_name], "numpy"))
+        got = tuple(handles[files[hf_name]].get_slice(hf_name).get_shape())
+        short = name.removeprefix("layers.")
+        if got != _hf_shape(short, local_shapes[short]):
+            raise ValueError(
+                f"tensor {hf_name!r} has shape {list(got)}, which does not fit {name} of "
+                f"shape {param_shapes(config)[name]} for this config"
+            )
+
+    def read(name, layer, axis, lo, hi):
+        full = name if layer is None else f"layers.{name}"
+        hf_name = by_name[(full, layer)]
+        sliced = handles[files[hf_name]].get_slice(hf_name)
+        if axis is None:
+            return _to_jpaged_layout(name, sliced[:], config)
+        letters = name.rpartition("_")[2]
+        unit = config.head_dim if "N" in letters or "K" in letters else 1  # H rows a head
+        hf_axis = 1 if name in ("wo_LNHD", "w_down_LFD") else 0
+        rows = (slice(None),) * hf_axis + (slice(lo * unit, hi * unit),)
+        return _to_jpaged_layout(name, sliced[rows], config)
+
+    return read
+
+
+def from_pretrained(
+    path: str | pathlib.Path, *, dtype: Any = None, mesh: Mesh | None = None,
+    axis: str = MODEL_AXIS,
+) -> LlamaForCausalLM | TensorParallelModel:  # fmt: skip
     """Loads a local Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or sharded
         ``model-*.safetensors`` + ``model.safetensors.index.json``).
       dtype: parameter dtype (e.g. ``jnp.bfloat16``); None keeps the checkpoint's.
+      mesh: a ``jax.sharding.Mesh``: the model is split over its axis ``axis`` (tensor
+        parallel, ``jpaged.parallel``) and copied along its other axes. Each device's block
+        is read straight from the files (only its rows), one layer's tensor at a time: no
+        device and no host ever holds the whole model.
+      axis: the mesh axis that splits the model.
 
     Returns:
-      The model, parameters on the default device.
+      The model, parameters on the default device; with ``mesh``, a
+      ``jpaged.parallel.TensorParallelModel`` on the mesh's devices.
 
     Raises:
       FileNotFoundError: if the directory, config.json or the weights are absent.
-      ValueError: for an unsupported ``model_type``, missing or unexpected tensors.
+      ValueError: for an unsupported ``model_type``, missing or unexpected tensors, or heads
+        that do not split over the mesh axis.
 
     >>> import jpaged.models
     >>> m = jpaged.models.from_pretrained("tests/checkpoints/llama2")
@@ -225,6 +294,16 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = None) -> LlamaForC
     ('llama', 2)
     """
     config = load_config(path)
+    if mesh is not None:
+        if axis not in mesh.shape:
+            raise ValueError(f"the mesh {dict(mesh.shape)} has no axis {axis!r}")
+        layout = TensorParallelLayout(config, int(mesh.shape[axis]), axis)
+        ckpt = _checkpoint_dir(path)
+        files = _tensor_files(ckpt)
+        dtype = _default_dtype(ckpt, files) if dtype is None else dtype
+        with contextlib.ExitStack() as stack:
+            read = _sharded_reader(ckpt, files, _wanted(ckpt, files, config), config, stack)
+            return build_model(layout, mesh, read, jnp.dtype(dtype))
     params = load_params(path, config, dtype=dtype)
     # Host arrays: q/k/v and gate/up are fused on the host before moving to the device.
     return LlamaForCausalLM(config, params=params)

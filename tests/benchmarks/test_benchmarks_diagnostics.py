@@ -368,3 +368,42 @@ def test_decode_profile_splits_host_and_device_time():
     assert p["weight_bytes"] == 4 * sum(
         math.prod(s) for n, s in serving.models.param_shapes(cfg).items() if n != "embed_VD"
     )
+
+
+def test_tensor_parallel_runs_tp1_on_one_device(tmp_path):
+    out = tmp_path / "tp.json"
+    stdout = _run(["benchmarks/diagnostics/tensor_parallel.py", "--model", "tiny", "--tp", "1,2",
+                   "--batch", "8", "--ctx", "40", "--k", "4", "--calls", "2", "--out", str(out)],
+                  tmp_path)  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["devices"] == 1 and res["skipped_tp"] == [2]
+    (row,) = res["rows"]
+    assert (row["tp"], row["batch"], row["collective_ms"]) == (1, 8, 0.0)
+    # MBU = the bytes one device reads per step / step time / roofline, as the docstring says
+    live = 8 * (40 + (4 + 1) / 2)
+    assert (
+        row["device_bytes_per_step"]
+        == row["device_weight_bytes"] + live * (row["device_kv_bytes_per_token"])
+    )
+    step_s = row["step_ms"] / 1e3
+    assert row["mbu"] == pytest.approx(row["device_bytes_per_step"] / step_s / (
+        res["roofline_tbs"] * 1e12))  # fmt: skip
+    assert "TP=1 B=   8:" in stdout
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_two_devices_checks_tokens(tmp_path, monkeypatch):
+    out = tmp_path / "tp.json"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    _run(["benchmarks/diagnostics/tensor_parallel.py", "--model", "tiny", "--tp", "1,2",
+          "--batch", "8", "--ctx", "40", "--k", "4", "--calls", "2", "--check",
+          "--out", str(out)], tmp_path)  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [(r["tp"], r["batch"]) for r in res["rows"]] == [(1, 8), (2, 8)]
+    assert res["rows"][1]["collective_ms"] > 0 and res["rows"][1]["speedup_vs_tp1"] > 0
+    # Greedy tokens at TP=2 equal TP=1's, f32 and bf16, demo model and test checkpoints.
+    assert {(c["model"], c["dtype"], c["same_tokens_as_tp1"]) for c in res["check"]} == {
+        (m, d, 1.0) for m in ("demo", "llama2", "llama3", "mistral", "qwen2")
+        for d in ("float32", "bfloat16")
+    }  # fmt: skip
