@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
 import pathlib
 import sys
 import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +60,6 @@ from _serving_report import (
 
 import jpaged
 from jpaged import models
-from jpaged.models import AttentionMetadata
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 _COMPILES = [0]
@@ -210,55 +206,9 @@ class JpagedSystem:
 
 
 def precompile_jpaged(llm, *, threads: int | None = None) -> int:
-    """Compiles every step program a `jpaged.LLM` can meet; returns how many.
-
-    The shapes mirror the engine's bucketing (sequence buckets from 8 to ``max_num_seqs``,
-    token buckets from 16 to ``max_num_batched_tokens``; the decode step, the mixed step and
-    the multi-step loop; no beam search), on dummy batches that write nothing: what
-    ``LLM.warmup()`` compiles one program after another. Where the engine's ``Runner`` exposes
-    its jitted programs (``_step``, ``_loop``, ``leaves``: engine internals) they are lowered
-    and compiled by a thread pool instead (an 8B model has ~60 of them); otherwise this calls
-    ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
-    nothing after this fails.
-    """
-    from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch, bucket
-    from jpaged.engine.runner import SAMPLING_MODES
-
-    r = llm.runner
-    W, top = llm.width, max(llm.max_num_batched_tokens, 16)
-    seq_buckets = sorted({bucket(n, 8, llm.max_num_seqs) for n in range(1, llm.max_num_seqs + 1)})
-    tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
-    i32 = functools.partial(np.zeros, dtype=np.int32)
-
-    def sampling(R):
-        f32 = np.zeros(R, np.float32)
-        return SamplingArrays(temperature=f32, top_k=i32(R), top_p=f32 + 1, seed=i32(R),
-                              position=i32(R))  # fmt: skip
-
-    def step_batch(B, T):
-        meta = AttentionMetadata(slot_mapping=np.full(T, -1, np.int32),
-                                 block_tables=i32((B, W)), kv_lens=i32(B), cu_q_lens=i32(B + 1),
-                                 num_seqs=np.int32(0), logits_indices=i32(B))  # fmt: skip
-        return StepBatch(tokens=i32(T), positions=i32(T), metadata=meta, sampling=sampling(B))
-
-    def loop_batch(B):
-        return LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
-                         active=np.zeros(B, bool), live=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
-                         stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
-
-    k = llm.num_decode_steps
-    work = [("step", step_batch(B, B), True) for B in seq_buckets]
-    work += [("loop", loop_batch(B), m) for B in seq_buckets for m in SAMPLING_MODES]
-    work += [("step", step_batch(B, T), False) for B in seq_buckets for T in tok_buckets]
-    if not all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
-        return llm.warmup()
-    lowered = [
-        r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
-        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k, mode=d)
-        for kind, b, d in work
-    ]  # fmt: skip
-    _baselines.compile_parallel(lowered, threads)
-    return len(work) + llm.kv.warmup_page_programs(llm.width)  # copy-on-write, swap
+    """Compiles every step program a `jpaged.LLM` can meet (``LLM.warmup``: its bucket grid,
+    compiled by a thread pool); returns how many programs."""
+    return llm.warmup(progress=False, threads=threads).num_programs
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 
 from jpaged.engine.appender import TokenAppender
+from jpaged.engine.buckets import BucketGrid
+from jpaged.engine.compile_cache import configure as configure_compilation_cache
 from jpaged.engine.counters import Counters
 from jpaged.engine.decode_chain import DecodeChain
 from jpaged.engine.kv_manager import KVManager
@@ -39,6 +41,8 @@ class EngineParts:
       max_model_len: longest sequence, prompt and generated tokens.
       width: W, block-table entries per sequence (``ceil(max_model_len / page_size)``).
       max_num_batched_tokens: the token budget of one step.
+      grid: the step programs' shape buckets.
+      cache_dir: the persistent compilation cache in use (None: none).
     """
 
     model: Any
@@ -55,6 +59,8 @@ class EngineParts:
     appender: TokenAppender
     executor: StepExecutor
     chain: DecodeChain
+    grid: BucketGrid
+    cache_dir: str | None
 
 
 def load_model(model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype: Any):
@@ -83,6 +89,7 @@ def assemble(
     eos_token_id: int | Sequence[int] | None = None,
 ) -> EngineParts:
     """Builds the engine's parts (arguments as ``jpaged.LLM``'s)."""
+    cache_dir = configure_compilation_cache(opts.compilation_cache)  # before any compile
     model, tokenizer, eos_ids = load_model(model, params, tokenizer, eos_token_id, opts.dtype)
     cfg = getattr(model, "config", None)
     max_model_len = opts.max_model_len
@@ -148,4 +155,5 @@ def assemble(
         model=model, tokenizer=tokenizer, eos_token_ids=eos_ids, max_model_len=max_model_len,
         width=W, max_num_batched_tokens=max_tokens, alloc=alloc, kv=kv, scheduler=scheduler,
         runner=runner, counters=counters, appender=appender, executor=executor, chain=chain,
+        grid=executor.grid, cache_dir=cache_dir,
     )  # fmt: skip

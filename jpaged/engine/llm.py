@@ -33,7 +33,7 @@ from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
-from jpaged.engine.warmup import warmup_programs
+from jpaged.engine.warmup import WarmupReport, warmup_programs
 from jpaged.kv.cache import PagedKVCache
 
 __all__ = ["LLM"]
@@ -77,6 +77,14 @@ class LLM:
       keep_finished: finished requests whose outputs ``get_output`` still returns; older
         ones are dropped (a long-running server's memory stays bounded). Unfinished requests
         are always kept, and ``generate``/``stream`` return every output they started.
+      compilation_cache: JAX's persistent compilation cache, so a later process loads the
+        compiled step programs instead of compiling them: True (default) in
+        ``~/.cache/jpaged/jax-<versions>-<device>`` (``$XDG_CACHE_HOME`` honoured; one
+        directory per JAX, jaxlib and jpaged version and device, so an upgrade never loads
+        a stale entry; ``JPAGED_COMPILATION_CACHE=off`` or a directory in the environment
+        overrides the default), a directory, or None (no cache). A cache directory you gave
+        JAX yourself (``JAX_COMPILATION_CACHE_DIR``) is kept. The cache is JAX's, for the
+        whole process.
 
     Attributes:
       model: the model served.
@@ -113,6 +121,7 @@ class LLM:
         recompute_tokens_per_s: float = 20e3,
         compiler_options: dict[str, Any] | None = None,
         keep_finished: int = 4096,
+        compilation_cache: Any = True,
     ):
         self.options = opts = EngineOptions(
             page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
@@ -123,6 +132,7 @@ class LLM:
             cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
+            compilation_cache=compilation_cache,
         )  # fmt: skip
         parts = assemble(model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id)
         self.model, self.tokenizer = parts.model, parts.tokenizer
@@ -136,6 +146,7 @@ class LLM:
         self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
         self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
         self.executor, self.chain = parts.executor, parts.chain
+        self.grid, self.compilation_cache_dir = parts.grid, parts.cache_dir
         self.intake = RequestIntake(
             self.alloc, self.appender, tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids, vocab_size=self.model.vocab_size,
@@ -356,22 +367,31 @@ class LLM:
         self._failed_at_add = set()
         return touched
 
-    def warmup(self, *, progress: bool = False) -> int:
+    def warmup(self, *, progress: bool | None = None, threads: int | None = None) -> WarmupReport:
         """Compiles every step program this engine can meet, on inputs that write nothing.
 
-        Covers the decode step for every sequence bucket, the decode loop for every sequence
-        bucket and sampling mode (greedy, random, truncated), the ragged step for every
-        (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`KVManager.warmup_page_programs`); beam search's top-k variant compiles on first
-        use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        The programs come from the engine's shape buckets (``grid``, `BucketGrid`): the
+        decode step per row bucket, the decode loop per row bucket and sampling mode
+        (greedy, random, truncated; none with ``num_decode_steps=1``), the ragged step per
+        token bucket; then the page programs of copy-on-write and swap
+        (`KVManager.warmup_page_programs`). They are compiled by a thread pool, or loaded
+        from the persistent compilation cache (``compilation_cache``). Beam search's top-k
+        variant compiles on first use. After this, serving compiles nothing
+        (``stats()["recompiles"]`` is fixed).
+
+        Args:
+          progress: a progress bar over the programs (tqdm); None: where stderr is a
+            terminal.
+          threads: compile threads (default: one per CPU core, at most 16).
 
         Returns:
-          The number of program shapes run.
+          A `WarmupReport` (``print`` it for a table): programs compiled, seconds each and in
+          all, persistent-cache hits.
         """
         return warmup_programs(
-            self.kv, self.runner, width=self.width, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            num_decode_steps=self.num_decode_steps, progress=progress,
+            self.kv, self.runner, self.grid, width=self.width,
+            num_decode_steps=self.num_decode_steps, cache_dir=self.compilation_cache_dir,
+            progress=progress, threads=threads,
         )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:

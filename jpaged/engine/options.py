@@ -7,6 +7,7 @@ its params and tokenizer), checked where it enters.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ class EngineOptions:
     recompute_tokens_per_s: float = 20e3
     compiler_options: dict[str, Any] | None = None
     keep_finished: int = 4096
+    compilation_cache: Any = True
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "num_decode_steps"):
@@ -78,3 +80,9 @@ class EngineOptions:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.compiler_options is not None and not isinstance(self.compiler_options, dict):
             raise ValueError(f"compiler_options={self.compiler_options!r} must be None or a dict")
+        cc = self.compilation_cache
+        if cc is not None and not isinstance(cc, bool | str | os.PathLike):
+            raise ValueError(
+                f"compilation_cache={cc!r} must be True (the default directory), a directory "
+                "(str or os.PathLike), or None (no cache)"
+            )

@@ -225,3 +225,13 @@ class Runner:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
         return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode)
+
+    def trace_step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0):
+        """`step`'s program traced for these inputs (a ``jax.stages.Traced``; nothing runs).
+        ``.lower().compile()`` compiles it, and a later `step` on inputs of the same shapes
+        and kinds (host or device arrays) runs that executable without compiling again."""
+        return self._step.trace(self.leaves, cache, batch, decode=decode, num_top=num_top)
+
+    def trace_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str):
+        """`decode_loop`'s program traced for these inputs (see `trace_step`)."""
+        return self._loop.trace(self.leaves, cache, batch, num_steps=num_steps, mode=mode)
