@@ -89,6 +89,59 @@ def decode_mbu(llm, B: int, *, ctx: int, output_len: int, roofline_tbs: float,
             "mbu": (weight_bytes + live * kv_bytes_per_token) / step_s / (roofline_tbs * 1e12)}  # fmt: skip
 
 
+def loop_floor(llm, B: int, *, ctx: int, calls: int = 10, trace: bool = False) -> dict:
+    """The engine's own decode loop program (row bucket B, greedy) called back to back on B
+    sequences of ``ctx`` tokens, one sync at the end: device time per decode step when the
+    host never waits (``floor_ms``); with ``trace``, a ``jax.profiler`` summary of 2 calls
+    (kernels per step, the longest kernels: ``diagnostics/decode_step.summarize_trace``)."""
+    import jax
+    import numpy as np
+
+    from jpaged.engine.batches import LoopBatch, sampling_arrays
+    from jpaged.engine.buckets import stop_bucket
+
+    k = llm.num_decode_steps
+    Bp = llm.grid.rows(B)  # the loop program's row bucket: padding rows stay inactive
+    ids = [f"floor-{b}" for b in range(B)]
+    table = np.zeros((Bp, llm.width), np.int32)
+    for b, sid in enumerate(ids):
+        llm.alloc.allocate(sid, ctx + k)  # every call writes the same k positions
+        t = llm.alloc.block_table(sid)
+        table[b, : len(t)] = t
+    rng = np.random.default_rng(B)
+    zeros = np.zeros(Bp, np.int32)
+    rows = np.arange(Bp) < B
+    batch = LoopBatch(  # host arrays, as the engine's loops take them: no new compile
+        tokens=rng.integers(0, llm.model.vocab_size, Bp).astype(np.int32),
+        lens=np.where(rows, ctx, 0).astype(np.int32), block_tables=table, active=rows,
+        live=rows, max_steps=np.where(rows, k, 0).astype(np.int32), min_steps=zeros,
+        stop_ids=np.full((Bp, stop_bucket(0)), -1, np.int32),
+        sampling=sampling_arrays(np.zeros((Bp, 5)), Bp),
+    )  # fmt: skip
+
+    def call():
+        llm.cache, toks, *_ = llm.runner.decode_loop(llm.cache, batch, num_steps=k,
+                                                     mode="greedy")  # fmt: skip
+        return toks
+
+    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        toks = call()
+    jax.block_until_ready(toks)
+    row = {"floor_ms": (time.perf_counter() - t0) / (calls * k) * 1e3}
+    if trace:
+        from decode_step import summarize_trace
+
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            jax.block_until_ready([call() for _ in range(2)])
+        row["trace"] = summarize_trace(d, 2 * k, top=12)
+    for sid in ids:
+        llm.alloc.free(sid)
+    return row
+
+
 def serve_mix(llm, seed: int = 0) -> None:
     """A few requests of mixed lengths and sampling modes (greedy, random, top-p, n = 2)."""
     import numpy as np
@@ -123,6 +176,8 @@ def _child(args) -> None:
             compiles[0] += 1
 
     jax.monitoring.register_event_duration_secs_listener(count)
+    if args.cache_min_compile_s is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_s)
     spec = serving.model_spec(args.model)
     t = time.perf_counter()
     model = serving.load_model(spec)
@@ -164,9 +219,12 @@ def _child(args) -> None:
             row = decode_mbu(llm, B, ctx=args.ctx, output_len=args.output_len,
                              roofline_tbs=roof_tbs, weight_bytes=_weight_bytes(model),
                              kv_bytes_per_token=kv_tok)  # fmt: skip
+            row.update(loop_floor(llm, B, ctx=args.ctx, trace=args.trace))
             out["mbu"].append(row)
-            print(f"B={B}: decode step {row['step_ms']:.3f} ms, MBU {row['mbu']:.1%}, host "
-                  f"{row['host_fraction']:.1%}", flush=True)  # fmt: skip
+            print(f"B={B}: decode step {row['step_ms']:.3f} ms (floor {row['floor_ms']:.3f} ms), "
+                  f"MBU {row['mbu']:.1%}, host {row['host_fraction']:.1%}", flush=True)  # fmt: skip
+            if "trace" in row:
+                print(json.dumps(row["trace"], indent=1)[:4000], flush=True)
         after += compiles[0] - before
     out["compiles_after_warmup"] = after
     out["recompiles_after_warmup"] = llm.stats()["recompiles"] - warm_traces
@@ -179,8 +237,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--mbu", default="", help="batch sizes of the MBU measurement (warm)")
     ap.add_argument("--ctx", type=int, default=512, help="prompt tokens of the MBU requests")
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--trace", action="store_true", help="a profiler summary per MBU batch")
     ap.add_argument("--cache", default=None, help="cache directory (default: a fresh one)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
+    ap.add_argument("--cache-min-compile-s", type=float, default=None,
+                    help="JAX's threshold for caching a program (default JAX's, 1 s)")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
@@ -197,8 +258,10 @@ def main(argv=None) -> dict:
         cmd = [sys.executable, __file__, "--model", args.model, "--cache", cache, "--ctx",
                str(args.ctx), "--output-len", str(args.output_len), "--phase", phase,
                "--launched", str(time.time())]  # fmt: skip
+        if args.cache_min_compile_s is not None:
+            cmd += ["--cache-min-compile-s", str(args.cache_min_compile_s)]
         if phase == "warm" and args.mbu:
-            cmd += ["--mbu", args.mbu]
+            cmd += ["--mbu", args.mbu] + (["--trace"] if args.trace else [])
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,

@@ -98,6 +98,7 @@ class StepExecutor:
         )
         timing["dispatch_s"] += time.perf_counter() - t
         self.counters.device_calls += 1
+        self.counters.single_steps += 1
         for x in (tok_R, lp_R) if top is None else (tok_R, lp_R, *top):
             x.copy_to_host_async()
         # While the device runs: book-keeping that needs no sampled token (prefix-cache
