@@ -29,6 +29,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -238,7 +239,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=512, help="prompt tokens of the MBU requests")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--trace", action="store_true", help="a profiler summary per MBU batch")
-    ap.add_argument("--cache", default=None, help="cache directory (default: a fresh one)")
+    ap.add_argument("--cache", default=None,
+                    help="cache directory (default: a fresh one, removed at the end)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     ap.add_argument("--cache-min-compile-s", type=float, default=None,
                     help="JAX's threshold for caching a program (default JAX's, 1 s)")  # fmt: skip
@@ -285,6 +287,8 @@ def main(argv=None) -> dict:
         doc["phases"].append(res)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1))
+    if not args.cache:  # the fresh directory made here
+        shutil.rmtree(cache, ignore_errors=True)
     print(f"wrote {out}")
     return doc
 
