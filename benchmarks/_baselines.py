@@ -46,7 +46,7 @@ from jpaged import default_compiler_options
 from jpaged.models._llama import layer_out_mlp, layer_qkv
 from jpaged.models._rope import inverse_frequencies
 
-__all__ = ["ContiguousLM", "KVUsage", "Orca", "StaticBatching", "bucket"]
+__all__ = ["ContiguousLM", "KVUsage", "Orca", "StaticBatching", "bucket", "reservation"]
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -68,6 +68,21 @@ def compile_parallel(lowered: list, threads: int | None = None) -> None:
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for f in [pool.submit(low.compile) for low in lowered]:
             f.result()
+
+
+def reservation(policy: str, prompt_len: int, max_tokens: int, max_len: int) -> int:
+    """Token slots a request reserves under ``policy``: "max" ``max_len``, "pow2" the prompt
+    plus the output rounded up to a power of two (within ``max_len``), "oracle" prompt +
+    output.
+
+    >>> [reservation(p, 100, 30, 2048) for p in ("max", "pow2", "oracle")]
+    [2048, 132, 130]
+    """
+    if policy == "max":
+        return max_len
+    if policy == "pow2":
+        return prompt_len + min(1 << math.ceil(math.log2(max_tokens)), max_len - prompt_len)
+    return prompt_len + max_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +231,7 @@ class ContiguousLM:
             attention = "cudnn" if gpu16 else "xla"
         self.attention = attention
         self.fallback: str | None = None
+        self.forwards = 0  # device calls of the model (prefill batches and decode steps)
 
     def _call(self, fn, *args):
         try:
@@ -291,12 +307,14 @@ class ContiguousLM:
         for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
             tokens[i, : len(p)], lens[i], rows[i] = p, len(p), s
         dtype = self.cache[0][0].dtype
+        self.forwards += 1
         ks, vs, nxt = self._call(_prefill, dtype, self.weights, tokens, lens)
         self.cache = _write_prefill(self.cache, ks, vs, rows)
         return np.asarray(nxt)[:n]
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
         """One decode step of slots ``0 .. nb-1`` (arrays of length nb, a bucket); i32[nb]."""
+        self.forwards += 1
         self.cache, nxt = self._call(
             _decode,
             self.weights,
@@ -345,6 +363,11 @@ class _SlotSystem:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def counts(self) -> dict[str, int]:
+        """Model forwards so far; a contiguous system never preempts or swaps."""
+        return {"forwards": self.lm.forwards, "preemptions_recompute": 0,
+                "preemptions_swap": 0, "swapped_out_bytes": 0}  # fmt: skip
 
     def _take_slot(self, req: _Req) -> None:
         self.free_slots.sort()
@@ -463,12 +486,7 @@ class Orca(_SlotSystem):
         self.reserved = 0
 
     def _reservation(self, req: _Req) -> int:
-        p, o, M = len(req.prompt), req.max_tokens, self.lm.max_len
-        if self.policy == "max":
-            return M
-        if self.policy == "pow2":
-            return p + min(1 << math.ceil(math.log2(o)), M - p)
-        return p + o
+        return reservation(self.policy, len(req.prompt), req.max_tokens, self.lm.max_len)
 
     def step(self) -> list[tuple[int, int, bool]]:
         before = list(self.running.values())

@@ -19,8 +19,12 @@ def _pct(x, q) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def summarize(run: dict) -> dict:
-    """The paper's metrics from a `run_trace` result (times in seconds)."""
+def summarize(run: dict, bandwidth: dict | None = None) -> dict:
+    """The paper's metrics from a `run_trace` result (times in seconds), the run's counts
+    (model forwards, preemptions by recompute and swap, bytes swapped out) and, given
+    ``bandwidth`` (``serving.serving_bandwidth``), its MBU: the bytes the forwards had to read
+    (each forward the weights and the live K/V, at the run's mean live tokens) per second of
+    the run, over the HBM read roofline."""
     done = [r for r in run["requests"] if r["finished"]]
     end = max((r["token_times"][-1] for r in done), default=run["wall_s"])
     ttft = [r["token_times"][0] - r["arrival_s"] for r in done]
@@ -45,15 +49,40 @@ def summarize(run: dict) -> dict:
         "kv_waste_mean": float((u[:, 1] - u[:, 2]).mean()) if len(u) else 0.0,
         "steps": run["steps"],
         "compiles": run["compiles"],
+        **run.get("counts", {}),
+        "mbu": _mbu(run.get("counts", {}).get("forwards"), u, end, bandwidth),
     }  # fmt: skip
 
 
+def _mbu(forwards, usage, seconds: float, bandwidth: dict | None) -> float | None:
+    if forwards is None or bandwidth is None or not seconds > 0:
+        return None
+    live = float(usage[:, 2].mean()) * bandwidth["pool_slots"] if len(usage) else 0.0
+    read = forwards * (bandwidth["weight_bytes"] + live * bandwidth["kv_bytes_per_token"])
+    return read / seconds / (bandwidth["roofline_tbs"] * 1e12)
+
+
+def passes(p: dict, slo: float) -> bool:
+    """Every request finished and normalised latency <= ``slo``."""
+    return not p["saturated"] and p["normalized_latency_s"] <= slo
+
+
 def sustainable_rate(points: list[dict], slo: float) -> float:
-    """Highest swept finite rate with every request finished and normalised latency <=
-    ``slo`` (an ``inf`` run measures capacity, not a rate a system sustains)."""
-    ok = [p["rate"] for p in points if math.isfinite(p["rate"])
-          and not p["saturated"] and p["normalized_latency_s"] <= slo]  # fmt: skip
-    return max(ok, default=0.0)
+    """Highest swept finite rate that passes (`passes`) with every lower swept rate passing
+    too (0 when the lowest fails; an ``inf`` run measures capacity, not a rate a system
+    sustains).
+
+    >>> pts = [{"rate": r, "saturated": False, "normalized_latency_s": x}
+    ...        for r, x in ((1, 0.9), (2, 0.5), (4, 0.1))]
+    >>> sustainable_rate(pts, 1.0), sustainable_rate(pts, 0.6)
+    (4, 0.0)
+    """
+    best = 0.0
+    for p in sorted((p for p in points if math.isfinite(p["rate"])), key=lambda p: p["rate"]):
+        if not passes(p, slo):
+            break
+        best = p["rate"]
+    return best
 
 
 def _downsample(series: list, n: int = 400) -> list:
@@ -63,18 +92,21 @@ def _downsample(series: list, n: int = 400) -> list:
     return [series[i] for i in idx]
 
 
-HEADER = (f"{'system':<12} {'rate':>6} {'done':>9} {'req/s':>7} {'tok/s':>8} {'norm lat':>9} "
+HEADER = (f"{'system':<14} {'rate':>6} {'done':>9} {'req/s':>7} {'tok/s':>8} {'norm lat':>9} "
           f"{'ttft p50':>9} {'itl p50':>8} {'itl p99':>8} {'kv live':>7} {'kv waste':>8} "
-          f"{'comp':>4}")  # fmt: skip
+          f"{'comp':>4} {'preempt':>7} {'mbu':>6}")  # fmt: skip
 
 
 def _row(name: str, p: dict) -> str:
+    preempt = p.get("preemptions_recompute", 0) + p.get("preemptions_swap", 0)
+    mbu = f"{p['mbu']:>6.1%}" if p.get("mbu") is not None else f"{'-':>6}"
     return (
-        f"{name:<12} {p['rate']:>6g} {p['num_finished']:>4}/{p['num_requests']:<4} "
+        f"{name:<14} {p['rate']:>6g} {p['num_finished']:>4}/{p['num_requests']:<4} "
         f"{p['throughput_req_s']:>7.2f} {p['throughput_tok_s']:>8.1f} "
         f"{p['normalized_latency_s'] * 1e3:>7.2f}ms {p['ttft_s']['p50'] * 1e3:>7.1f}ms "
         f"{p['itl_s']['p50'] * 1e3:>6.2f}ms {p['itl_s']['p99'] * 1e3:>6.2f}ms "
-        f"{p['kv_live_mean']:>7.1%} {p['kv_waste_mean']:>8.1%} {p['compiles']:>4}"
+        f"{p['kv_live_mean']:>7.1%} {p['kv_waste_mean']:>8.1%} {p['compiles']:>4} "
+        f"{preempt:>7} {mbu}"
     )
 
 
@@ -174,6 +206,8 @@ def _kept_results(out: pathlib.Path, doc: dict) -> dict:
         "max_num_seqs",
         "window_s",
         "capacity_requests",
+        "pool",
+        "swap_space",
     )
     diff = [k for k in keys if old.get(k) != doc[k]]
     if diff:
@@ -204,6 +238,12 @@ def _sustainable(results: dict, slo: float | None) -> dict:
     ratios = {f"jpaged_over_{n}": (base / r if r else None) for n, r in rates.items()
               if n != "jpaged"}  # fmt: skip
     out = {"slo_s_per_token": slo, "sustainable_rate": rates, **ratios}
+    # Latency at low load: TTFT p50 / p99 at each system's lowest finite rate.
+    low = {name: min((p for p in pts if math.isfinite(p["rate"])), key=lambda p: p["rate"])
+           for name, pts in results.items() if any(math.isfinite(p["rate"]) for p in pts)}  # fmt: skip
+    out["ttft_at_lowest_rate"] = {name: {"rate": p["rate"], "p50_s": p["ttft_s"]["p50"],
+                                         "p99_s": p["ttft_s"]["p99"]}
+                                  for name, p in low.items()}  # fmt: skip
     capacity = {name: {"req_s": p["throughput_req_s"], "tok_s": p["throughput_tok_s"]}
                 for name, pts in results.items() for p in pts if math.isinf(p["rate"])}  # fmt: skip
     if capacity:

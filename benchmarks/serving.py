@@ -5,17 +5,26 @@ arrive by a Poisson process at each swept request rate; output lengths are enfor
 ignored, greedy tokens). Every system serves the same trace with the same model and the same
 KV budget (``--kv-tokens`` token slots): jpaged (`jpaged.LLM`, paged pool of
 ``kv_tokens / page_size`` pages), static batching, Orca-Max, Orca-Pow2 and Orca-Oracle
-(``_baselines``). Time is wall-clock in one process. Before its runs, every program a system
-can meet is compiled (`precompile_jpaged`, `_baselines.ContiguousLM.precompile`: lowered, then
-compiled by a thread pool) and a short warm-up burst is served; every run records the XLA
-compiles that still happened inside it (``compiles``; `backend_compiles`).
+(``_baselines``: contiguous caches, one decode step per device call), and ``reserve-max``,
+``reserve-pow2``, ``reserve-oracle``: jpaged's own engine (its decode loops, dispatch overlap,
+kernels and prefill) admitting by Orca's contiguous reservations (``_engine_systems``), so
+jpaged against ``reserve-max`` measures the memory policy alone. No system has host swap
+space unless ``--swap-gib`` gives jpaged some. ``--pool paper`` (default) is the paper's
+pool-bound regime (``--kv-tokens``); ``--pool realistic`` gives every system the budget of
+jpaged.LLM's default memory (at most ``max_num_seqs`` sequences of ``max_len``). Time is
+wall-clock in one process. Before its runs, every program a system can meet is compiled
+(`precompile_jpaged`, `_baselines.ContiguousLM.precompile`: compiled by a thread pool) and a
+short warm-up burst is served; every run records the XLA compiles that still happened inside
+it (``compiles``; `backend_compiles`), its model forwards, preemptions (by recompute and by
+swap) and swapped bytes, and its MBU (`_serving_report.summarize`).
 
 Metrics per (system, rate): throughput (requests/s, output tokens/s), normalised latency
 (mean over requests of end-to-end latency / output length, s/token: the paper's metric),
 TTFT and inter-token latency percentiles, KV utilisation over time (live tokens and
 allocated slots as fractions of the budget). The sustainable rate of a system is the highest
 swept rate whose normalised latency stays under ``--slo`` (default: 5x the lowest normalised
-latency measured at the lowest rate) with every request finished.
+latency measured at the lowest rate) with every request finished, every lower swept rate
+passing too.
 
     python benchmarks/serving.py --quick                      # tiny model, CPU-sized
     python benchmarks/serving.py --model llama-8b --quick     # the H200 run (see BUILD.md)
@@ -32,15 +41,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
 import pathlib
 import sys
 import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +55,7 @@ import _baselines
 import _workloads
 import jax
 import jax.numpy as jnp
+from _engine_systems import JpagedSystem, ReservingJpaged
 from _serving_report import (
     HEADER,
     _downsample,
@@ -61,9 +68,7 @@ from _serving_report import (
     summarize,
 )
 
-import jpaged
 from jpaged import models
-from jpaged.models import AttentionMetadata
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 _COMPILES = [0]
@@ -82,7 +87,16 @@ def backend_compiles() -> int:
     return _COMPILES[0]
 
 
-SYSTEMS = ("jpaged", "static", "orca-max", "orca-pow2", "orca-oracle")
+SYSTEMS = (
+    "jpaged",
+    "static",
+    "orca-max",
+    "orca-pow2",
+    "orca-oracle",
+    "reserve-max",
+    "reserve-pow2",
+    "reserve-oracle",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +144,9 @@ def model_spec(name: str) -> ModelSpec:
                           "orca-max": (4.0, 8.0, 16.0, 24.0, 32.0, inf),
                           "orca-pow2": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
                           "orca-oracle": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
+                          "reserve-max": (4.0, 8.0, 16.0, 24.0, 32.0, inf),
+                          "reserve-pow2": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
+                          "reserve-oracle": (8.0, 16.0, 32.0, 48.0, 64.0, inf),
                           "jpaged": (8.0, 16.0, 32.0, 48.0, 64.0, inf)},
                          12.0, 128)  # fmt: skip
     if name == "llama-8b":
@@ -139,138 +156,34 @@ def model_spec(name: str) -> ModelSpec:
                           "orca-max": (4.0, 8.0, 12.0, 16.0, inf),
                           "orca-pow2": (4.0, 8.0, 16.0, 24.0, inf),
                           "orca-oracle": (8.0, 16.0, 24.0, 32.0, inf),
+                          "reserve-max": (4.0, 8.0, 12.0, 16.0, inf),
+                          "reserve-pow2": (4.0, 8.0, 16.0, 24.0, inf),
+                          "reserve-oracle": (8.0, 16.0, 24.0, 32.0, inf),
                           "jpaged": (4.0, 16.0, 24.0, 32.0, 40.0, inf)},
                          10.0, 128)  # fmt: skip
     raise ValueError(f"model={name!r} must be one of tiny, llama-1b, llama-8b")
 
 
-class JpagedSystem:
-    """`jpaged.LLM` behind the harness's system interface (add / step / kv_usage).
-
-    ``n`` > 1 (parallel sampling) samples at temperature 1; ``n`` == 1 is greedy.
-    """
-
-    name = "jpaged"
-
-    def __init__(self, model, *, budget_tokens: int, page_size: int, max_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                 num_decode_steps: int = 8, enable_prefix_caching: bool = False, **kw):  # fmt: skip
-        self.page_size = page_size
-        self.llm = jpaged.LLM(
-            model, page_size=page_size, num_pages=budget_tokens // page_size,
-            max_num_seqs=max_num_seqs, max_model_len=max_len,
-            max_num_batched_tokens=max_num_batched_tokens, num_decode_steps=num_decode_steps,
-            enable_prefix_caching=enable_prefix_caching, eos_token_id=[], **kw,
-        )  # fmt: skip
-        self.outputs: dict[int, list[list[int]]] = {}
-        self.num_cached_tokens: dict[int, int] = {}
-        self._rid: dict[str, int] = {}  # engine request id -> harness id (reusable per run)
-
-    def add(self, rid: int, prompt: list[int], max_tokens: int, *, n: int = 1,
-            beam_width: int = 0) -> None:  # fmt: skip
-        if beam_width:
-            params = jpaged.BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens,
-                                             ignore_eos=True)  # fmt: skip
-        else:
-            params = jpaged.SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True,
-                                           temperature=0.0 if n == 1 else 1.0, seed=rid)  # fmt: skip
-        self._rid[self.llm.add_request(prompt, params)] = rid
-
-    def step(self) -> list[tuple[int, int, bool]]:
-        events = []
-        for out in self.llm.step():
-            rid = self._rid[out.request_id]
-            if out.error:
-                raise RuntimeError(f"jpaged failed request {rid}: {out.error}")
-            self.outputs[rid] = [c.token_ids for c in out.outputs]
-            self.num_cached_tokens[rid] = out.num_cached_tokens
-            # Tokens of the request = its longest completion (n > 1 completions run together).
-            events.append((rid, max(len(c.token_ids) for c in out.outputs), out.finished))
-        return events
-
-    def has_work(self) -> bool:
-        return self.llm.has_unfinished_requests()
-
-    def kv_usage(self) -> _baselines.KVUsage:
-        """Pages held (the allocator's count) and tokens whose K/V are in them.
-
-        During a chain of multi-step decode loops the allocator holds the reserved pages but
-        learns the new tokens only when the chain ends; those tokens (in private, reserved
-        pages) are added from the engine's sequences (``num_computed``: an engine internal).
-        """
-        llm, C = self.llm, self.page_size
-        s = llm.alloc.stats()
-        lag = 0
-        for req in llm.scheduler.running:
-            for seq in req.live_seqs():
-                if seq.seq_id in llm.alloc:
-                    lag += max(0, seq.num_computed - llm.alloc.num_tokens(seq.seq_id))
-        return _baselines.KVUsage(s.total_pages * C, s.used_pages * C, s.live_tokens + lag,
-                                  s.num_seqs)  # fmt: skip
-
-
 def precompile_jpaged(llm, *, threads: int | None = None) -> int:
-    """Compiles every step program a `jpaged.LLM` can meet; returns how many.
-
-    The shapes mirror the engine's bucketing (sequence buckets from 8 to ``max_num_seqs``,
-    token buckets from 16 to ``max_num_batched_tokens``; the decode step, the mixed step and
-    the multi-step loop; no beam search), on dummy batches that write nothing: what
-    ``LLM.warmup()`` compiles one program after another. Where the engine's ``Runner`` exposes
-    its jitted programs (``_step``, ``_loop``, ``leaves``: engine internals) they are lowered
-    and compiled by a thread pool instead (an 8B model has ~60 of them); otherwise this calls
-    ``LLM.warmup()``. Should the engine change its batches, the smoke test that a run compiles
-    nothing after this fails.
-    """
-    from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch, bucket
-    from jpaged.engine.runner import SAMPLING_MODES
-
-    r = llm.runner
-    W, top = llm.width, max(llm.max_num_batched_tokens, 16)
-    seq_buckets = sorted({bucket(n, 8, llm.max_num_seqs) for n in range(1, llm.max_num_seqs + 1)})
-    tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
-    i32 = functools.partial(np.zeros, dtype=np.int32)
-
-    def sampling(R):
-        f32 = np.zeros(R, np.float32)
-        return SamplingArrays(temperature=f32, top_k=i32(R), top_p=f32 + 1, seed=i32(R),
-                              position=i32(R))  # fmt: skip
-
-    def step_batch(B, T):
-        meta = AttentionMetadata(slot_mapping=np.full(T, -1, np.int32),
-                                 block_tables=i32((B, W)), kv_lens=i32(B), cu_q_lens=i32(B + 1),
-                                 num_seqs=np.int32(0), logits_indices=i32(B))  # fmt: skip
-        return StepBatch(tokens=i32(T), positions=i32(T), metadata=meta, sampling=sampling(B))
-
-    def loop_batch(B):
-        return LoopBatch(tokens=i32(B), lens=i32(B), block_tables=i32((B, W)),
-                         active=np.zeros(B, bool), live=np.zeros(B, bool), max_steps=i32(B), min_steps=i32(B),
-                         stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling(B))  # fmt: skip
-
-    k = llm.num_decode_steps
-    work = [("step", step_batch(B, B), True) for B in seq_buckets]
-    work += [("loop", loop_batch(B), m) for B in seq_buckets for m in SAMPLING_MODES]
-    work += [("step", step_batch(B, T), False) for B in seq_buckets for T in tok_buckets]
-    if not all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
-        return llm.warmup()
-    lowered = [
-        r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0, processors=()) if kind == "step"
-        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k, mode=d, num_top=0,
-                      processors=())
-        for kind, b, d in work
-    ]  # fmt: skip
-    _baselines.compile_parallel(lowered, threads)
-    return len(work) + llm.kv.warmup_page_programs(llm.width)  # copy-on-write, swap
+    """Compiles every step program a `jpaged.LLM` can meet (``LLM.warmup``: its bucket grid,
+    compiled by a thread pool); returns how many programs."""
+    return llm.warmup(progress=False, threads=threads).num_programs
 
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                num_decode_steps: int = 8):  # fmt: skip
-    """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget."""
-    if name == "jpaged":
-        return JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
-                            max_len=spec.max_len, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            num_decode_steps=num_decode_steps)  # fmt: skip
+                num_decode_steps: int = 8, swap_space: int = 0):  # fmt: skip
+    """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget
+    (``swap_space``: host bytes for jpaged's swapped-out pages; the baselines have none)."""
+    if name == "jpaged" or name.startswith("reserve-"):
+        system = JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
+                              max_len=spec.max_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              num_decode_steps=num_decode_steps, swap_space=swap_space)  # fmt: skip
+        if name == "jpaged":
+            return system
+        return ReservingJpaged(system, policy=name.removeprefix("reserve-"),
+                               budget_tokens=budget_tokens, max_len=spec.max_len)  # fmt: skip
     if name == "static":
         return _baselines.StaticBatching(model, budget_tokens=budget_tokens,
                                          max_len=spec.max_len,
@@ -306,13 +219,14 @@ def run_trace(
     Returns:
       ``{"requests": [{"arrival_s", "prompt_len", "output_len", "token_times"}],
       "usage": [[t, allocated/pool, live/pool, seqs], ...], "wall_s", "saturated", "steps",
-      "compiles"}``.
+      "compiles", "counts"}``; ``counts``: the system's `RUN_COUNTS` over the run (model
+      forwards, preemptions, bytes swapped out).
     """
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     times: list[list[float]] = [[] for _ in trace]
     finished = [False] * len(trace)
     usage: list[list[float]] = []
-    compiles0, steps = backend_compiles(), 0
+    compiles0, steps, counts0 = backend_compiles(), 0, system.counts()
     bar = _workloads.tqdm(
         total=len(trace), desc=desc, unit="req", disable=not progress, leave=False
     )
@@ -359,6 +273,7 @@ def run_trace(
         "saturated": saturated or not all(finished),
         "steps": steps,
         "compiles": backend_compiles() - compiles0,
+        "counts": {k: v - counts0[k] for k, v in system.counts().items()},
     }
 
 
@@ -404,12 +319,15 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
           page_size: int, max_num_seqs: int, max_num_batched_tokens: int = 2048,
           num_decode_steps: int = 8, seed: int = 0, max_run_s: float = math.inf,
           warmup: int = 16, progress: bool = True, on_result=None,
-          window_s: float | None = None, capacity_requests: int | None = None) -> dict:  # fmt: skip
+          window_s: float | None = None, capacity_requests: int | None = None,
+          swap_space: int = 0, bandwidth: dict | None = None) -> dict:  # fmt: skip
     """Every system at every rate (same lengths, fresh Poisson arrivals per rate).
 
     ``rates``: one tuple for every system, or ``{system: tuple}``. ``window_s``: see
     `requests_for_rate` (the runs take the first requests of ``trace``, which must be long
     enough); ``capacity_requests``: requests of the ``inf`` run (default: all of ``trace``).
+
+    ``bandwidth``: `serving_bandwidth`'s constants, for each point's MBU.
 
     Returns ``{system: [point, ...]}`` where a point is `summarize`'s dict plus ``rate`` and
     the KV usage series ``usage`` ([t, allocated, live fractions, seqs], downsampled).
@@ -427,7 +345,7 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
         return make_system(name, model, budget_tokens=budget_tokens, spec=spec,
                            page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           num_decode_steps=num_decode_steps)  # fmt: skip
+                           num_decode_steps=num_decode_steps, swap_space=swap_space)  # fmt: skip
 
     for name in systems:
         if warmup:
@@ -443,7 +361,7 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
             lm = getattr(system, "lm", None)
             attention = "paged (jpaged dispatch)" if lm is None else lm.attention
             del system, lm
-            point = {"rate": rate, **summarize(run), "attention": attention,
+            point = {"rate": rate, **summarize(run, bandwidth), "attention": attention,
                      "usage": _downsample(run["usage"])}  # fmt: skip
             results[name].append(point)
             outer.update(1)
@@ -452,6 +370,32 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
                 on_result(results)
     outer.close()
     return results
+
+
+def serving_bandwidth(model, pool_slots: int) -> dict:
+    """What a run's MBU needs (`_serving_report.summarize`): the bytes a forward reads of the
+    weights and per live token of K/V, the KV budget in slots, and the HBM read roofline
+    measured now (``_timing.read_roofline_tbs``; 4 GiB on a GPU, 16 MiB elsewhere)."""
+    import _timing
+    from diagnostics.decode_step import _weight_bytes
+
+    cfg = model.config
+    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    roof, _ = _timing.read_roofline_tbs((4 << 30) if jax.default_backend() == "gpu" else 1 << 24)
+    return {"weight_bytes": _weight_bytes(model), "pool_slots": pool_slots, "roofline_tbs": roof,
+            "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize}  # fmt: skip
+
+
+def realistic_kv_tokens(model, spec: ModelSpec, max_num_seqs: int) -> int:
+    """The KV budget of ``jpaged.LLM``'s default memory (60% of the device memory left with
+    the model loaded), at most ``max_num_seqs`` sequences of ``max_len``: the engine's own
+    regime, beside the paper's pool-bound one."""
+    from jpaged.engine.model_setup import default_kv_bytes
+
+    cfg = model.config
+    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return min(default_kv_bytes() // per_token, max_num_seqs * spec.max_len)
 
 
 def load_model(spec: ModelSpec, seed: int = 0):
@@ -467,6 +411,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rates", help="comma-separated request rates (req/s); 'inf' allowed")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV budget in token slots")
+    ap.add_argument("--pool", default="paper", choices=("paper", "realistic"),
+                    help="paper: the model's pool-bound budget (--kv-tokens); realistic: "
+                    "jpaged.LLM's default memory, at most max-num-seqs x max-len tokens")  # fmt: skip
+    ap.add_argument("--swap-gib", type=float, default=0.0,
+                    help="host swap space of jpaged (GiB; the baselines have none)")  # fmt: skip
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=None, help="longest request (tokens)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
@@ -532,13 +481,19 @@ def main(argv=None) -> dict:
                                       scale=spec.length_scale[args.dataset])  # fmt: skip
     if isinstance(rates, dict):
         rates = {n: rates[n] for n in systems}
-    kv_tokens = args.kv_tokens or spec.kv_tokens
-    kv_tokens -= kv_tokens % args.page_size
     max_num_seqs = args.max_num_seqs or spec.max_num_seqs
     max_run_s = args.max_run_s or (90.0 if args.quick else 600.0)
     model = load_model(spec, args.seed)
+    if args.pool == "realistic":
+        kv_tokens = realistic_kv_tokens(model, spec, max_num_seqs)
+    else:
+        kv_tokens = args.kv_tokens or spec.kv_tokens
+    kv_tokens -= kv_tokens % args.page_size
+    swap_space = int(args.swap_gib * (1 << 30))
+    bandwidth = serving_bandwidth(model, kv_tokens)
     prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
     tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
+    tag += "_realistic" if args.pool == "realistic" else ""
     out = pathlib.Path(args.out) if args.out else RESULTS / f"serving_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -547,6 +502,9 @@ def main(argv=None) -> dict:
         "workload": {"dataset": None if args.trace else args.dataset, "trace": args.trace,
                      **_workloads.summary(trace)},
         "kv_budget_tokens": kv_tokens,
+        "pool": args.pool,
+        "swap_space": swap_space,
+        "bandwidth": bandwidth,
         "page_size": args.page_size,
         "max_len": spec.max_len,
         "max_num_seqs": max_num_seqs,
@@ -574,7 +532,8 @@ def main(argv=None) -> dict:
                     num_decode_steps=args.decode_steps, seed=args.seed,
                     max_run_s=max_run_s, warmup=args.warmup,
                     progress=not args.no_progress, on_result=save, window_s=window,
-                    capacity_requests=capacity)  # fmt: skip
+                    capacity_requests=capacity, swap_space=swap_space,
+                    bandwidth=bandwidth)  # fmt: skip
     save(results)
     for name, points in kept.items():
         for p in points:

@@ -5,6 +5,12 @@ Strict dtype promotion everywhere (no silent f32 upcasts); warnings are errors
 is present.
 """
 
+import os
+
+# The engine's persistent compilation cache stays off here (it would write into the home
+# directory); tests/engine/test_warmup.py turns it on in temporary directories.
+os.environ.setdefault("JPAGED_COMPILATION_CACHE", "off")
+
 import _fast_lowering
 import jax
 import pytest

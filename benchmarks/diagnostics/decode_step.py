@@ -240,6 +240,7 @@ def _child(args) -> None:
 
     import jpaged
     from jpaged.engine.batches import LoopBatch, SamplingArrays
+    from jpaged.engine.buckets import stop_bucket
 
     _, options, attention, *unroll = VARIANTS[args.variant]
     if unroll:
@@ -283,7 +284,7 @@ def _child(args) -> None:
             lens=np.full(B, ctx, np.int32), block_tables=table, active=np.ones(B, bool),
             live=np.ones(B, bool),
             max_steps=np.full(B, k, np.int32), min_steps=i32(B),
-            stop_ids=np.full((B, 4), -1, np.int32), sampling=samp,
+            stop_ids=np.full((B, stop_bucket(0)), -1, np.int32), sampling=samp,
         ))  # fmt: skip
 
         def call(llm=llm, batch=batch):

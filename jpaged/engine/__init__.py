@@ -7,13 +7,14 @@
 - `scheduler`: continuous batching; returns each step's `StepPlan` as data.
 - `kv_manager`: the allocator, the device pool and the host swap space; runs a plan's page
   operations on the device.
-- `batches`: shape buckets and the fixed-shape step inputs.
+- `buckets`: the shape buckets of the step programs, and the programs a configuration needs.
+- `batches`: the fixed-shape step inputs.
 - `runner`: the jitted step programs (single step, decode loop).
 - `step`: one planned step as one device call.
 - `decode_chain`: chains of multi-step decode loops.
 - `appender`: sampled tokens into sequences (stops, forks, beam steps, prefix commits).
 - `sampling`, `beam`, `detokenize`, `outputs`: sampling, beam search selection,
   incremental detokenizing, the result types.
-- `model_setup`, `warmup`, `counters`: construction helpers, compiling every program,
-  the stats counters.
+- `model_setup`, `warmup`, `compile_cache`, `counters`: construction helpers, compiling
+  every program (in parallel), the persistent compilation cache, the stats counters.
 """

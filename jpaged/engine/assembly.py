@@ -14,7 +14,9 @@ import jax
 import numpy as np
 
 from jpaged.engine.appender import TokenAppender
+from jpaged.engine.buckets import BucketGrid
 from jpaged.engine.chat import load_chat_template
+from jpaged.engine.compile_cache import configure as configure_compilation_cache
 from jpaged.engine.counters import Counters
 from jpaged.engine.decode_chain import DecodeChain
 from jpaged.engine.kv_manager import KVManager
@@ -44,6 +46,8 @@ class EngineParts:
       width: W, block-table entries per sequence (``ceil(max_model_len / page_size)``).
       max_num_batched_tokens: the token budget of one step.
       chat_template: the `ChatTemplate` of the tokenizer or checkpoint, or None.
+      grid: the step programs' shape buckets.
+      cache_dir: the persistent compilation cache in use (None: none).
     """
 
     model: Any
@@ -60,6 +64,8 @@ class EngineParts:
     appender: TokenAppender
     executor: StepExecutor
     chain: DecodeChain
+    grid: BucketGrid
+    cache_dir: str | None
     chat_template: Any = None
 
 
@@ -107,6 +113,7 @@ def assemble(
     mesh = opts.engine_mesh()
     if mesh is not None and mesh.shape[DATA_AXIS] > 1:
         raise ValueError(f"one engine replica runs on a mesh of data size 1, got {mesh.shape}")
+    cache_dir = configure_compilation_cache(opts.compilation_cache)  # before any compile
     model, tokenizer, eos_ids, chat_template = load_model(
         model, params, tokenizer, eos_token_id, opts.dtype, mesh=mesh
     )
@@ -187,7 +194,7 @@ def assemble(
         model=model, tokenizer=tokenizer, eos_token_ids=eos_ids, max_model_len=max_model_len,
         width=W, max_num_batched_tokens=max_tokens, alloc=alloc, kv=kv, scheduler=scheduler,
         runner=runner, counters=counters, appender=appender, executor=executor, chain=chain,
-        chat_template=chat_template,
+        grid=executor.grid, cache_dir=cache_dir, chat_template=chat_template,
     )  # fmt: skip
 
 

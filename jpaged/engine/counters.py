@@ -16,6 +16,8 @@ class Counters:
     Attributes:
       steps: engine steps that ran something.
       device_calls: step programs dispatched (single steps and decode loops).
+      single_steps: single steps run (one model forward each; a decode loop's forwards are
+        ``loop_steps``).
       tokens_generated: tokens appended to sequences.
       loop_steps: decode steps run inside decode loops (they stop early).
       timing: seconds per timer: host time scheduling (``schedule_s``), host + device time
@@ -26,6 +28,7 @@ class Counters:
 
     steps: int = 0
     device_calls: int = 0
+    single_steps: int = 0
     tokens_generated: int = 0
     loop_steps: int = 0
     timing: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))

@@ -16,7 +16,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ReplicaSet", "combined_stats"]
+from jpaged.engine.warmup import ProgramTiming, WarmupReport
+
+__all__ = ["ReplicaSet", "combined_stats", "combined_warmup"]
 
 
 class ReplicaSet:
@@ -83,3 +85,21 @@ def combined_stats(per_replica: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[key] = sum(values)
     out["replicas"] = list(per_replica)
     return out
+
+
+def combined_warmup(per_replica: Sequence[WarmupReport]) -> WarmupReport:
+    """The replicas' warm-up reports in one: every replica's programs (named ``r<i> ...``),
+    page programs and seconds summed (the replicas warm up one after another)."""
+    programs = tuple(
+        ProgramTiming(f"r{i} {p.name}", p.lower_s, p.compile_s, p.run_s, p.cache_hit)
+        for i, report in enumerate(per_replica)
+        for p in report.programs
+    )
+    return WarmupReport(
+        programs=programs,
+        num_page_programs=sum(r.num_page_programs for r in per_replica),
+        page_programs_s=sum(r.page_programs_s for r in per_replica),
+        total_s=sum(r.total_s for r in per_replica),
+        threads=max(r.threads for r in per_replica),
+        cache_dir=per_replica[0].cache_dir,
+    )

@@ -21,7 +21,8 @@ import numpy as np
 
 from jpaged._errors import OutOfPagesError
 from jpaged.engine.appender import TokenAppender
-from jpaged.engine.batches import LoopBatch, bucket, pad_to, sampling_arrays, sampling_row
+from jpaged.engine.batches import LoopBatch, pad_to, sampling_arrays, sampling_row
+from jpaged.engine.buckets import stop_bucket
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.logits_process import logits_inputs, num_top_for
@@ -134,7 +135,7 @@ class DecodeChain:
         B = len(items)
         Bp = self._seq_bucket(B)
         stop_lists = [sorted(it.request.stop_ids) for it in items]
-        S = bucket(max(1, max(len(s) for s in stop_lists)), 4, 1 << 20)
+        S = stop_bucket(max(len(s) for s in stop_lists))
         stop_ids = np.full((Bp, S), -1, np.int32)
         for b, s in enumerate(stop_lists):
             stop_ids[b, : len(s)] = s

@@ -41,6 +41,7 @@ def engine_stats(
         "recompiles": runner.num_compiles,
         "steps": counters.steps,
         "device_calls": counters.device_calls,
+        "single_steps": counters.single_steps,
         "loop_decode_steps": counters.loop_steps,
         "tokens_generated": counters.tokens_generated,
         # Host time scheduling, host + device time in steps, and of that the time spent

@@ -31,7 +31,7 @@ from typing import Any
 
 from jpaged.engine.assembly import assemble, load_replicas
 from jpaged.engine.chat import render_conversations
-from jpaged.engine.data_parallel import ReplicaSet, combined_stats
+from jpaged.engine.data_parallel import ReplicaSet, combined_stats, combined_warmup
 from jpaged.engine.engine_stats import engine_stats, held_page_tables
 from jpaged.engine.engine_step import EngineStep
 from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, check_cache_salt, id_order
@@ -40,7 +40,7 @@ from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.params import check_for_engine
 from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
-from jpaged.engine.warmup import warmup_programs
+from jpaged.engine.warmup import WarmupReport, warmup_programs
 from jpaged.kv.cache import PagedKVCache
 from jpaged.parallel.mesh import DATA_AXIS
 
@@ -99,6 +99,14 @@ class LLM:
         with its own pool, allocator and scheduler, behind this one engine). Under
         ``jax.distributed`` it may span hosts (BUILD.md, "Several devices and several
         hosts"). ``kv_cache_memory`` is per device.
+      compilation_cache: JAX's persistent compilation cache, so a later process loads the
+        compiled step programs instead of compiling them: True (default) in
+        ``~/.cache/jpaged/jax-<versions>-<device>`` (``$XDG_CACHE_HOME`` honoured; one
+        directory per JAX, jaxlib and jpaged version and device, so an upgrade never loads
+        a stale entry; ``JPAGED_COMPILATION_CACHE=off`` or a directory in the environment
+        overrides the default), a directory, or None (no cache). A cache directory you gave
+        JAX yourself (``JAX_COMPILATION_CACHE_DIR``) is kept. The cache is JAX's, for the
+        whole process.
 
     Attributes:
       model: the model served.
@@ -139,6 +147,7 @@ class LLM:
         keep_finished: int = 4096,
         tensor_parallel_size: int = 1,
         mesh: Any = None,
+        compilation_cache: Any = True,
     ):
         self.options = opts = EngineOptions(
             page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
@@ -150,6 +159,7 @@ class LLM:
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
             tensor_parallel_size=tensor_parallel_size, mesh=mesh,
+            compilation_cache=compilation_cache,
         )  # fmt: skip
         self._requests: dict[str, Request] = {}
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
@@ -184,6 +194,7 @@ class LLM:
             debug=self.debug,
         )  # fmt: skip
         self.chat_template = parts.chat_template
+        self.grid, self.compilation_cache_dir = parts.grid, parts.cache_dir
         self.intake = RequestIntake(
             self.alloc, self.appender, tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids, vocab_size=self.model.vocab_size,
@@ -469,26 +480,36 @@ class LLM:
         self._failed_at_add = set()
         return touched
 
-    def warmup(self, *, progress: bool = False) -> int:
+    def warmup(self, *, progress: bool | None = None, threads: int | None = None) -> WarmupReport:
         """Compiles every step program this engine can meet, on inputs that write nothing.
 
-        Covers the decode step for every sequence bucket, the decode loop for every sequence
-        bucket and sampling mode (greedy, random, truncated), the ragged step for every
-        (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`KVManager.warmup_page_programs`); beam search's top-k variant and the variants of
-        the sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
-        processors: `jpaged.engine.logits_process`) compile on first use, once per
-        combination met in a batch. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        The programs come from the engine's shape buckets (``grid``, `BucketGrid`): the
+        decode step per row bucket, the decode loop per row bucket and sampling mode
+        (greedy, random, truncated; none with ``num_decode_steps=1``), the ragged step per
+        token bucket; then the page programs of copy-on-write and swap
+        (`KVManager.warmup_page_programs`). They are compiled by a thread pool, or loaded
+        from the persistent compilation cache (``compilation_cache``). Beam search's top-k
+        variant and the variants of the sampling features (logprobs, prompt logprobs,
+        penalties, bias, min-p, logits processors: `jpaged.engine.logits_process`) compile
+        on first use, once per combination met in a batch. After this, serving compiles
+        nothing else (``stats()["recompiles"]`` is fixed).
+
+        Args:
+          progress: a progress bar over the programs (tqdm); None: where stderr is a
+            terminal.
+          threads: compile threads (default: one per CPU core, at most 16).
 
         Returns:
-          The number of program shapes run (summed over data-parallel replicas).
+          A `WarmupReport` (``print`` it for a table): programs compiled, seconds each and in
+          all, persistent-cache hits (with data-parallel replicas: theirs in one report).
         """
         if self.replicas:
-            return sum(r.warmup(progress=progress) for r in self.replicas)
+            return combined_warmup([r.warmup(progress=progress, threads=threads)
+                                    for r in self.replicas])  # fmt: skip
         return warmup_programs(
-            self.kv, self.runner, width=self.width, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            num_decode_steps=self.num_decode_steps, progress=progress,
+            self.kv, self.runner, self.grid, width=self.width,
+            num_decode_steps=self.num_decode_steps, cache_dir=self.compilation_cache_dir,
+            progress=progress, threads=threads,
         )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ its params and tokenizer), checked where it enters.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -76,6 +77,7 @@ class EngineOptions:
     keep_finished: int = 4096
     tensor_parallel_size: int = 1
     mesh: Any = None
+    compilation_cache: Any = True
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "num_decode_steps", "tensor_parallel_size"):
@@ -109,6 +111,12 @@ class EngineOptions:
                 raise ValueError(problem)
         if self.compiler_options is not None and not isinstance(self.compiler_options, dict):
             raise ValueError(f"compiler_options={self.compiler_options!r} must be None or a dict")
+        cc = self.compilation_cache
+        if cc is not None and not isinstance(cc, bool | str | os.PathLike):
+            raise ValueError(
+                f"compilation_cache={cc!r} must be True (the default directory), a directory "
+                "(str or os.PathLike), or None (no cache)"
+            )
         self.engine_mesh()  # raises for a mesh of other axes or a size mismatch
 
     def engine_mesh(self):

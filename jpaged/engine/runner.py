@@ -325,3 +325,17 @@ class Runner:
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
         return self._loop(self.leaves, cache, self._placed(batch), num_steps=num_steps,
                           mode=mode, num_top=num_top, processors=processors)  # fmt: skip
+
+    def trace_step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0,
+                   processors: tuple = ()):  # fmt: skip
+        """`step`'s program traced for these inputs (a ``jax.stages.Traced``; nothing runs).
+        ``.lower().compile()`` compiles it, and a later `step` on inputs of the same shapes
+        and kinds (host or device arrays) runs that executable without compiling again."""
+        return self._step.trace(self.leaves, cache, self._placed(batch), decode=decode,
+                                num_top=num_top, processors=processors)  # fmt: skip
+
+    def trace_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str,
+                   num_top: int = 0, processors: tuple = ()):  # fmt: skip
+        """`decode_loop`'s program traced for these inputs (see `trace_step`)."""
+        return self._loop.trace(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+                                mode=mode, num_top=num_top, processors=processors)  # fmt: skip

@@ -17,6 +17,7 @@ import numpy as np
 
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import bucket, build_step_batch, sampling_arrays, sampling_row
+from jpaged.engine.buckets import BucketGrid
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.logits_process import logits_inputs, num_top_for
@@ -38,7 +39,7 @@ class StepExecutor:
       counters: device calls and timing are added to.
       width: W, block-table width.
       max_num_seqs: the largest sequence bucket.
-      max_num_batched_tokens: the largest token bucket (at least 16).
+      max_num_batched_tokens: the token budget of a step (`BucketGrid`).
     """
 
     def __init__(
@@ -56,10 +57,11 @@ class StepExecutor:
         self.width = width
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.grid = BucketGrid(max_num_seqs, max_num_batched_tokens)
 
     def seq_bucket(self, n: int) -> int:
         """The sequence (and logits row) bucket of ``n`` rows."""
-        return bucket(n, 8, self.max_num_seqs)
+        return self.grid.rows(n)
 
     def run(self, plan: StepPlan) -> None:
         """Runs ``plan.scheduled`` in one device call and applies the sampled tokens."""
@@ -74,7 +76,11 @@ class StepExecutor:
         samp = [sampling_row(items[b].request, items[b].seq, items[b].seq.seed + i)
                 for b, i in rows]  # fmt: skip
         decode = plan.decode_only
-        Bp = self.seq_bucket(max(len(items), len(rows)))
+        if decode:  # T == B: the decode kernel
+            Bp = Tp = self.seq_bucket(max(len(items), len(rows)))
+        else:
+            Bp, Tp = self.grid.ragged_shape(num_tokens=plan.num_tokens,
+                                            num_rows=max(len(items), len(rows)))  # fmt: skip
         batch = build_step_batch(
             [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
             [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
@@ -83,8 +89,7 @@ class StepExecutor:
             sampling_arrays(np.asarray(samp, np.float64), Bp),
             width=self.width,
             num_rows=Bp,
-            num_tokens=Bp if decode else bucket(plan.num_tokens, 16,
-                                                max(self.max_num_batched_tokens, 16)),
+            num_tokens=Tp,
         )  # fmt: skip
         num_top = 0
         if any(it.request.is_beam for it in items):
@@ -111,6 +116,7 @@ class StepExecutor:
         )
         timing["dispatch_s"] += time.perf_counter() - t
         self.counters.device_calls += 1
+        self.counters.single_steps += 1
         for x in jax.tree.leaves((tok_R, lp_R, top, prompt)):
             x.copy_to_host_async()
         # While the device runs: book-keeping that needs no sampled token (prefix-cache

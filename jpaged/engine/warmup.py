@@ -1,62 +1,204 @@
-"""Warm-up: every step program an engine can meet, compiled on inputs that write nothing."""
+"""Warm-up: every step program of the configuration compiled, in parallel, then run once.
+
+`warmup_programs` lowers each program of the `BucketGrid` (``BucketGrid.programs``) in the
+calling thread (tracing holds the GIL) and compiles them in a thread pool as they come (XLA
+releases the GIL; with a persistent compilation cache, a compile is a load from disk).
+Meanwhile the calling thread runs the page programs of copy-on-write and swap; then it runs
+each step program once on inputs that write nothing (padding rows, slot -1), which also sets
+up its dispatch. A `WarmupReport` says what was compiled and how long each part took.
+"""
 
 from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
 
 import jax
 import numpy as np
 
-from jpaged.engine.batches import LoopBatch, bucket, build_step_batch, sampling_arrays
+from jpaged.engine.batches import LoopBatch, build_step_batch, sampling_arrays
+from jpaged.engine.buckets import BucketGrid, ProgramKey, stop_bucket
+from jpaged.engine.compile_cache import count_cache_hits
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.runner import SAMPLING_MODES, Runner
 
-__all__ = ["warmup_programs"]
+__all__ = ["ProgramTiming", "WarmupReport", "warmup_programs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTiming:
+    """One step program's warm-up.
+
+    Attributes:
+      name: e.g. ``"loop B=64 greedy"`` (`ProgramKey.name`).
+      lower_s: seconds tracing and lowering it (in the calling thread).
+      compile_s: seconds compiling it (in a pool thread, beside other compiles), or loading
+        it from the persistent cache.
+      run_s: seconds of its first run (device set-up included).
+      cache_hit: whether the persistent compilation cache held it (False without a cache).
+    """
+
+    name: str
+    lower_s: float
+    compile_s: float
+    run_s: float
+    cache_hit: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What ``jpaged.LLM.warmup`` compiled, and how long it took.
+
+    Attributes:
+      programs: the step programs, in compile order.
+      num_page_programs: programs of copy-on-write and swap (compiled one after another in
+        the calling thread, while the pool compiles the step programs).
+      page_programs_s: seconds they took.
+      total_s: wall-clock seconds of the whole warm-up.
+      threads: threads that compiled.
+      cache_dir: the persistent compilation cache (None: none).
+    """
+
+    programs: tuple[ProgramTiming, ...]
+    num_page_programs: int
+    page_programs_s: float
+    total_s: float
+    threads: int
+    cache_dir: str | None
+
+    @property
+    def num_programs(self) -> int:
+        """Step programs and page programs."""
+        return len(self.programs) + self.num_page_programs
+
+    @property
+    def cache_hits(self) -> int:
+        """Step programs loaded from the persistent compilation cache."""
+        return sum(p.cache_hit for p in self.programs)
+
+    def summary(self) -> str:
+        """One line: programs, seconds, cache hits."""
+        where = f"cache {self.cache_dir}" if self.cache_dir else "no persistent cache"
+        return (f"warm-up: {self.num_programs} programs ({len(self.programs)} step programs, "
+                f"{self.num_page_programs} page programs) in {self.total_s:.1f} s on "
+                f"{self.threads} threads; {self.cache_hits} of {len(self.programs)} step "
+                f"programs from the cache ({where})")  # fmt: skip
+
+    def __str__(self) -> str:
+        lines = [self.summary(), f"{'program':<26} {'lower s':>8} {'compile s':>10} "
+                                 f"{'run s':>7}  cache"]  # fmt: skip
+        for p in self.programs:
+            lines.append(f"{p.name:<26} {p.lower_s:>8.2f} {p.compile_s:>10.2f} "
+                         f"{p.run_s:>7.2f}  {'hit' if p.cache_hit else '-'}")  # fmt: skip
+        lines.append(f"{'page programs':<26} {'':>8} {'':>10} {self.page_programs_s:>7.2f}")
+        return "\n".join(lines)
+
+
+def _inputs(key: ProgramKey, width: int):
+    """Inputs of ``key``'s program that write nothing (padding rows, slot -1)."""
+    B, W = key.rows, width
+    zeros = np.zeros((B, 5))
+    if key.kind == "loop":
+        return LoopBatch(
+            tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
+            block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
+            live=np.zeros(B, bool), max_steps=np.zeros(B, np.int32),
+            min_steps=np.zeros(B, np.int32), stop_ids=np.full((B, stop_bucket(0)), -1, np.int32),
+            sampling=sampling_arrays(zeros, B),
+        )  # fmt: skip
+    return build_step_batch(
+        [], [np.zeros(0, np.int32)], [], [], sampling_arrays(zeros, B),
+        width=W, num_rows=B, num_tokens=key.tokens,
+    )  # fmt: skip
+
+
+def _compile(lowered) -> tuple[float, bool]:
+    """Runs in a pool thread: ``(seconds, persistent-cache hit)``."""
+    with count_cache_hits() as hits:
+        t = time.perf_counter()
+        lowered.compile()
+        return time.perf_counter() - t, hits() > 0
+
+
+def default_threads(num_programs: int) -> int:
+    """Compile threads: one per CPU core, at most 16, at most one per program."""
+    return max(1, min(16, os.cpu_count() or 1, num_programs))
 
 
 def warmup_programs(
     kv: KVManager,
     runner: Runner,
+    grid: BucketGrid,
     *,
     width: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
     num_decode_steps: int,
-    progress: bool = False,
-) -> int:
-    """Runs the decode step for every sequence bucket, the decode loop (when
-    ``num_decode_steps > 1``) for every sequence bucket and sampling mode, the ragged step for
-    every (sequence, token) bucket pair, and the page programs (`KVManager`); returns the
-    number of program shapes run. Padding rows and slot -1 write nothing."""
-    W = width
-    top = max(max_num_batched_tokens, 16)
-    seq_buckets = sorted({bucket(n, 8, max_num_seqs) for n in range(1, max_num_seqs + 1)})
-    tok_buckets = sorted({bucket(t, 16, top) for t in range(1, top + 1)})
-    shapes = [("decode", B, B) for B in seq_buckets]
-    if num_decode_steps > 1:  # every sampling mode (a static argument)
-        shapes += [("loop", B, m) for B in seq_buckets for m in SAMPLING_MODES]
-    shapes += [("ragged", B, T) for B in seq_buckets for T in tok_buckets]
-    if progress:
-        from tqdm.auto import tqdm
+    cache_dir: str | None = None,
+    progress: bool | None = None,
+    threads: int | None = None,
+) -> WarmupReport:
+    """Compiles every step program of ``grid`` (lowered here, compiled by ``threads``
+    threads) and runs each once; the page programs (`KVManager.warmup_page_programs`) run
+    while the pool compiles.
 
-        shapes_iter = tqdm(shapes, desc="warmup", unit="program")
-    else:
-        shapes_iter = shapes
-    for kind, B, T in shapes_iter:
-        zeros = np.zeros((B, 5))
-        if kind == "loop":
-            batch = LoopBatch(
-                tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
-                block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
-                live=np.zeros(B, bool),
-                max_steps=np.zeros(B, np.int32), min_steps=np.zeros(B, np.int32),
-                stop_ids=np.full((B, 4), -1, np.int32), sampling=sampling_arrays(zeros, B),
-            )  # fmt: skip
-            kv.cache = runner.decode_loop(kv.cache, batch, num_steps=num_decode_steps, mode=T)[0]
-            continue
-        batch = build_step_batch(
-            [], [np.zeros(0, np.int32)], [], [], sampling_arrays(zeros, B),
-            width=W, num_rows=B, num_tokens=T,
-        )  # fmt: skip
-        kv.cache = runner.step(kv.cache, batch, decode=kind == "decode")[0]
-    num = len(shapes) + kv.warmup_page_programs(width)
-    jax.block_until_ready(kv.cache)
-    return num
+    Args:
+      kv: the KV manager (its pool is what the programs take; nothing is written to it).
+      runner: the step programs.
+      grid: the configuration's buckets.
+      width: W, block-table width.
+      num_decode_steps: k (1: no decode loop programs).
+      cache_dir: the persistent compilation cache in use (reported).
+      progress: a tqdm bar over the programs (None: where stderr is a terminal).
+      threads: compile threads (default `default_threads`).
+
+    Returns:
+      The `WarmupReport`.
+    """
+    t0 = time.perf_counter()
+    keys = grid.programs(num_decode_steps=num_decode_steps, modes=SAMPLING_MODES)
+    threads = threads or default_threads(len(keys))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(keys), desc=f"jpaged warm-up: {len(keys)} programs", unit="program",
+               disable=None if progress is None else not progress)  # fmt: skip
+    lower_s: list[float] = []
+    timings: list[ProgramTiming] = []
+    with concurrent.futures.ThreadPoolExecutor(threads, "jpaged-compile") as pool:
+        futures = []
+        for key in keys:
+            t = time.perf_counter()
+            if key.kind == "loop":
+                traced = runner.trace_loop(kv.cache, _inputs(key, width),
+                                           num_steps=num_decode_steps, mode=key.mode)  # fmt: skip
+            else:
+                traced = runner.trace_step(kv.cache, _inputs(key, width),
+                                           decode=key.kind == "decode")  # fmt: skip
+            lowered = traced.lower()
+            lower_s.append(time.perf_counter() - t)
+            futures.append(pool.submit(_compile, lowered))
+        # While the pool compiles: the page programs (small; they run on the pool, which no
+        # step program uses before its compile is done).
+        t = time.perf_counter()
+        num_pages = kv.warmup_page_programs(width)
+        jax.block_until_ready(kv.cache)
+        page_s = time.perf_counter() - t
+        for key, fut, low in zip(keys, futures, lower_s, strict=True):
+            compile_s, hit = fut.result()
+            t = time.perf_counter()
+            if key.kind == "loop":
+                out = runner.decode_loop(kv.cache, _inputs(key, width),
+                                         num_steps=num_decode_steps, mode=key.mode)  # fmt: skip
+            else:
+                out = runner.step(kv.cache, _inputs(key, width), decode=key.kind == "decode")
+            kv.cache = out[0]
+            jax.block_until_ready(out)
+            timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
+            bar.update(1)
+    report = WarmupReport(
+        programs=tuple(timings), num_page_programs=num_pages, page_programs_s=page_s,
+        total_s=time.perf_counter() - t0, threads=threads, cache_dir=cache_dir,
+    )  # fmt: skip
+    bar.set_postfix_str(f"{report.total_s:.1f} s, {report.cache_hits} from the cache")
+    bar.close()
+    return report

@@ -94,9 +94,15 @@ def dataclasses_replace(obj, **kw):
 
 def test_no_recompiles_after_warmup():
     llm = make_llm(num_decode_steps=4)
-    # One sequence bucket: decode, the loop in 3 sampling modes, ragged at 16 and 32 tokens;
-    # the page programs of copy-on-write and swap at one page-count bucket.
-    assert llm.warmup() == 9  # + copy_pages, gather_pages, scatter_pages at 8 pages
+    # One row bucket (8): decode, the loop in 3 sampling modes, ragged at 32 tokens (the
+    # budget); the page programs of copy-on-write and swap at one page-count bucket.
+    report = llm.warmup()
+    assert [p.name for p in report.programs] == [
+        "decode B=8", "loop B=8 greedy", "loop B=8 random", "loop B=8 truncate",
+        "ragged T=32 B=8",
+    ]  # fmt: skip
+    assert report.num_programs == 8  # + copy_pages, gather_pages, scatter_pages at 8 pages
+    assert report.cache_dir is None and report.cache_hits == 0  # the suite runs without
     warm = llm.stats()["recompiles"]  # 0 if an earlier test compiled the same programs
     lengths = (3, 20, 9, 1, 15, 30)
     llm.generate(random_prompts(2, lengths), jpaged.SamplingParams(max_tokens=6, seed=0))
