@@ -3,8 +3,9 @@
 `TokenAppender` is what the engine does with the tokens a step returns: it appends them to
 their sequences and finishes a sequence on a stop token or a length limit (through the
 scheduler, which frees its pages); forks a prompt into its ``n`` completions or a beam into
-the candidates that keep it (pages shared, no copy); and registers newly full pages in the
-prefix cache.
+the candidates that keep it (pages shared, no copy); registers newly full pages in the
+prefix cache; and, for a model whose every layer has a sliding window, gives back the pages
+that fell out of the window (`jpaged.kv.window`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class TokenAppender:
       counters: ``tokens_generated`` is added to.
       max_model_len: longest sequence.
       enable_prefix_caching: register full pages in the prefix cache.
+      sliding_window: the model's window when every layer has one (the largest), else None:
+        computed pages outside it go back to the pool.
     """
 
     def __init__(
@@ -41,12 +44,14 @@ class TokenAppender:
         *,
         max_model_len: int,
         enable_prefix_caching: bool,
+        sliding_window: int | None = None,
     ):
         self.alloc = alloc
         self.scheduler = scheduler
         self.counters = counters
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._seq_ids = itertools.count()
 
     def new_seq_id(self) -> int:
@@ -96,6 +101,13 @@ class TokenAppender:
             return
         self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt)
         seq.num_committed = full
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Gives back the pages of ``seq`` no later query sees (keys at positions <=
+        ``num_computed - sliding_window``); call it after ``commit_pages``, once the step
+        that computed them is dispatched (later device calls run after it)."""
+        if self.sliding_window is not None and not seq.finished and seq.seq_id in self.alloc:
+            self.alloc.release_outside_window(seq.seq_id, seq.num_computed, self.sliding_window)
 
     def fork(self, req: Request, parent: Sequence, index: int, seed: int) -> Sequence:
         """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""

@@ -25,6 +25,9 @@ Sequences:
 - ``fork(parent_id, child_id)``: the child shares every page of the parent holding tokens
   (refcount + 1); never allocates.
 - ``free(seq_id)``: releases the pages (tail first) and forgets the sequence.
+- ``release_outside_window(seq_id, num_computed, window) -> int``: gives back the pages no
+  query at a position >= ``num_computed`` sees under a sliding window (`jpaged.kv.window`);
+  their table entries then point at the sequence's first held page.
 - ``commit_full_pages(seq_id, token_ids, salt=None)``: registers the hashes of the
   sequence's full pages in the prefix cache (call it when pages fill up).
 - ``swap_out(seq_ids) -> [(device_page, host_slot)]`` / ``swap_in(seq_ids) ->
@@ -78,6 +81,7 @@ from jpaged.kv.page_pool import PagePool
 from jpaged.kv.prefix_cache import hash_chain
 from jpaged.kv.seq_record import SeqRecord, pages_for
 from jpaged.kv.swap_space import HostSwapSpace, group_pages
+from jpaged.kv.window import lookup_table, release_outside_window, touch_released
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "BlockAllocator"]
 
@@ -127,7 +131,7 @@ class BlockAllocator:
         self._seqs: dict[Hashable, SeqRecord] = {}
         self._freed_ids: OrderedDict[Hashable, None] = OrderedDict()  # for "double free"
         self._dirty: set[Hashable] = set()
-        self._cow_copies = 0
+        self._cow_copies = self._window_released = 0
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
@@ -141,8 +145,13 @@ class BlockAllocator:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The page ids of ``seq_id``, reserved lookahead pages included (a copy)."""
-        return list(self._get(seq_id, "block_table").pages)
+        """The page ids of ``seq_id``, reserved lookahead pages included (a copy); entries
+        released outside the sliding window hold its first held page (`jpaged.kv.window`)."""
+        return lookup_table(self._get(seq_id, "block_table"))
+
+    def num_released_pages(self, seq_id: Hashable) -> int:
+        """Leading block-table entries of ``seq_id`` released outside the sliding window."""
+        return self._get(seq_id, "num_released_pages", allow_swapped=True).released
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """The length of ``seq_id`` (reserved slots not counted)."""
@@ -156,10 +165,11 @@ class BlockAllocator:
         """
         seq = self._get(seq_id, "slots")
         capacity = len(seq.pages) * self.page_size
-        if start < 0 or count < 0 or start + count > capacity:
+        first = seq.released * self.page_size
+        if start < first or count < 0 or start + count > capacity:
             raise AllocatorError(
-                f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [0, {capacity}) "
-                f"(the pages allocated or reserved)"
+                f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [{first}, "
+                f"{capacity}) (the pages allocated or reserved and not released)"
             )
         C = self.page_size
         if count == 1:  # the decode hot path
@@ -203,7 +213,8 @@ class BlockAllocator:
         """A snapshot of the pool, the sharing and the counters (O(pages held))."""
         return collect_stats(
             self._seqs.values(), self._pool, self._host, self.page_size, self.bytes_per_page,
-            cow_copies=self._cow_copies, prefix_queries=self._prefix_queries,
+            cow_copies=self._cow_copies, window_released=self._window_released,
+            prefix_queries=self._prefix_queries,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
         )  # fmt: skip
@@ -302,16 +313,15 @@ class BlockAllocator:
         full = min(len(token_ids), seq.num_tokens) // self.page_size
         old = len(seq.hashes)
         hashes = hash_chain(token_ids, self.page_size, full, salt, parents=seq.hashes)
-        for i in range(old, full):
+        fresh = range(max(old, seq.released), full)  # released pages are not registered
+        for i in fresh:
             cached = self._pool.cache.page_hash.get(seq.pages[i])
             if cached is not None and cached != hashes[i]:
                 raise AllocatorError(
                     f"commit_full_pages({seq_id!r}): token ids of page {i} disagree with "
                     f"the cached contents of page {seq.pages[i]}"
                 )
-        registered = sum(
-            self._pool.cache.register(seq.pages[i], hashes[i]) for i in range(old, full)
-        )
+        registered = sum(self._pool.cache.register(seq.pages[i], hashes[i]) for i in fresh)
         seq.hashes = hashes if full > old else seq.hashes
         return registered
 
@@ -349,13 +359,13 @@ class BlockAllocator:
 
         Raises:
           AllocatorError: unknown or swapped sequence, or ``num_tokens`` outside
-            ``[0, current length]``.
+            ``[0, current length]`` (with released pages: from the end of the first held one).
         """
         seq = self._get(seq_id, "truncate")
-        if not 0 <= num_tokens <= seq.num_tokens:
-            raise AllocatorError(
-                f"truncate({seq_id!r}, {num_tokens}): num_tokens must lie in [0, {seq.num_tokens}]"
-            )
+        low = (seq.released + 1) * self.page_size if seq.released else 0  # first held page full
+        if not low <= num_tokens <= seq.num_tokens:
+            raise AllocatorError(f"truncate({seq_id!r}, {num_tokens}): num_tokens must lie in "
+                                 f"[{low}, {seq.num_tokens}]")  # fmt: skip
         keep = self._pages_for(num_tokens)
         for page in reversed(seq.pages[keep:]):
             self._pool.release(page)
@@ -377,11 +387,12 @@ class BlockAllocator:
         parent = self._get(parent_id, "fork")
         self._check_new(child_id, "fork")
         pages = parent.pages[: self._pages_for(parent.num_tokens)]
-        for page in pages:
+        for page in pages[parent.released :]:
             self._pool.refcount[page] += 1
         child = SeqRecord(
-            pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes)
-        )
+            pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes),
+            released=parent.released,
+        )  # fmt: skip
         child.salt = parent.salt
         self._add_seq(child_id, child)
 
@@ -397,12 +408,31 @@ class BlockAllocator:
             self._unknown(seq_id, "free")
         seq = self._seqs.pop(seq_id)
         release = self._host.release if seq.swapped else self._pool.release
-        for page in reversed(seq.pages):
+        for page in reversed(seq.held):
             release(page)
+        touch_released(seq, self._pool)  # its released head pages are evicted last
         self._freed_ids[seq_id] = None
         if len(self._freed_ids) > 65536:
             self._freed_ids.popitem(last=False)
         self._dirty.add(seq_id)
+
+    def release_outside_window(self, seq_id: Hashable, num_computed: int, window: int) -> int:
+        """Gives back the pages of ``seq_id`` that no query at a position >= ``num_computed``
+        sees under a sliding ``window`` (keys ``j <= num_computed - window``), oldest first;
+        returns how many. Shared pages lose one reference, cached ones are parked with their
+        contents. Call it once those tokens are computed (`jpaged.kv.window`).
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, ``num_computed`` outside
+            ``[0, num_tokens]``, or ``window`` < 1.
+        """
+        seq = self._get(seq_id, "release_outside_window")
+        op = f"release_outside_window({seq_id!r}, {num_computed}, {window})"
+        count = release_outside_window(seq, self._pool, self.page_size, num_computed, window, op)
+        self._window_released += count
+        if count:
+            self._dirty.add(seq_id)
+        return count
 
     # ------------------------------------------------------------------ swap
 
@@ -415,7 +445,7 @@ class BlockAllocator:
         seq = self._get(seq_id, "host_block_table", allow_swapped=True)
         if not seq.swapped:
             raise AllocatorError(f"host_block_table({seq_id!r}): sequence is not swapped out")
-        return list(seq.pages)
+        return lookup_table(seq)
 
     def is_swapped(self, seq_id: Hashable) -> bool:
         return self._get(seq_id, "is_swapped", allow_swapped=True).swapped
@@ -543,7 +573,6 @@ class BlockAllocator:
             return []
         self._pool.ensure_available(self._growth_pages(seq, end), op)
         pairs: CopyPairs = []
-        first, last = seq.num_tokens // self.page_size, self._pages_for(end)
         for i in range(first, min(len(seq.pages), last)):
             old = seq.pages[i]
             if self._pool.writable(old):
