@@ -25,6 +25,7 @@ weights so that every parameter matters and greedy choices are not near-ties (th
 checks the top-2 logit margin of every greedy step).
 
 Usage: .venv-torch/bin/python tools/make_goldens.py [--out-root .] [--only random|demo|sampling]
+       [--models NAME ...]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -114,6 +116,21 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=False,
     ),
+    # Gemma 2: 4 layers alternating local (window 8) and global attention, head dim 256 (GQA
+    # 2/1), query_pre_attn_scalar != head dim, attention and final soft caps small enough to
+    # bend the logits (|logits| reach 4.5 under the cap of 10), post-norms, gelu-tanh, sqrt(D)
+    # embeddings, tied.
+    "gemma2": lambda: Gemma2Config(
+        **{**COMMON, "num_hidden_layers": 4, "num_attention_heads": 2},
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=8,
+        query_pre_attn_scalar=64,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+    ),
 }
 SHARDED = {"qwen2": "150KB"}
 WITH_TOKENIZER = ("llama2",)
@@ -134,13 +151,20 @@ def build_tokenizer() -> Tokenizer:
 
 
 def randomize_extras(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Random biases and norm weights: HF initializes them to 0 and 1, which hides bugs."""
+    """Random biases and norm weights: HF initializes them to 0 and 1, which hides bugs.
+
+    Gemma's RMSNorm scales by (1 + weight), so its unit scale is a zero weight; its post-norms
+    scale the layers' outputs about 5x, so that they, not the sqrt(D)-scaled input embedding,
+    decide the tied head's argmax (else greedy decoding repeats one token).
+    """
+    gemma = model.config.model_type == "gemma2"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                unit = (4.0 if ".post_" in name else 0.0) if gemma else 1.0
+                p.copy_(unit + 0.2 * torch.randn(p.shape, generator=gen))
 
 
 def floats(x: torch.Tensor) -> list:
@@ -401,6 +425,8 @@ def main() -> None:
                         help="only the random tiny models, only the demo model's golden, or "
                              "only the sampling golden (from the existing llama2 checkpoint)")  # fmt: skip
     parser.add_argument("--demo-checkpoint", type=pathlib.Path, default=DEMO_CHECKPOINT)
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS),
+                        help="which random tiny models to write (default: all)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.only == "sampling":
@@ -414,9 +440,9 @@ def main() -> None:
     prompt_ids = tok.encode(PROMPT_TEXT).ids
     if len(prompt_ids) != PROMPT_LEN:
         sys.exit(f"{PROMPT_TEXT!r} encodes to {len(prompt_ids)} tokens, expected {PROMPT_LEN}")
-    for name in MODELS:
+    for name in args.models:
         make_one(name, args.out_root, prompt_ids)
-    for name in WITH_TOKENIZER:
+    for name in set(WITH_TOKENIZER) & set(args.models):
         hf_tok = PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
         )

@@ -5,7 +5,8 @@ their sequences (with their ``logprobs`` entries when asked) and finishes a sequ
 stop token, a stop string (`jpaged.engine.stop_strings`) or a length limit (through the
 scheduler, which frees its pages); records prompt log-probabilities; forks a prompt into
 its ``n`` completions or a beam into the candidates that keep it (pages shared, no copy);
-and registers newly full pages in the prefix cache.
+registers newly full pages in the prefix cache; and, for a model whose every layer has a
+sliding window, gives back the pages that fell out of the window (`jpaged.kv.window`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class TokenAppender:
       max_model_len: longest sequence.
       enable_prefix_caching: register full pages in the prefix cache.
       tokenizer: decodes text for stop strings and ``Logprob.decoded_token`` (None: ids only).
+      sliding_window: the model's window when every layer has one (the largest), else None:
+        computed pages outside it go back to the pool.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class TokenAppender:
         max_model_len: int,
         enable_prefix_caching: bool,
         tokenizer: Any = None,
+        sliding_window: int | None = None,
     ):
         self.alloc = alloc
         self.scheduler = scheduler
@@ -53,6 +57,7 @@ class TokenAppender:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.tokenizer = tokenizer
+        self.sliding_window = sliding_window
         self._seq_ids = itertools.count()
 
     def new_seq_id(self) -> int:
@@ -143,6 +148,13 @@ class TokenAppender:
             return
         self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt, verify=False)
         seq.num_committed = full
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Gives back the pages of ``seq`` no later query sees (keys at positions <=
+        ``num_computed - sliding_window``); call it after ``commit_pages``, once the step
+        that computed them is dispatched (later device calls run after it)."""
+        if self.sliding_window is not None and not seq.finished and seq.seq_id in self.alloc:
+            self.alloc.release_outside_window(seq.seq_id, seq.num_computed, self.sliding_window)
 
     def fork(self, req: Request, parent: Sequence, index: int, seed: int) -> Sequence:
         """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""

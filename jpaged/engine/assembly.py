@@ -95,6 +95,16 @@ def load_model(
     return model, tokenizer, frozenset(int(e) for e in eos), chat_template
 
 
+def release_window(config: Any) -> int | None:
+    """The window outside which a sequence's pages can go back to the pool: the largest of the
+    layers' windows when every layer has one (Mistral), else None (a global layer reads the
+    whole history; models without a ``ModelConfig`` keep every page)."""
+    windows = getattr(config, "layer_windows", None)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 def assemble(
     model: Any,
     opts: EngineOptions,
@@ -176,6 +186,7 @@ def assemble(
         alloc, scheduler, counters,
         max_model_len=max_model_len, enable_prefix_caching=opts.enable_prefix_caching,
         tokenizer=tokenizer,
+        sliding_window=release_window(cfg),
     )  # fmt: skip
     executor = StepExecutor(
         kv, runner, appender, counters, width=W,

@@ -327,4 +327,7 @@ class DecodeChain:
                 if not chained:  # end of the chain: release the unused reservation
                     self.kv.alloc.truncate(seq.seq_id, seq.num_computed)
                 self.appender.commit_pages(it.request, seq)
+                # The next loop, dispatched above, may still read pages released here (its
+                # table was built before): they are reused only by later device calls.
+                self.appender.release_outside_window(seq)
         self.state = (items, program, nxt) if chained else None

@@ -36,6 +36,7 @@ def engine_stats(
         "preemptions_recompute": c["preemptions_recompute"],
         "preemptions_swap": c["preemptions_swap"],
         "cow_copies": s.cow_copies,
+        "pages_released_by_window": s.window_released,
         "swapped_out_bytes": s.swapped_out_bytes,
         "swapped_in_bytes": s.swapped_in_bytes,
         "recompiles": runner.num_compiles,

@@ -127,6 +127,7 @@ class StepExecutor:
             self.appender.commit_pages(it.request, it.seq)
             if it.request.refork and it.seq.num_computed == len(it.request.prompt):
                 self.appender.refork(it.request, it.seq)
+            self.appender.release_outside_window(it.seq)
         t = time.perf_counter()
         tok_R, lp_R = np.asarray(tok_R), np.asarray(lp_R)
         top = None if top is None else tuple(np.asarray(x) for x in top)

@@ -9,4 +9,5 @@ Internal modules; the public names are re-exported from `jpaged`:
   a `swap_space.HostSwapSpace` (host slots) and per-sequence `seq_record.SeqRecord`s.
 - `prefix_cache`: the hash chain and the LRU of evictable cached pages.
 - `allocator_stats`: the allocator's stats snapshot and invariant checker.
+- `window`: sliding-window page release (which pages no later query sees; the device table).
 """

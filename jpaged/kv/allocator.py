@@ -5,39 +5,28 @@ host id), a block table (page ids) and a token count, a refcount per page, a fre
 prefix cache of full pages (SHA-256 hash chain, LRU of evictable pages) and a host swap
 pool. Every call is all-or-nothing: a call that raises leaves the allocator unchanged.
 
-Sequences:
+Sequences (each method's docstring has the details):
 
-- ``allocate(seq_id, num_tokens)``: a new sequence holding ``num_tokens`` slots.
-- ``allocate_with_prefix(seq_id, token_ids, salt=None) -> num_cached_tokens``: the same,
-  reusing cached full pages of the longest cached prefix (never the whole prompt: the last
-  token is always computed). The caller computes K/V for tokens ``[num_cached_tokens, n)``.
-- ``append_slots(seq_id, num_tokens=1) -> [(src, dst)]``: grows the sequence. If the page
-  to be written is shared (refcount > 1) or cached, a new page replaces it in this table
-  and ``(src, dst)`` is returned for the device to copy first (copy-on-write, of the last
-  partial page only).
-- ``reserve(seq_id, num_tokens) -> [(src, dst)]``: makes the pages of the next
-  ``num_tokens`` positions exist and private, without changing the length (lookahead: the
-  device may then run that many steps and write their slots; later ``append_slots`` within
-  the reservation allocate nothing and return no copies, unless the sequence was forked
-  in between).
-- ``truncate(seq_id, num_tokens)``: shrinks; pages past the new end (reserved ones
-  included) are released.
-- ``fork(parent_id, child_id)``: the child shares every page of the parent holding tokens
-  (refcount + 1); never allocates.
-- ``free(seq_id)``: releases the pages (tail first) and forgets the sequence.
-- ``commit_full_pages(seq_id, token_ids, salt=None)``: registers the hashes of the
-  sequence's full pages in the prefix cache (call it when pages fill up).
-- ``swap_out(seq_ids) -> [(device_page, host_slot)]`` / ``swap_in(seq_ids) ->
-  [(host_slot, device_page)]``: move a group of sequences to the host pool and back; a
-  page shared inside the group moves once. The device side is `jpaged.gather_pages` /
-  `jpaged.scatter_pages`; run the gather of a swap-out before any later write to the
-  pool, since the released device pages may be handed out again.
+- ``allocate(seq_id, num_tokens)``; ``allocate_with_prefix(seq_id, token_ids, salt=None) ->
+  num_cached_tokens`` reuses the cached full pages of the longest cached prefix (never the
+  whole prompt: the last token is always computed).
+- ``append_slots(seq_id, num_tokens=1) -> [(src, dst)]`` grows a sequence; a shared or cached
+  last page is replaced and ``(src, dst)`` returned for the device to copy first
+  (copy-on-write). ``reserve(seq_id, num_tokens)`` makes the next positions' pages exist and
+  private without changing the length (lookahead for multi-step decode); ``truncate``
+  shrinks.
+- ``fork(parent_id, child_id)`` shares every page (refcount + 1); ``free(seq_id)`` releases
+  them; ``release_outside_window`` gives back the pages a sliding window no longer sees
+  (`jpaged.kv.window`); ``commit_full_pages`` registers full pages in the prefix cache.
+- ``swap_out(seq_ids) -> [(device_page, host_slot)]`` / ``swap_in(seq_ids) -> [(host_slot,
+  device_page)]`` move a group of sequences to the host pool and back (a page shared inside
+  the group moves once); run the device gather of a swap-out (`jpaged.gather_pages`) before
+  any later write to the pool, since the released pages may be handed out again.
 
-Queries: ``block_table``, ``host_block_table`` (while swapped out), ``num_tokens``, ``slots(seq_id, start, count)`` (i32 slot ids
-``page * C + offset``, valid up to the allocated capacity), ``can_allocate`` (honours the
-watermark), ``can_append_slots``, ``can_swap_in``, ``can_swap_out``, ``match_prefix``,
-``num_free_pages``, ``stats()``, ``take_dirty()`` (ids whose table or length changed) and
-``check_invariants()``.
+Queries: ``block_table``, ``host_block_table``, ``num_tokens``, ``slots(seq_id, start,
+count)`` (i32 ``page * C + offset``), ``can_allocate`` (honours the watermark),
+``can_append_slots``, ``can_swap_in``/``can_swap_out``, ``match_prefix``,
+``num_free_pages``, ``stats()``, ``take_dirty()`` and ``check_invariants()``.
 
 Errors: `jpaged.OutOfPagesError` (with ``needed``, ``free``, ``total`` attributes) when pages
 run out; `jpaged.AllocatorError` for misuse (unknown or duplicate id, double free, fork of
@@ -74,14 +63,14 @@ from jpaged.kv.allocator_stats import (
     collect_stats,
     invariant_errors,
 )
+from jpaged.kv.copy_on_write import CopyPairs, growth_pages, make_writable
 from jpaged.kv.page_pool import PagePool
 from jpaged.kv.prefix_cache import first_mismatch, hash_chain
-from jpaged.kv.seq_record import SeqRecord, pages_for
+from jpaged.kv.seq_record import RELEASED, SeqRecord, pages_for
 from jpaged.kv.swap_space import HostSwapSpace, group_pages
+from jpaged.kv.window import lookup_table, release_outside_window, touch_released
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "BlockAllocator"]
-
-CopyPairs = list[tuple[int, int]]
 
 
 class BlockAllocator:
@@ -127,7 +116,7 @@ class BlockAllocator:
         self._seqs: dict[Hashable, SeqRecord] = {}
         self._freed_ids: OrderedDict[Hashable, None] = OrderedDict()  # for "double free"
         self._dirty: set[Hashable] = set()
-        self._cow_copies = 0
+        self._cow_copies = self._window_released = 0
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
@@ -141,8 +130,13 @@ class BlockAllocator:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The page ids of ``seq_id``, reserved lookahead pages included (a copy)."""
-        return list(self._get(seq_id, "block_table").pages)
+        """The page ids of ``seq_id``, reserved lookahead pages included (a copy); entries
+        released outside the sliding window hold its first held page (`jpaged.kv.window`)."""
+        return lookup_table(self._get(seq_id, "block_table"))
+
+    def num_released_pages(self, seq_id: Hashable) -> int:
+        """Leading block-table entries of ``seq_id`` released outside the sliding window."""
+        return self._get(seq_id, "num_released_pages", allow_swapped=True).released
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """The length of ``seq_id`` (reserved slots not counted)."""
@@ -156,10 +150,11 @@ class BlockAllocator:
         """
         seq = self._get(seq_id, "slots")
         capacity = len(seq.pages) * self.page_size
-        if start < 0 or count < 0 or start + count > capacity:
+        first = seq.released * self.page_size
+        if start < first or count < 0 or start + count > capacity:
             raise AllocatorError(
-                f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [0, {capacity}) "
-                f"(the pages allocated or reserved)"
+                f"slots({seq_id!r}, {start=}, {count=}): positions must lie in [{first}, "
+                f"{capacity}) (the pages allocated or reserved and not released)"
             )
         C = self.page_size
         if count == 1:  # the decode hot path
@@ -192,18 +187,27 @@ class BlockAllocator:
         """New pages ``reserve(seq_id, num_tokens)`` would take now (pages already reserved
         count as held; a shared page in the way counts, as it would be copied)."""
         seq = self._get(seq_id, "growth_pages")
-        return self._growth_pages(seq, seq.num_tokens + self._count(num_tokens, "growth_pages"))
+        return growth_pages(
+            seq,
+            self._pool,
+            self.page_size,
+            seq.num_tokens + self._count(num_tokens, "growth_pages"),
+        )
 
     def can_append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether ``append_slots(seq_id, num_tokens)`` (or ``reserve``) would succeed."""
         seq = self._get(seq_id, "can_append_slots")
-        return self._growth_pages(seq, seq.num_tokens + num_tokens) <= self.num_free_pages
+        return (
+            growth_pages(seq, self._pool, self.page_size, seq.num_tokens + num_tokens)
+            <= self.num_free_pages
+        )
 
     def stats(self) -> AllocatorStats:
         """A snapshot of the pool, the sharing and the counters (O(pages held))."""
         return collect_stats(
             self._seqs.values(), self._pool, self._host, self.page_size, self.bytes_per_page,
-            cow_copies=self._cow_copies, prefix_queries=self._prefix_queries,
+            cow_copies=self._cow_copies, window_released=self._window_released,
+            prefix_queries=self._prefix_queries,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
         )  # fmt: skip
@@ -271,8 +275,7 @@ class BlockAllocator:
 
         At most ``len(token_ids) - 1`` tokens match (the last one must be computed).
         """
-        hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
-        pages = self._pool.cache.lookup(hashes)
+        pages = self._prefix_plan(token_ids, salt)[1]
         return len(pages) * self.page_size, pages
 
     def commit_full_pages(
@@ -316,16 +319,15 @@ class BlockAllocator:
                 f"the cached contents of page {seq.pages[bad]}"
             )
         hashes = hash_chain(token_ids, self.page_size, full, salt, parents=seq.hashes)
-        for i in range(old, full):
+        fresh = range(max(old, seq.released), full)  # released pages are not registered
+        for i in fresh:
             cached = self._pool.cache.page_hash.get(seq.pages[i])
             if cached is not None and cached != hashes[i]:
                 raise AllocatorError(
                     f"commit_full_pages({seq_id!r}): token ids of page {i} disagree with "
                     f"the cached contents of page {seq.pages[i]}"
                 )
-        registered = sum(
-            self._pool.cache.register(seq.pages[i], hashes[i]) for i in range(old, full)
-        )
+        registered = sum(self._pool.cache.register(seq.pages[i], hashes[i]) for i in fresh)
         seq.hashes = hashes if full > old else seq.hashes
         return registered
 
@@ -338,7 +340,10 @@ class BlockAllocator:
         """
         seq = self._get(seq_id, "append_slots")
         n = self._count(num_tokens, "append_slots")
-        pairs = self._make_writable(seq, seq.num_tokens + n, f"append_slots({seq_id!r}, {n})")
+        pairs = make_writable(
+            seq, self._pool, self.page_size, seq.num_tokens + n, f"append_slots({seq_id!r}, {n})"
+        )
+        self._cow_copies += len(pairs)
         seq.num_tokens += n
         self._dirty.add(seq_id)
         return pairs
@@ -354,7 +359,10 @@ class BlockAllocator:
         """
         seq = self._get(seq_id, "reserve")
         n = self._count(num_tokens, "reserve")
-        pairs = self._make_writable(seq, seq.num_tokens + n, f"reserve({seq_id!r}, {n})")
+        pairs = make_writable(
+            seq, self._pool, self.page_size, seq.num_tokens + n, f"reserve({seq_id!r}, {n})"
+        )
+        self._cow_copies += len(pairs)
         self._dirty.add(seq_id)
         return pairs
 
@@ -363,13 +371,13 @@ class BlockAllocator:
 
         Raises:
           AllocatorError: unknown or swapped sequence, or ``num_tokens`` outside
-            ``[0, current length]``.
+            ``[0, current length]`` (with released pages: from the end of the first held one).
         """
         seq = self._get(seq_id, "truncate")
-        if not 0 <= num_tokens <= seq.num_tokens:
-            raise AllocatorError(
-                f"truncate({seq_id!r}, {num_tokens}): num_tokens must lie in [0, {seq.num_tokens}]"
-            )
+        low = (seq.released + 1) * self.page_size if seq.released else 0  # first held page full
+        if not low <= num_tokens <= seq.num_tokens:
+            raise AllocatorError(f"truncate({seq_id!r}, {num_tokens}): num_tokens must lie in "
+                                 f"[{low}, {seq.num_tokens}]")  # fmt: skip
         keep = self._pages_for(num_tokens)
         for page in reversed(seq.pages[keep:]):
             self._pool.release(page)
@@ -391,11 +399,12 @@ class BlockAllocator:
         parent = self._get(parent_id, "fork")
         self._check_new(child_id, "fork")
         pages = parent.pages[: self._pages_for(parent.num_tokens)]
-        for page in pages:
+        for page in pages[parent.released :]:
             self._pool.refcount[page] += 1
         child = SeqRecord(
-            pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes)
-        )
+            pages=list(pages), num_tokens=parent.num_tokens, hashes=list(parent.hashes),
+            released=parent.released,
+        )  # fmt: skip
         child.salt = parent.salt
         self._add_seq(child_id, child)
 
@@ -411,8 +420,9 @@ class BlockAllocator:
             self._unknown(seq_id, "free")
         seq = self._seqs.pop(seq_id)
         release = self._host.release if seq.swapped else self._pool.release
-        for page in reversed(seq.pages):
+        for page in reversed(seq.held):
             release(page)
+        touch_released(seq, self._pool)  # its released head pages are evicted last
         self._freed_ids[seq_id] = None
         if len(self._freed_ids) > 65536:
             self._freed_ids.popitem(last=False)
@@ -426,9 +436,27 @@ class BlockAllocator:
         seqs = [self._get(i, "reset_prefix_cache", allow_swapped=True) for i in ids]
         if seq_ids is None:
             self._pool.drop_cache()
-        self._pool.uncache(p for seq in seqs if not seq.swapped for p in seq.pages)
+        self._pool.uncache(p for seq in seqs if not seq.swapped for p in seq.pages if p != RELEASED)
         for seq in seqs:
             seq.hashes = []
+
+    def release_outside_window(self, seq_id: Hashable, num_computed: int, window: int) -> int:
+        """Gives back the pages of ``seq_id`` that no query at a position >= ``num_computed``
+        sees under a sliding ``window`` (keys ``j <= num_computed - window``), oldest first;
+        returns how many. Shared pages lose one reference, cached ones are parked with their
+        contents. Call it once those tokens are computed (`jpaged.kv.window`).
+
+        Raises:
+          AllocatorError: unknown or swapped sequence, ``num_computed`` outside
+            ``[0, num_tokens]``, or ``window`` < 1.
+        """
+        seq = self._get(seq_id, "release_outside_window")
+        op = f"release_outside_window({seq_id!r}, {num_computed}, {window})"
+        count = release_outside_window(seq, self._pool, self.page_size, num_computed, window, op)
+        self._window_released += count
+        if count:
+            self._dirty.add(seq_id)
+        return count
 
     # ------------------------------------------------------------------ swap
 
@@ -441,7 +469,7 @@ class BlockAllocator:
         seq = self._get(seq_id, "host_block_table", allow_swapped=True)
         if not seq.swapped:
             raise AllocatorError(f"host_block_table({seq_id!r}): sequence is not swapped out")
-        return list(seq.pages)
+        return lookup_table(seq)
 
     def is_swapped(self, seq_id: Hashable) -> bool:
         return self._get(seq_id, "is_swapped", allow_swapped=True).swapped
@@ -549,48 +577,10 @@ class BlockAllocator:
         self._freed_ids.pop(seq_id, None)
         self._dirty.add(seq_id)
 
-    def _growth_pages(self, seq: SeqRecord, end: int) -> int:
-        """New pages needed so positions ``[num_tokens, end)`` are on private pages."""
-        if end <= seq.num_tokens:
-            return 0
-        first = seq.num_tokens // self.page_size
-        needed = max(0, self._pages_for(end) - len(seq.pages))
-        for i in range(first, min(len(seq.pages), self._pages_for(end))):
-            needed += not self._pool.writable(seq.pages[i])
-        return needed
-
-    def _make_writable(self, seq: SeqRecord, end: int, op: str) -> CopyPairs:
-        if end <= seq.num_tokens:
-            return []
-        first, last = seq.num_tokens // self.page_size, self._pages_for(end)
-        if last <= len(seq.pages) and all(
-            self._pool.writable(seq.pages[i]) for i in range(first, last)
-        ):  # within pages already held and private (e.g. a reservation): nothing to do
-            return []
-        self._pool.ensure_available(self._growth_pages(seq, end), op)
-        pairs: CopyPairs = []
-        first, last = seq.num_tokens // self.page_size, self._pages_for(end)
-        for i in range(first, min(len(seq.pages), last)):
-            old = seq.pages[i]
-            if self._pool.writable(old):
-                continue
-            new = self._pool.take()
-            if i * self.page_size < seq.num_tokens:  # holds tokens this sequence keeps
-                pairs.append((old, new))
-                self._cow_copies += 1
-            self._pool.release(old)
-            seq.pages[i] = new
-        seq.pages.extend(self._pool.take() for _ in range(last - len(seq.pages)))
-        return pairs
-
-    def _max_hit_pages(self, token_ids: Sequence[int]) -> int:
-        return max(len(token_ids) - 1, 0) // self.page_size
-
-    def _prefix_plan(
-        self, token_ids: Sequence[int], salt: bytes | str | None
-    ) -> tuple[list[bytes], list[int], int]:
-        """(hashes, cached pages, pages needed from the pool) for a prompt."""
-        hashes = hash_chain(token_ids, self.page_size, self._max_hit_pages(token_ids), salt)
-        hit = self._pool.cache.lookup(hashes)
-        revived = sum(1 for p in hit if self._pool.refcount[p] == 0)  # leave the evictable LRU
-        return hashes, hit, self._pages_for(len(token_ids)) - len(hit) + revived
+    def _prefix_plan(self, token_ids: Sequence[int], salt) -> tuple[list[bytes], list[int], int]:
+        """(hashes, cached pages, pages needed from the pool) for a prompt (never the whole
+        prompt: its last token is always computed)."""
+        hashes = hash_chain(
+            token_ids, self.page_size, max(len(token_ids) - 1, 0) // self.page_size, salt
+        )
+        return hashes, *self._pool.prefix_hit(hashes, self._pages_for(len(token_ids)))

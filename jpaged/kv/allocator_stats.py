@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
 
 from jpaged.kv.page_pool import PagePool
-from jpaged.kv.seq_record import SeqRecord, pages_for
+from jpaged.kv.seq_record import RELEASED, SeqRecord, pages_for
 from jpaged.kv.swap_space import HostSwapSpace
 
 __all__ = ["AllocatorInvariantError", "AllocatorStats", "collect_stats", "invariant_errors"]
@@ -38,6 +38,7 @@ class AllocatorStats:
       page_fill: ``live_tokens / allocated_slots``, how full the held pages are (0.0 when
         nothing is allocated).
       cow_copies: copy-on-write page copies emitted so far.
+      window_released: pages given back outside a sliding window so far.
       prefix_queries: prefix-cache lookups made by ``allocate_with_prefix``.
       prefix_query_tokens: prompt tokens of those lookups.
       prefix_hit_tokens: tokens served from the cache.
@@ -61,6 +62,7 @@ class AllocatorStats:
     allocated_slots: int
     page_fill: float
     cow_copies: int
+    window_released: int
     prefix_queries: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
@@ -82,6 +84,7 @@ def collect_stats(
     bytes_per_page: int,
     *,
     cow_copies: int,
+    window_released: int,
     prefix_queries: int,
     prefix_query_tokens: int,
     prefix_hit_tokens: int,
@@ -94,7 +97,7 @@ def collect_stats(
         if seq.swapped:
             continue
         logical += seq.num_tokens
-        for i, page in enumerate(seq.pages):
+        for i, page in enumerate(seq.pages[seq.released :], seq.released):
             held = min(max(seq.num_tokens - i * page_size, 0), page_size)
             occupancy[page] = max(occupancy.get(page, 0), held)
     used = sum(1 for r in pool.refcount if r > 0)
@@ -113,6 +116,7 @@ def collect_stats(
         allocated_slots=allocated,
         page_fill=live / allocated if allocated else 0.0,
         cow_copies=cow_copies,
+        window_released=window_released,
         prefix_queries=prefix_queries,
         prefix_query_tokens=prefix_query_tokens,
         prefix_hit_tokens=prefix_hit_tokens,
@@ -139,12 +143,17 @@ def invariant_errors(
     for seq_id, seq in seqs.items():
         if len(seq.pages) < pages_for(seq.num_tokens, C):
             errors.append(f"seq {seq_id!r}: {len(seq.pages)} pages < {seq.num_tokens} tokens")
-        if len(set(seq.pages)) != len(seq.pages):
+        held = seq.held
+        if len(set(held)) != len(held):
             errors.append(f"seq {seq_id!r}: repeated page in {seq.pages}")
+        if seq.pages[: seq.released] != [RELEASED] * seq.released or RELEASED in held:
+            errors.append(f"seq {seq_id!r}: released entries are not the first {seq.released}")
+        if seq.released and (seq.released + 1) * C > seq.num_tokens:
+            errors.append(f"seq {seq_id!r}: first held page after {seq.released} released not full")
         if len(seq.hashes) > seq.num_tokens // C:
             errors.append(f"seq {seq_id!r}: {len(seq.hashes)} hashes > full pages")
         counts = host_holders if seq.swapped else holders
-        for page in seq.pages:
+        for page in held:
             if 0 <= page < len(counts):
                 counts[page] += 1
             else:

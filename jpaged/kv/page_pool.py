@@ -82,3 +82,11 @@ class PagePool:
             self.cache.uncache(page)
             if self.refcount[page] == 0:
                 self.free.append(page)
+
+    def prefix_hit(self, hashes: list[bytes], pages_needed: int) -> tuple[list[int], int]:
+        """``(cached pages, pages needed from the pool)`` of a prompt whose full pages hash
+        to ``hashes`` and which needs ``pages_needed`` pages in all: a hit page held by
+        nobody (evictable) leaves the LRU, so it counts as taken."""
+        hit = self.cache.lookup(hashes)
+        revived = sum(1 for p in hit if self.refcount[p] == 0)
+        return hit, pages_needed - len(hit) + revived

@@ -131,6 +131,11 @@ class PrefixCache:
         """Puts a cached page whose refcount reached 0 at the most-recent end of the LRU."""
         self.evictable[page] = None
 
+    def touch(self, page: int) -> None:
+        """Moves a parked page to the most-recent end of the LRU (no-op if not parked)."""
+        if page in self.evictable:
+            self.evictable.move_to_end(page)
+
     def take_back(self, page: int) -> None:
         """Removes a parked page from the LRU (a prefix hit references it again)."""
         del self.evictable[page]

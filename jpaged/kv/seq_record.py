@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["SeqRecord", "pages_for"]
+__all__ = ["RELEASED", "SeqRecord", "pages_for"]
+
+# A block-table entry whose page went back to the pool: it held only positions no later query
+# sees (outside the sliding window). Released entries are always the first ``released`` ones.
+RELEASED = -1
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -22,11 +26,12 @@ class SeqRecord:
 
     Attributes:
       pages: device page ids (reserved lookahead pages included), or host slots while
-        swapped out.
+        swapped out; the first ``released`` entries are ``RELEASED``.
       num_tokens: the sequence's length (reserved slots not counted).
       hashes: prefix-cache hashes of its first full pages.
       salt: the prefix-cache salt it was allocated with.
       swapped: True while its pages live in the host swap space.
+      released: leading pages given back to the pool (outside the sliding window).
     """
 
     pages: list[int]
@@ -34,3 +39,9 @@ class SeqRecord:
     hashes: list[bytes] = dataclasses.field(default_factory=list)
     salt: bytes | str | None = None
     swapped: bool = False
+    released: int = 0
+
+    @property
+    def held(self) -> list[int]:
+        """The pages (or host slots) the sequence holds: ``pages`` past the released ones."""
+        return self.pages[self.released :]

@@ -4,22 +4,23 @@
 of sequences moves together, and a page shared inside the group moves once, so sharing
 survives a round trip. It changes the `SeqRecord`s it is given and returns or takes device
 pages through the `PagePool` it is given; `jpaged.BlockAllocator` validates the request and
-holds both. The device side is `jpaged.gather_pages` / `jpaged.scatter_pages`.
+holds both. The device side is `jpaged.gather_pages` / `jpaged.scatter_pages`. Pages released
+outside a sliding window (`jpaged.kv.window`) stay released: only held pages move.
 """
 
 from __future__ import annotations
 
 from jpaged.kv.page_pool import PagePool, out_of_pages
-from jpaged.kv.seq_record import SeqRecord, pages_for
+from jpaged.kv.seq_record import RELEASED, SeqRecord, pages_for
 
 __all__ = ["HostSwapSpace", "group_pages"]
 
 
 def group_pages(seqs: list[SeqRecord], page_size: int) -> list[int]:
-    """Distinct pages (or host slots) holding tokens of ``seqs``, in first-seen order."""
+    """Distinct held pages (or host slots) holding tokens of ``seqs``, in first-seen order."""
     pages: dict[int, None] = {}
     for seq in seqs:
-        pages.update(dict.fromkeys(seq.pages[: pages_for(seq.num_tokens, page_size)]))
+        pages.update(dict.fromkeys(seq.pages[seq.released : pages_for(seq.num_tokens, page_size)]))
     return list(pages)
 
 
@@ -65,10 +66,12 @@ class HostSwapSpace:
             keep = pages_for(seq.num_tokens, page_size)
             for page in reversed(seq.pages[keep:]):
                 pool.release(page)
-            for page in reversed(seq.pages[:keep]):
+            for page in reversed(seq.pages[seq.released : keep]):
                 pool.release(page)
                 self.refcount[mapping[page]] += 1
-            seq.pages = [mapping[p] for p in seq.pages[:keep]]
+            seq.pages = [RELEASED] * seq.released + [
+                mapping[p] for p in seq.pages[seq.released : keep]
+            ]
             seq.swapped = True
         self.swapped_out_pages += len(mapping)
         return list(mapping.items())
@@ -86,12 +89,12 @@ class HostSwapSpace:
         pool.ensure_available(len(slots), op)
         mapping = {slot: pool.take(refcount=0) for slot in slots}
         for seq in seqs:
-            for slot in seq.pages:
+            for slot in seq.held:
                 pool.refcount[mapping[slot]] += 1
                 self.release(slot)
-            seq.pages = [mapping[s] for s in seq.pages]
+            seq.pages = [RELEASED] * seq.released + [mapping[s] for s in seq.held]
             seq.swapped = False
-            for page, h in zip(seq.pages, seq.hashes, strict=False):
-                pool.cache.register(page, h)  # restores the prefix cache where not taken
+            for i in range(seq.released, min(len(seq.pages), len(seq.hashes))):
+                pool.cache.register(seq.pages[i], seq.hashes[i])  # where not taken meanwhile
         self.swapped_in_pages += len(mapping)
         return list(mapping.items())

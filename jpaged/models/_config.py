@@ -1,9 +1,12 @@
-"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3, Mistral, Qwen2).
+"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3, Mistral, Qwen2,
+Gemma 2).
 
-The family differs only in switches: RoPE scaling (Llama 3), a sliding window (Mistral),
-q/k/v biases (Qwen2), tied or untied embeddings. ``ModelConfig.from_hf`` reads a Hugging
-Face ``config.json`` dict; ``llama3_8b``, ``llama3_2_1b`` and ``tiny`` build the shapes the
-benchmarks and tests use.
+The family differs only in switches: RoPE scaling (Llama 3), a sliding window on every layer
+(Mistral) or on some (Gemma 2's alternating local/global layers), q/k/v biases (Qwen2), tied
+or untied embeddings, and Gemma 2's logit soft caps, query pre-attention scalar, post-norms,
+``1 + weight`` RMSNorm, gelu-tanh MLP and embeddings scaled by sqrt(D).
+``ModelConfig.from_hf`` reads a Hugging Face ``config.json`` dict; ``llama3_8b``,
+``llama3_2_1b`` and ``tiny`` build the shapes the benchmarks and tests use.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "gemma2")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 def read_json_file(file: str | pathlib.Path) -> dict[str, Any]:
@@ -62,10 +67,11 @@ class ModelConfig:
     """Shape and switches of a Llama-family decoder-only transformer.
 
     Attributes:
-      model_type: "llama", "mistral" or "qwen2" (informational; the switches below decide).
+      model_type: "llama", "mistral", "qwen2" or "gemma2" (informational; the switches below
+        decide).
       vocab_size: V.
       hidden_size: D.
-      intermediate_size: F, the SwiGLU width.
+      intermediate_size: F, the gated MLP's width.
       num_layers: L.
       num_heads: N query heads.
       num_kv_heads: K key/value heads (GQA when K < N).
@@ -74,11 +80,23 @@ class ModelConfig:
       rope_theta: RoPE base.
       rope_scaling: None, or a ``RopeScaling``.
       max_position_embeddings: the context length the model was trained for.
-      sliding_window: None, or w: a query sees only the last w keys (its own included).
+      sliding_window: None, or w: a query sees only the last w keys (its own included), on
+        the layers ``layer_types`` marks "sliding_attention" (on every layer when None).
+      layer_types: None, or per layer "full_attention" or "sliding_attention" (Hugging Face's
+        ``layer_types``; Gemma 2 alternates them, sliding first).
       qkv_bias: q/k/v projections have biases (Qwen2; Llama with ``attention_bias``).
       o_bias: the output projection has a bias (Llama with ``attention_bias``).
       mlp_bias: the MLP projections have biases (Llama with ``mlp_bias``).
       tie_word_embeddings: the LM head is the transposed embedding.
+      hidden_act: the MLP's gate activation, "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma).
+      attn_logit_softcapping: None, or c: attention logits become ``c * tanh(s / c)``.
+      final_logit_softcapping: None, or c: output logits become ``c * tanh(z / c)``.
+      query_pre_attn_scalar: None, or q: the attention scale is ``q ** -0.5`` instead of
+        ``H ** -0.5`` (Gemma 2).
+      post_norms: RMSNorms after the attention and after the MLP, before each residual add
+        (Gemma 2's post-attention and post-feedforward norms).
+      norm_unit_offset: RMSNorm scales by ``1 + weight``, computed in f32 (Gemma).
+      scale_embeddings: token embeddings are multiplied by sqrt(D) (Gemma).
     """
 
     model_type: str = "llama"
@@ -98,6 +116,37 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    post_norms: bool = False
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer (None: full attention), L entries."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(
+            self.sliding_window if t == "sliding_attention" else None for t in self.layer_types
+        )
+
+    @property
+    def layer_period(self) -> int:
+        """The shortest p dividing L such that layer i's window equals layer i + p's (1 for
+        Llama and Mistral, 2 for Gemma 2): the model scans L / p groups of p layers."""
+        windows = self.layer_windows
+        L = self.num_layers
+        return next(p for p in range(1, L + 1) if not L % p and windows == windows[:p] * (L // p))
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention logit scale: ``query_pre_attn_scalar ** -0.5`` or ``H ** -0.5``."""
+        scalar = self.query_pre_attn_scalar
+        return float((self.head_dim if scalar is None else scalar) ** -0.5)
 
     def __post_init__(self):
         errors = []
@@ -114,6 +163,24 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             errors.append(f"sliding_window={self.sliding_window!r} must be None or positive")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", types)
+            if len(types) != self.num_layers or not set(types) <= set(LAYER_TYPES):
+                errors.append(
+                    f"layer_types={list(types)} must hold num_layers={self.num_layers} entries "
+                    f"from {LAYER_TYPES}"
+                )
+            elif "sliding_attention" in types and self.sliding_window is None:
+                errors.append("layer_types has sliding_attention layers but sliding_window=None")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            errors.append(f"hidden_act={self.hidden_act!r} must be one of {SUPPORTED_ACTIVATIONS}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+            ):
+                errors.append(f"{name}={value!r} must be None or a number > 0")
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in (
             SUPPORTED_ROPE_TYPES
         ):
@@ -148,10 +215,13 @@ class ModelConfig:
                 f"unsupported model_type={model_type!r} in config.json; jpaged supports "
                 f"{SUPPORTED_MODEL_TYPES}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        gemma = model_type == "gemma2"
+        act = hf.get("hidden_activation") if gemma else None
+        act = act or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
-                f"unsupported hidden_act={act!r} in config.json; jpaged supports 'silu'"
+                f"unsupported hidden_act={act!r} in config.json; jpaged supports "
+                f"{SUPPORTED_ACTIVATIONS}"
             )
         num_heads = _int(hf, "num_attention_heads")
         hidden = _int(hf, "hidden_size")
@@ -160,6 +230,15 @@ class ModelConfig:
         qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
+        window, layer_types = _windows_from_hf(model_type, hf)
+        gemma_kwargs: dict[str, Any] = {}
+        if gemma:
+            gemma_kwargs = dict(
+                attn_logit_softcapping=_optional_float(hf.get("attn_logit_softcapping")),
+                final_logit_softcapping=_optional_float(hf.get("final_logit_softcapping")),
+                query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
+                post_norms=True, norm_unit_offset=True, scale_embeddings=True,
+            )  # fmt: skip
         return cls(
             model_type=model_type,
             vocab_size=_int(hf, "vocab_size"),
@@ -173,11 +252,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(hf, "max_position_embeddings", 4096),
-            sliding_window=_sliding_window_from_hf(model_type, hf),
+            sliding_window=window,
+            layer_types=layer_types,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            hidden_act=act,
+            **gemma_kwargs,
         )
 
 
@@ -232,28 +314,34 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(**kwargs)
 
 
-def _sliding_window_from_hf(model_type: str, hf: Mapping[str, Any]) -> int | None:
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _windows_from_hf(
+    model_type: str, hf: Mapping[str, Any]
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)``; layer_types None when every layer is alike."""
     window = hf.get("sliding_window")
     if model_type == "llama" or window is None:
-        return None
+        return None, None
+    n = _int(hf, "num_hidden_layers")
     layer_types = hf.get("layer_types")
     if model_type == "qwen2" and layer_types is None:
         if not hf.get("use_sliding_window", False):
-            return None
+            return None, None
         start = _int(hf, "max_window_layers", 0)
-        n = _int(hf, "num_hidden_layers")
         layer_types = ["full_attention"] * start + ["sliding_attention"] * (n - start)
+    if model_type == "gemma2" and layer_types is None:  # Gemma2Config's default pattern
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if layer_types is None:
-        return int(window)
+        return int(window), None
     kinds = set(layer_types)
     if kinds == {"full_attention"}:
-        return None
+        return None, None
     if kinds == {"sliding_attention"}:
-        return int(window)
-    raise ValueError(
-        f"layer_types={sorted(kinds)} mixes full and sliding-window layers; jpaged runs one "
-        "attention kind for all layers of a model"
-    )
+        return int(window), None
+    return int(window), tuple(layer_types)
 
 
 def llama3_8b(**overrides: Any) -> ModelConfig:

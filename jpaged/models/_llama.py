@@ -1,11 +1,17 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) as one Flax NNX module on the paged cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Gemma 2) as one Flax NNX module on the paged
+cache.
 
-One implementation, switched by ``ModelConfig``: RMSNorm, GQA attention with RoPE (Llama 3
-scaling), optional sliding window (Mistral), optional q/k/v biases (Qwen2), SwiGLU MLP,
-tied or untied embeddings. Layer parameters are stacked with a leading L axis (q/k/v and
-gate/up fused into one GEMM each) and the layers run under ``jax.lax.scan``, so compile time
-does not grow with depth; in the paged forward the cache is the scan's carry and each layer
-writes and reads its own slice of the stacked pool by index (never slicing the pool). On CUDA
+One implementation, switched by ``ModelConfig``: RMSNorm (Gemma's ``1 + weight``), GQA
+attention with RoPE (Llama 3 scaling), optional sliding windows (every layer: Mistral;
+alternating local/global layers: Gemma 2), optional q/k/v biases (Qwen2), a gated MLP (SiLU
+or gelu-tanh), Gemma 2's logit soft caps, query pre-attention scalar, post-attention and
+post-feedforward norms and sqrt(D) embedding scale, tied or untied embeddings. Layer
+parameters are stacked with a leading L axis (q/k/v and gate/up fused into one GEMM each) and
+the layers run under ``jax.lax.scan``, so compile time does not grow with depth; a model whose
+layers' windows repeat with period p (Gemma 2: p = 2) scans L / p groups of p layers, each
+layer with its window as a static argument of the attention op. In the paged forward the cache
+is the scan's carry and each layer writes and reads its own slice of the stacked pool by index
+(never slicing the pool). On CUDA
 GPUs the engine compiles with cuBLAS GEMMs reading each layer's weights in place
 (``jpaged.engine.runner.GPU_COMPILER_OPTIONS``): XLA's default Triton GEMMs made it copy them first.
 Jitting the model yourself, pass ``jax.jit(..., compiler_options=
@@ -68,15 +74,17 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["layers.bo_LD"] = (L, D)
     if c.mlp_bias:
         shapes |= {"layers.b_gate_LF": (L, F), "layers.b_up_LF": (L, F), "layers.b_down_LD": (L, D)}
+    if c.post_norms:
+        shapes |= {"layers.post_attn_norm_LD": (L, D), "layers.post_mlp_norm_LD": (L, D)}
     return shapes
 
 
-def _draw(shapes: Mapping[str, tuple[int, ...]], key: jax.Array, dtype: Any) -> dict:
-    """normal(0.02) weights, unit norms, zero biases; all weights from one flat draw."""
+def _draw(shapes: Mapping[str, tuple[int, ...]], key: jax.Array, dtype: Any, norm: float) -> dict:
+    """normal(0.02) weights, norm weights ``norm``, zero biases; weights from one flat draw."""
     params, weights = {}, {}
     for name, shape in shapes.items():
         if "norm" in name:
-            params[name] = jnp.ones(shape, dtype)
+            params[name] = jnp.full(shape, norm, dtype)
         elif name.split(".")[-1].startswith("b"):
             params[name] = jnp.zeros(shape, dtype)
         else:
@@ -103,9 +111,10 @@ def _random_params(config: ModelConfig, key: jax.Array, dtype: Any) -> dict[str,
     top = {n: s for n, s in shapes.items() if not n.startswith("layers.")}
     per_layer = {n: s[1:] for n, s in shapes.items() if n.startswith("layers.")}
     key_top, key_layers = jax.random.split(key)
-    params = _draw(top, key_top, dtype)
+    norm = 0.0 if config.norm_unit_offset else 1.0  # unit scale either way
+    params = _draw(top, key_top, dtype, norm)
     layer_keys = jax.random.split(key_layers, config.num_layers)
-    params |= jax.lax.map(lambda k: _draw(per_layer, k, dtype), layer_keys)
+    params |= jax.lax.map(lambda k: _draw(per_layer, k, dtype, norm), layer_keys)
     return params
 
 
@@ -186,7 +195,7 @@ def layer_qkv(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array, position
     ``p``: the layer's parameters (``DecoderLayers.arrays()`` names, one layer's slice).
     """
     N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
-    h = _rms_norm(x, p["attn_norm_LD"], c.rms_norm_eps)
+    h = _rms_norm(c, x, p["attn_norm_LD"])
     qkv = jnp.einsum("...d,dx->...x", h, p["wqkv_LDX"])
     if c.qkv_bias:
         qkv = qkv + p["bqkv_LX"]
@@ -199,10 +208,12 @@ def layer_qkv(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array, position
 
 def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
                   o: jax.Array, *, shard_axis: str | None = None) -> jax.Array:  # fmt: skip
-    """The rest of the layer after attention: output projection, residual, SwiGLU MLP.
+    """The rest of the layer after attention: output projection (then the post-attention
+    norm), residual, gated MLP (then the post-feedforward norm), residual.
 
     ``shard_axis``: the mesh axis when ``p`` holds one device's heads and MLP columns
-    (``jpaged.parallel``): the two row-parallel projections are summed over it.
+    (``jpaged.parallel``): the two row-parallel projections are summed over it (before the
+    post-norms, which need the whole vector).
     """
     F = c.intermediate_size
     # Split, the partial sums stay f32 through the all-reduce and are rounded once, as the
@@ -214,16 +225,22 @@ def layer_out_mlp(c: ModelConfig, p: Mapping[str, jax.Array], x: jax.Array,
     attn = _sum_over_shards(attn, shard_axis).astype(x.dtype)
     if c.o_bias:
         attn = attn + p["bo_LD"]
+    if c.post_norms:
+        attn = _rms_norm(c, attn, p["post_attn_norm_LD"])
     x = x + attn
-    h = _rms_norm(x, p["mlp_norm_LD"], c.rms_norm_eps)
+    h = _rms_norm(c, x, p["mlp_norm_LD"])
     gate_up = jnp.einsum("...d,dx->...x", h, p["w_gate_up_LDX"])
     if c.mlp_bias:
         gate_up = gate_up + p["b_gate_up_LX"]
-    down = jnp.einsum("...f,fd->...d", jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:],
-                      p["w_down_LFD"], preferred_element_type=acc)  # fmt: skip
+    gate = gate_up[..., :F]
+    gate = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    down = jnp.einsum("...f,fd->...d", gate * gate_up[..., F:], p["w_down_LFD"],
+                      preferred_element_type=acc)  # fmt: skip
     down = _sum_over_shards(down, shard_axis).astype(x.dtype)
     if c.mlp_bias:
         down = down + p["b_down_LD"]
+    if c.post_norms:
+        down = _rms_norm(c, down, p["post_mlp_norm_LD"])
     return x + down
 
 
@@ -244,23 +261,32 @@ def _embed(table_VD: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Arra
     return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), axis)
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As Hugging Face: normalize in f32, cast back, then scale.
+def _rms_norm(c: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    # As Hugging Face: normalize in f32; Llama casts back then scales, Gemma scales by
+    # (1 + weight) in f32 then casts back.
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + c.rms_norm_eps)
+    if c.norm_unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
+def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def _dense_causal_attention(
-    q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, sliding_window: int | None
-) -> jax.Array:
-    """Plain causal (optionally sliding-window) attention, softmax in f32."""
+    c: ModelConfig, q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+    sliding_window: int | None,
+) -> jax.Array:  # fmt: skip
+    """Plain causal (optionally sliding-window, soft-capped) attention, softmax in f32."""
     B, S, N, H = q_BSNH.shape
     K = k_BSKH.shape[2]
     q_BSKGH = q_BSNH.reshape(B, S, K, N // K, H)
     s_BKGST = jnp.einsum(
         "bskgh,btkh->bkgst", q_BSKGH, k_BSKH, preferred_element_type=jnp.float32
-    ) * (H**-0.5)
+    ) * jnp.float32(c.sm_scale)
+    s_BKGST = _soft_cap(s_BKGST, c.attn_logit_softcapping)
     pos_q, pos_k = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
     visible_ST = pos_k <= pos_q
     if sliding_window is not None:
@@ -272,7 +298,7 @@ def _dense_causal_attention(
 
 
 class LlamaForCausalLM(nnx.Module):
-    """A Llama-family causal LM (Llama 2/3, Mistral, Qwen2) that runs on the paged cache.
+    """A Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Gemma 2) on the paged cache.
 
     Build it random (``LlamaForCausalLM(config, rngs=nnx.Rngs(0))``, or jitted on device with
     ``init_random``) or from a Hugging Face checkpoint (``jpaged.models.from_pretrained``).
@@ -355,25 +381,44 @@ class LlamaForCausalLM(nnx.Module):
         x: jax.Array,
         positions: jax.Array,
         carry: Any,
-        attend: Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
+        attend: Callable[..., tuple[jax.Array, Any]],
     ) -> tuple[jax.Array, Any]:
-        """Runs the L layers under ``lax.scan``; ``x``: [..., D], ``positions``: i32[...]."""
+        """Runs the L layers under ``lax.scan``; ``x``: [..., D], ``positions``: i32[...].
+
+        ``attend(q, k, v, carry, layer, window)``: ``layer`` an i32[] index, ``window`` the
+        layer's static sliding window. Layers whose windows repeat with period p run as a
+        scan over L / p groups of p layers (p = 1: one layer per iteration).
+        """
         c = self.config
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        period = c.layer_period
+        windows = c.layer_windows[:period]
 
         def layer(state, xs):
             x, carry = state
-            p, idx = xs
-            q, k, v = layer_qkv(c, p, x, positions, inv_freq)
-            o, carry = attend(q, k, v, carry, idx)
-            return (layer_out_mlp(c, p, x, o, shard_axis=self.shard_axis), carry), None
+            group, first = xs
+            for j, window in enumerate(windows):
+                p = group if period == 1 else {n: a[j] for n, a in group.items()}
+                q, k, v = layer_qkv(c, p, x, positions, inv_freq)
+                o, carry = attend(q, k, v, carry, first + j, window)
+                x = layer_out_mlp(c, p, x, o, shard_axis=self.shard_axis)
+            return (x, carry), None
 
-        xs = (self.layers.arrays(), jnp.arange(c.num_layers, dtype=jnp.int32))
+        params = self.layers.arrays()
+        if period > 1:  # [L, ...] -> [L / p, p, ...]: splits the leading axis, no copy
+            params = {n: a.reshape(-1, period, *a.shape[1:]) for n, a in params.items()}
+        xs = (params, jnp.arange(0, c.num_layers, period, dtype=jnp.int32))
         (x, carry), _ = jax.lax.scan(layer, (x, carry), xs, unroll=LAYER_SCAN_UNROLL)
         return x, carry
 
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = _embed(self.embed_VD[...], tokens, self.shard_axis)
+        if self.config.scale_embeddings:  # as Gemma: sqrt(D) rounded to the weights' dtype
+            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        return x
+
     def _logits(self, x: jax.Array) -> jax.Array:
-        x = _rms_norm(x, self.norm_D[...], self.config.rms_norm_eps)
+        x = _rms_norm(self.config, x, self.norm_D[...])
         if self.lm_head_DV is None:
             logits = jnp.einsum(
                 "...d,vd->...v", x, self.embed_VD[...], preferred_element_type=jnp.float32
@@ -382,9 +427,9 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.einsum(
                 "...d,dv->...v", x, self.lm_head_DV[...], preferred_element_type=jnp.float32
             )
-        if self.shard_axis is None:
-            return logits
-        return jax.lax.all_gather(logits, self.shard_axis, axis=logits.ndim - 1, tiled=True)
+        if self.shard_axis is not None:
+            logits = jax.lax.all_gather(logits, self.shard_axis, axis=logits.ndim - 1, tiled=True)
+        return _soft_cap(logits, self.config.final_logit_softcapping)
 
     def __call__(
         self,
@@ -411,12 +456,13 @@ class LlamaForCausalLM(nnx.Module):
           ``(logits_RV, cache)``: f32 logits of the rows ``metadata.logits_indices`` and the
           cache with this batch's K/V written.
         """
-        x_TD = _embed(self.embed_VD[...], tokens_T, self.shard_axis)
-        window = self.config.sliding_window
+        x_TD = self._embed(tokens_T)
+        c = self.config
 
-        def attend(q, k, v, cache, layer):
+        def attend(q, k, v, cache, layer, window):
             return paged_attention_layer(
-                q, k, v, cache, layer, metadata, sliding_window=window, decode=decode,
+                q, k, v, cache, layer, metadata, sm_scale=c.sm_scale, sliding_window=window,
+                logits_soft_cap=c.attn_logit_softcapping, decode=decode,
                 implementation=implementation,
             )  # fmt: skip
 
@@ -433,12 +479,11 @@ class LlamaForCausalLM(nnx.Module):
           f32[B, S, V] logits at every position.
         """
         B, S = tokens_BS.shape
-        x_BSD = _embed(self.embed_VD[...], tokens_BS, self.shard_axis)
+        x_BSD = self._embed(tokens_BS)
         positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        window = self.config.sliding_window
 
-        def attend(q, k, v, carry, layer):
-            return _dense_causal_attention(q, k, v, window), carry
+        def attend(q, k, v, carry, layer, window):
+            return _dense_causal_attention(self.config, q, k, v, window), carry
 
         x_BSD, _ = self._run_layers(x_BSD, positions_BS, None, attend)
         return self._logits(x_BSD)

@@ -46,6 +46,13 @@ _LAYER_NAMES = {
     "b_up_LF": "mlp.up_proj.bias",
     "b_down_LD": "mlp.down_proj.bias",
 }
+# Gemma 2's four norms per layer: its "post_attention_layernorm" follows the attention (before
+# the residual add); the MLP's input norm is "pre_feedforward_layernorm".
+_POST_NORM_NAMES = {
+    "post_attn_norm_LD": "post_attention_layernorm.weight",
+    "mlp_norm_LD": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm_LD": "post_feedforward_layernorm.weight",
+}
 _TOP_NAMES = {
     "embed_VD": "model.embed_tokens.weight",
     "norm_D": "model.norm.weight",
@@ -98,10 +105,11 @@ def _tensor_files(ckpt: pathlib.Path) -> dict[str, pathlib.Path]:
     )
 
 
-def _hf_name(name: str, layer: int | None) -> str:
+def _hf_name(name: str, layer: int | None, config: ModelConfig) -> str:
     if layer is None:
         return _TOP_NAMES[name]
-    return f"model.layers.{layer}.{_LAYER_NAMES[name]}"
+    names = _LAYER_NAMES | _POST_NORM_NAMES if config.post_norms else _LAYER_NAMES
+    return f"model.layers.{layer}.{names[name]}"
 
 
 def _to_jpaged_layout(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -161,9 +169,9 @@ def _wanted(
     for name in param_shapes(config):
         if name.startswith("layers."):
             for i in range(config.num_layers):
-                wanted[_hf_name(name.removeprefix("layers."), i)] = (name, i)
+                wanted[_hf_name(name.removeprefix("layers."), i, config)] = (name, i)
         else:
-            wanted[_hf_name(name, None)] = (name, None)
+            wanted[_hf_name(name, None, config)] = (name, None)
     missing = sorted(set(wanted) - set(files), key=_natural_key)
     if missing:
         raise ValueError(
@@ -267,7 +275,7 @@ def from_pretrained(
     path: str | pathlib.Path, *, dtype: Any = None, mesh: Mesh | None = None,
     axis: str = MODEL_AXIS,
 ) -> LlamaForCausalLM | TensorParallelModel:  # fmt: skip
-    """Loads a local Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2).
+    """Loads a local Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2, Gemma 2).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or sharded

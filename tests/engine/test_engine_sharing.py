@@ -90,7 +90,7 @@ def test_preemption_under_a_tiny_pool_gives_the_unconstrained_tokens(mode):
     assert s["pages_used"] == 0
 
 
-GOLDENS = ["llama2", "llama3", "mistral", "qwen2"]
+GOLDENS = ["llama2", "llama3", "mistral", "qwen2", "gemma2"]
 
 
 @pytest.mark.parametrize("name", GOLDENS)

@@ -476,7 +476,8 @@ def test_public_names_exported():
 
 
 @pytest.mark.parametrize(
-    "module", ["jpaged.kv.allocator", "jpaged.kv.prefix_cache", "jpaged.kv.seq_record"]
+    "module",
+    ["jpaged.kv.allocator", "jpaged.kv.prefix_cache", "jpaged.kv.seq_record", "jpaged.kv.window"],
 )
 def test_doctests(module):
     import doctest

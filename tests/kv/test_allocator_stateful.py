@@ -6,7 +6,10 @@ engine would, and writes each sequence's new tokens into the slots the allocator
 After every step it checks the allocator's invariants and that every sequence still reads
 its own tokens through its block table: a write that reached a page shared with another
 sequence, or a cached page, shows up as a changed token. Reserved lookahead slots are
-filled with junk to prove they are private. One run makes at least 10^4 steps (asserted).
+filled with junk to prove they are private. Sliding-window releases drop a sequence's oldest
+pages: its positions from the first held page on must still read its tokens, and released
+entries must point at that page, full of its tokens. One run makes at least 10^4 steps
+(asserted).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hypothesis.stateful import (
 )
 
 from jpaged import AllocatorError, BlockAllocator, OutOfPagesError
+from jpaged.kv.window import releasable_pages
 
 C = 4  # page size
 P = 24  # device pages
@@ -162,9 +166,26 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(seq_id=seqs, data=st.data())
     def truncate(self, seq_id, data):
         if seq_id in self.tokens and not self.alloc.is_swapped(seq_id):
+            released = self.alloc.num_released_pages(seq_id)
             n = data.draw(st.integers(0, len(self.tokens[seq_id])))
+            if released and n < (released + 1) * C:  # the first held page must stay full
+                before = _snapshot(self.alloc)
+                with pytest.raises(AllocatorError, match=r"num_tokens must lie in \["):
+                    self.alloc.truncate(seq_id, n)
+                assert _snapshot(self.alloc) == before
+                return
             self.alloc.truncate(seq_id, n)
             del self.tokens[seq_id][n:]
+
+    @rule(seq_id=seqs, window=st.integers(1, 3 * C))
+    def release_window(self, seq_id, window):
+        """Every token appended is computed here: release against the full length."""
+        if seq_id in self.tokens and not self.alloc.is_swapped(seq_id):
+            n = len(self.tokens[seq_id])
+            before = self.alloc.num_released_pages(seq_id)
+            count = self.alloc.release_outside_window(seq_id, n, window)
+            after = max(before, releasable_pages(n, window, C))
+            assert count == after - before and self.alloc.num_released_pages(seq_id) == after
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
@@ -236,9 +257,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 table, pool = self.alloc.host_block_table(seq_id), self.host
             else:
                 table, pool = self.alloc.block_table(seq_id), self.content
-            pos = np.arange(n)
+            released = self.alloc.num_released_pages(seq_id)
+            pos = np.arange(released * C, n)
             slots = np.asarray(table, np.int64)[pos // C] * C + pos % C
-            assert pool[slots].tolist() == expected, f"sequence {seq_id} lost its tokens"
+            assert pool[slots].tolist() == expected[released * C :], f"{seq_id} lost tokens"
+            if released:  # released entries read the first held page, full of its tokens
+                assert table[:released] == [table[released]] * released
+                first = table[released] * C
+                assert pool[first : first + C].tolist() == expected[released * C :][:C]
         s = self.alloc.stats()
         assert s.free_pages + s.used_pages + s.evictable_pages == P
         assert 0.0 <= s.page_fill <= 1.0

@@ -32,7 +32,7 @@ import jpaged
 from jpaged import models
 
 ROOT = pathlib.Path(__file__).parents[1]
-NAMES = ("llama2", "llama3", "mistral", "qwen2")
+NAMES = ("llama2", "llama3", "mistral", "qwen2", "gemma2")
 PAGE_SIZE = 4
 T_PAD = 32  # ragged batch bucket
 B_PAD = 5  # sequences per batch (the last ones padding)

@@ -47,6 +47,39 @@ def test_configs_from_checkpoints():
     assert llama3.rope_theta == 500000.0
     assert mistral.sliding_window == 8 and mistral.num_kv_heads == 1
     assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.sliding_window is None
+    assert llama2.layer_windows == (None, None) and mistral.layer_windows == (8, 8)
+    assert llama2.hidden_act == "silu" and llama2.sm_scale == 16**-0.5
+
+
+def test_gemma2_config_from_checkpoint():
+    gemma = models.load_config(CKPT / "gemma2")
+    assert gemma.model_type == "gemma2" and gemma.tie_word_embeddings
+    assert gemma.layer_types == ("sliding_attention", "full_attention") * 2
+    assert gemma.layer_windows == (8, None, 8, None) and gemma.layer_period == 2
+    assert (gemma.num_heads, gemma.num_kv_heads, gemma.head_dim) == (2, 1, 256)
+    assert gemma.sm_scale == 64**-0.5  # query_pre_attn_scalar, not the head dim
+    assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (5.0, 10.0)
+    assert gemma.post_norms and gemma.norm_unit_offset and gemma.scale_embeddings
+    assert gemma.hidden_act == "gelu_pytorch_tanh"
+    names = set(models.param_shapes(gemma))
+    assert {"layers.post_attn_norm_LD", "layers.post_mlp_norm_LD"} <= names
+    assert "lm_head_DV" not in names
+    # Without layer_types Gemma2Config alternates sliding and full layers, sliding first.
+    hf = json.loads((CKPT / "gemma2" / "config.json").read_text())
+    del hf["layer_types"]
+    assert models.ModelConfig.from_hf(hf).layer_windows == (8, None, 8, None)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "period"),
+    [((8, 8, 8, 8, 8, 8), 1), ((8, None) * 3, 2), ((4, 4, None) * 2, 3),
+     ((4, None, None, None, 4, 4), 6)],
+)  # fmt: skip
+def test_layer_period(pattern, period):
+    types = tuple("full_attention" if w is None else "sliding_attention" for w in pattern)
+    config = models.tiny(num_layers=6, sliding_window=4, layer_types=types)
+    assert config.layer_period == period
+    assert config.layer_windows == tuple(None if w is None else 4 for w in pattern)
 
 
 def test_benchmark_shapes_have_the_real_parameter_counts():
@@ -87,17 +120,21 @@ def test_unsupported_rope_type_and_activation(tmp_path):
     with pytest.raises(ValueError, match=r"unsupported rope_type='yarn'"):
         models.load_config(ckpt)
     _edit_config(ckpt, rope_parameters={"rope_type": "default"}, hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"unsupported hidden_act='gelu'"):
+    with pytest.raises(ValueError, match=r"unsupported hidden_act='gelu'.*'gelu_pytorch_tanh'"):
         models.load_config(ckpt)
 
 
-def test_mixed_sliding_window_layers_rejected(tmp_path):
+def test_mixed_sliding_window_layers(tmp_path):
     ckpt = _copy_checkpoint(tmp_path, "qwen2")
     _edit_config(ckpt, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(ValueError, match=r"mixes full and sliding-window layers"):
-        models.load_config(ckpt)
+    config = models.load_config(ckpt)
+    assert config.layer_windows == (4, None) and config.layer_period == 2
     _edit_config(ckpt, layer_types=["sliding_attention", "sliding_attention"])
-    assert models.load_config(ckpt).sliding_window == 4
+    config = models.load_config(ckpt)
+    assert config.sliding_window == 4 and config.layer_types is None
+    assert config.layer_windows == (4, 4) and config.layer_period == 1
+    _edit_config(ckpt, layer_types=["full_attention", "full_attention"])
+    assert models.load_config(ckpt).layer_windows == (None, None)
 
 
 def test_missing_and_unexpected_tensors(tmp_path):
@@ -154,6 +191,20 @@ def test_config_validation():
         models.tiny(hidden_size=0)
     with pytest.raises(ValueError, match=r"pass exactly one of rngs="):
         models.LlamaForCausalLM(models.tiny())
+    with pytest.raises(
+        ValueError, match=r"layer_types=\['full_attention'\] must hold num_layers=2"
+    ):
+        models.tiny(layer_types=("full_attention",))
+    with pytest.raises(ValueError, match=r"layer_types=\['full_attention', 'local'\] must hold"):
+        models.tiny(layer_types=("full_attention", "local"))
+    with pytest.raises(ValueError, match=r"sliding_attention layers but sliding_window=None"):
+        models.tiny(layer_types=("full_attention", "sliding_attention"))
+    with pytest.raises(ValueError, match=r"hidden_act='relu' must be one of \('silu', 'gelu"):
+        models.tiny(hidden_act="relu")
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=0.0 must be None or a number"):
+        models.tiny(attn_logit_softcapping=0.0)
+    with pytest.raises(ValueError, match=r"query_pre_attn_scalar=True must be None or a number"):
+        models.tiny(query_pre_attn_scalar=True)
     shapes = models.param_shapes(models.tiny())
     params = {k: jnp.zeros(s) for k, s in shapes.items() if k != "norm_D"}
     with pytest.raises(ValueError, match=r"missing parameters \['norm_D'\]"):
