@@ -93,6 +93,9 @@ def jax_cache_state():
 def test_the_persistent_cache_serves_a_second_warmup(tmp_path, jax_cache_state):
     # CPU compiles take well under JAX's default 1 s threshold for writing an entry.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Programs compiled by earlier tests in this process would come from memory, unwritten.
+    jax.clear_caches()
+    runner._programs.cache_clear()
     kw = dict(num_decode_steps=1, max_num_seqs=3, compilation_cache=tmp_path / "c")
     llm = make_llm(**kw)
     assert llm.compilation_cache_dir == str(tmp_path / "c")
