@@ -413,8 +413,8 @@ class LLM:
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
         if self.replicas:
-            replica = self._replica_set.pick(prompt, cache_salt)
-            replica.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            replica = self._replica_set.pick(prompt[0], cache_salt)  # by its token ids
+            replica._add(prompt, params, request_id, cache_salt)
             req = replica._requests[request_id]
         else:
             req = self.intake.make_request(prompt, params, request_id, cache_salt)

@@ -290,9 +290,14 @@ def test_padded_mlp_and_vocabulary_blocks_add_nothing():
 
 def test_no_compile_after_warmup_under_tensor_parallelism():
     llm = _llm("llama2", "tp2")
-    # As on one device: decode, the loop in 3 sampling modes, ragged at 16 and 32 tokens, and
-    # the page programs (beam search's top-k step compiles on first use).
-    assert llm.warmup() == 9
+    # As on one device: decode, the loop in 3 sampling modes, the ragged step of the one token
+    # bucket (the budget, 32), and the page programs (beam search's top-k step compiles on
+    # first use).
+    report = llm.warmup()
+    assert [p.name for p in report.programs] == [
+        "decode B=8", "loop B=8 greedy", "loop B=8 random", "loop B=8 truncate", "ragged T=32 B=8"
+    ]  # fmt: skip
+    assert report.num_page_programs == 3
     warm = llm.stats()["recompiles"]
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 300, size=n).tolist() for n in (3, 20, 9, 1, 15, 30)]
@@ -333,12 +338,16 @@ def test_data_parallel_routes_requests_to_replicas():
     g = _golden("llama2")
     llm = _llm("llama2", "data2xmodel2")
     assert len(llm.replicas) == 2 and llm.alloc is None
-    assert {d for r in llm.replicas for d in r.model.mesh.devices.flat} == set(
-        make_mesh(2, 2).devices.flat
-    )
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 300, size=n).tolist() for n in (12, 9, 20, 5)]
     ref = jpaged.LLM(_one_device_model("llama2"), **ENGINE).generate(prompts, GREEDY)
+    report = llm.warmup()  # the replicas' programs in one report
+    assert [p.name for p in report.programs][:2] == ["r0 decode B=8", "r0 loop B=8 greedy"]
+    assert len(report.programs) == 10 and report.num_page_programs == 6
+    warm = llm.stats()["recompiles"]
+    assert {d for r in llm.replicas for d in r.model.mesh.devices.flat} == set(
+        make_mesh(2, 2).devices.flat
+    )
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     per_replica = [s["tokens_generated"] for s in llm.stats()["replicas"]]
@@ -355,6 +364,7 @@ def test_data_parallel_routes_requests_to_replicas():
     llm.abort(rid)
     assert llm.get_output(rid).outputs[0].finish_reason == "abort"
     assert not llm.has_unfinished_requests() and llm.stats()["pages_used"] == 0
+    assert llm.stats()["recompiles"] == warm
     with pytest.raises(AttributeError, match="replicas"):
         llm.cache  # noqa: B018
 
