@@ -11,6 +11,8 @@ import os
 # directory); tests/engine/test_warmup.py turns it on in temporary directories.
 os.environ.setdefault("JPAGED_COMPILATION_CACHE", "off")
 
+import gc
+
 import _fast_lowering
 import jax
 import pytest
@@ -19,6 +21,20 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Cross-lowering for CUDA spends half its time naming layout-inference variables: an
 # output-identical shortcut (tests/_fast_lowering.py; checked in tests/test_lowered_ir.py).
 _fast_lowering.install()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module.
+
+    On CPU each XLA executable maps its JIT code into the process (several memory mappings
+    each). A worker that compiled a few thousand programs reached Linux's default limit of
+    65530 mappings per process (``vm.max_map_count``), and the next compile segfaulted.
+    Programs a later module needs again are recompiled.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def _backend() -> str:
