@@ -3,8 +3,10 @@
 # Imports are grouped by area (the comments below), not sorted: one block per owner.
 # ruff: noqa: I001
 
+from jpaged._attention import last_auto_choice as last_auto_choice
 from jpaged._attention import paged_attention as paged_attention
 from jpaged._attention import ragged_paged_attention as ragged_paged_attention
+from jpaged._backend import auto_route as auto_route
 from jpaged._errors import AllocatorError as AllocatorError
 from jpaged._errors import OutOfPagesError as OutOfPagesError
 

@@ -36,7 +36,7 @@ _LAST_AUTO: dict[str, tuple[str, str]] = {}
 def last_auto_choice(op: str = "paged_attention") -> tuple[str, str] | None:
     """The implementation ``implementation=None`` picked at the latest trace of ``op``
     ("paged_attention" or "ragged_paged_attention") and why, or None before any. The same
-    line goes to the ``jpaged.dispatch`` logger at DEBUG level; ``jpaged._backend.auto_route()``
+    line goes to the ``jpaged.dispatch`` logger at DEBUG level; ``jpaged.auto_route()``
     says which kernel this machine tries first without a call."""
     return _LAST_AUTO.get(op)
 

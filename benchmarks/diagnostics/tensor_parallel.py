@@ -154,8 +154,7 @@ def check_tokens(tp_sizes) -> list[dict]:
         with open(ROOT / "tests" / "goldens" / f"{name}.json") as f:
             cases.append((name, str(ROOT / "tests" / "checkpoints" / name),
                           [json.load(f)["prompt_ids"]]))  # fmt: skip
-    engine = dict(page_size=8, num_pages=128, max_num_seqs=8, max_model_len=64,
-                  max_num_batched_tokens=64)  # fmt: skip
+    engine = dict(page_size=8, num_pages=128, max_num_seqs=8, max_num_batched_tokens=64)
     for name, path, prompts in cases:
         for dtype in (jnp.float32, jnp.bfloat16):
             ref = None
@@ -216,7 +215,8 @@ def main(argv=None) -> dict:
         for B in [int(b) for b in args.batch.split(",")]:
             pages = B * (math.ceil((args.ctx + args.k) / C) + 1) + 8
             llm = jpaged.LLM(model, page_size=C, num_pages=pages, max_num_seqs=B,
-                             max_model_len=args.ctx + 512, num_decode_steps=args.k,
+                             max_model_len=min(args.ctx + 512, cfg.max_position_embeddings),
+                             num_decode_steps=args.k,
                              eos_token_id=[], enable_prefix_caching=False)  # fmt: skip
             step_s = decode_floor(llm, B, args.ctx, args.k, args.calls)
             live = B * (args.ctx + (args.k + 1) / 2)  # mean tokens in the cache per step
