@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant
+
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -54,6 +56,8 @@ def paged_attention_xla(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: bool = False,
     pages_per_chunk: int | None = None,
 ) -> jax.Array:
@@ -73,6 +77,9 @@ def paged_attention_xla(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set to w, key j is seen iff ``lengths[b] - 1 - j < w``.
       layer: layer index (int or i32[]) into a 5-D pool; None for a 4-D pool.
+      k_scale: quantized (fp8, int8) pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C]
+        with a 5-D pool); each gathered page is dequantized to ``page.astype(f32) * scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: must be False (there is no Pallas kernel to interpret here).
       pages_per_chunk: pages gathered per loop step (static); default about 256
         tokens' worth (``default_pages_per_chunk``).
@@ -99,6 +106,7 @@ def paged_attention_xla(
         isinstance(pages_per_chunk, int) and pages_per_chunk >= 1
     ):
         raise ValueError(f"{pages_per_chunk=} must be an int >= 1")
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     if k_pages.ndim == 4:
         # A leading unit axis is a free reshape; one code path serves both layouts.
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
@@ -109,6 +117,8 @@ def paged_attention_xla(
         block_tables,
         lengths,
         jnp.asarray(layer, jnp.int32),
+        k_scale,
+        v_scale,
         sm_scale=float(sm_scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         sliding_window=sliding_window,
@@ -160,7 +170,7 @@ def chunk_schedule(
     static_argnames=("sm_scale", "logits_soft_cap", "sliding_window", "pages_per_chunk"),
 )
 def _paged_attention_xla(
-    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, *,
+    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, k_scale, v_scale, *,
     sm_scale, logits_soft_cap, sliding_window, pages_per_chunk,
 ):  # fmt: skip
     B, N, H = q_BNH.shape
@@ -168,7 +178,7 @@ def _paged_attention_xla(
     W = tables_BW.shape[1]
     G = N // K
     R = pages_per_chunk
-    kv_dtype = k_pages_LKPCH.dtype
+    kv_dtype = k_pages_LKPCH.dtype if k_scale is None else jnp.dtype(jnp.float32)  # dequantized
     # Dots run in the storage dtype with f32 accumulation (f32 if q and pages differ).
     dot_dtype = kv_dtype if q_BNH.dtype == kv_dtype else jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
@@ -190,6 +200,9 @@ def _paged_attention_xla(
         # One gather per chunk: [B, R, K, C, H] straight from the (layer of the) pool.
         k_BRKCH = k_pages_LKPCH[layer, :, ids_BR]
         v_BRKCH = v_pages_LKPCH[layer, :, ids_BR]
+        # Quantized pools: page.astype(f32) * scale, the scales gathered with their pages.
+        k_BRKCH = _quant.dequantize_gathered(k_BRKCH, k_scale, layer, ids_BR)
+        v_BRKCH = _quant.dequantize_gathered(v_BRKCH, v_scale, layer, ids_BR)
 
         pos_BRC = col_BR[:, :, None] * C + offset_C[None, None, :]
         visible_BRC = (pos_BRC < lengths_B[:, None, None]) & (pos_BRC >= lo_B[:, None, None])
