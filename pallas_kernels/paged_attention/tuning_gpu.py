@@ -144,10 +144,24 @@ def default_block_kv(head_dim: int) -> int:
 
 
 def default_num_stages(
-    head_dim: int, block_kv: int = 64, qcols: int | None = None, staged: bool = False
+    head_dim: int,
+    block_kv: int = 64,
+    qcols: int | None = None,
+    staged: bool = False,
+    quantized: bool = False,
 ) -> int:
     """Depth of the K/V ring (``TUNING["default_num_stages"]``); ``qcols``: the ``swap_ab``
-    tiles' query columns; ``staged``: pages below 8 tokens by TMA."""
+    tiles' query columns; ``staged``: pages below 8 tokens by TMA; ``quantized``: 8-bit pages
+    (the deepest ring that keeps three CTAs per SM, else two, else one stage)."""
+    if quantized:
+        for ctas in (3, 2):
+            for stages in (4, 3, 2):
+                need = _gpu_sizes.smem_bytes(
+                    head_dim, block_kv, stages, qcols=qcols, kv_itemsize=1, token_scales=2
+                )
+                if need <= SMEM_BYTES // ctas - 1024:
+                    return stages
+        return 1
     if staged:
         fits = _gpu_sizes.smem_bytes(head_dim, block_kv, 2, qcols=qcols, staged=True)
         return 2 if fits <= SMEM_BYTES else 1
