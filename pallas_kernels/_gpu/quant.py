@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _quant
@@ -32,6 +33,11 @@ def scale_mode(scale: Any, pool_shape: tuple[int, ...]) -> str:
     """The kernel's mode of a scale (``MODES``): per tensor becomes per head."""
     g = _quant.granularity(tuple(scale.shape), tuple(pool_shape))
     return "head" if g == "tensor" else str(g)
+
+
+def is_quantized_pool(k_pages) -> bool:
+    """Whether ``k_pages`` (anything with a dtype) holds quantized pages."""
+    return _quant.is_quantized(k_pages.dtype)
 
 
 def config_fields(q, k_pages, k_scale, v_scale) -> dict[str, Any]:
@@ -73,11 +79,20 @@ def ring_transforms(dtype, head_dim: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def dequantize_tile(src, dst, kv_dtype, valid_rows=None) -> None:
+@plgpu.inline_mgpu()
+def _warpgroup_barrier(ctx):
+    del ctx
+    mgpu_utils.warpgroup_barrier()
+
+
+def dequantize_tile(src, dst, kv_dtype, valid_rows=None, barrier_first: bool = False) -> None:
     """``dst[...] = src`` in ``COMPUTE_DTYPE`` (a tile [T, H] of 8-bit pages into the tiled
     bf16 tile the products read; fp8 through f16, which holds every fp8 value exactly, int8
     directly), then a fence and warpgroup barrier. ``valid_rows``: rows from this one on are
-    written as zeros (a tile past the sequence end: stale or NaN page tails)."""
+    written as zeros (a tile past the sequence end: stale or NaN page tails).
+    ``barrier_first``: a warpgroup barrier before the stores, so no warp overwrites the tile
+    while another's product still reads it (not in the interpreter, which runs a warpgroup as
+    one thread and cannot run inline Mosaic GPU code)."""
     x = plgpu.load(src, layout=plgpu.Layout.WGMMA_8BIT)
     if jnp.dtype(kv_dtype) != jnp.int8:
         x = x.astype(jnp.float16).astype(jnp.float32)
@@ -85,6 +100,8 @@ def dequantize_tile(src, dst, kv_dtype, valid_rows=None) -> None:
     if valid_rows is not None:
         rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA_8BIT)
         x = jnp.where(rows < valid_rows, x, jnp.zeros_like(x))
+    if barrier_first:
+        _warpgroup_barrier()
     dst[...] = x
     plgpu.commit_smem()
 
@@ -100,3 +117,28 @@ def row_scales(scalars: list, rows_per_scalar: int, layout, size: int):
     for j in range(len(scalars) - 3, -1, -1):
         vec = jnp.where(rows < rows_per_scalar * (j + 1), scalars[j], vec)
     return vec
+
+
+def factor(mode: str, head, ring, slot, page_scalars, page_size: int, layout, size: int):
+    """One scale a key row of a tile of ``size`` keys: a scalar (per head, or per page with one
+    page a tile) or a [size] vector in ``layout`` (per page: ``row_scales``; per token: slot
+    ``slot`` of the SMEM ring the scales were copied into)."""
+    if mode == "head":
+        return head
+    if mode == "page":
+        return row_scales(list(page_scalars), page_size, layout, size)
+    return plgpu.load(ring.at[slot], layout=layout, optimized=False)
+
+
+def times(x, factor_, keys_axis: int):
+    """``x`` times a per-key factor (``factor``) along its ``keys_axis``."""
+    if getattr(factor_, "shape", ()) == ():
+        return x * factor_
+    return x * jax.lax.broadcast_in_dim(factor_, x.shape, [keys_axis])
+
+
+def masked_factor(factor_, keys_hi, layout, size: int):
+    """A per-token factor with its rows from ``keys_hi`` on set to 0: past a sequence's end the
+    scales are stale (maybe NaN), and ``0 * NaN`` would poison P @ V."""
+    rows = plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+    return jnp.where(rows < keys_hi, factor_, 0.0)

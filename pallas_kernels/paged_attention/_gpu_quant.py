@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -119,34 +118,22 @@ def _vector_layout(cfg: _Config, layout):
     return layout.reduce(1 if cfg.swap_ab else 0)
 
 
-def _factor(cfg: _Config, mode, head, ring, scalars, slot, layout):
-    """One scale a key row of the tile: a scalar ("head", or "page" with one page a tile) or a
-    [T] vector in the scores' key layout."""
-    if mode == "head":
-        return head
-    if mode == "page":
-        return quant.row_scales(list(scalars), cfg.page_size, _vector_layout(cfg, layout), cfg.block_kv)
-    return plgpu.load(ring.at[slot], layout=_vector_layout(cfg, layout), optimized=False)
-
-
 def _split_page_scalars(cfg: _Config, scalars: tuple) -> tuple[tuple, tuple]:
     n = cfg.copies_per_tile
     k = scalars[:n] if cfg.k_scales == "page" else ()
-    rest = scalars[len(k) :]
-    return k, rest
+    return k, scalars[len(k) :]
 
 
-def _apply(x, factor, keys: int):
-    if getattr(factor, "shape", ()) == ():
-        return x * factor
-    return x * lax.broadcast_in_dim(factor, x.shape, [keys])
+def _factor(cfg: _Config, mode, head, ring, scalars, slot, layout):
+    vec = _vector_layout(cfg, layout)
+    return quant.factor(mode, head, ring, slot, scalars, cfg.page_size, vec, cfg.block_kv)
 
 
 def scale_scores(cfg: _Config, qs: UnitScales, scalars: tuple, slot, sc, layout):
     """The scores of a tile times their key rows' scales."""
     k, _ = _split_page_scalars(cfg, scalars)
     factor = _factor(cfg, cfg.k_scales, qs.k_head, qs.k_ring, k, slot, layout)
-    return _apply(sc, factor, 0 if cfg.swap_ab else 1)
+    return quant.times(sc, factor, 0 if cfg.swap_ab else 1)
 
 
 def scale_probabilities(cfg: _Config, qs: UnitScales, scalars: tuple, slot, p, layout, keys_hi):
@@ -158,11 +145,8 @@ def scale_probabilities(cfg: _Config, qs: UnitScales, scalars: tuple, slot, p, l
     _, v = _split_page_scalars(cfg, scalars)
     factor = _factor(cfg, cfg.v_scales, qs.v_head, qs.v_ring, v, slot, layout)
     if cfg.v_scales == "token":
-        rows = plgpu.broadcasted_iota(
-            jnp.int32, (cfg.block_kv,), 0, layout=_vector_layout(cfg, layout)
-        )
-        factor = jnp.where(rows < keys_hi, factor, 0.0)
-    return _apply(p, factor, 0 if cfg.swap_ab else 1)
+        factor = quant.masked_factor(factor, keys_hi, _vector_layout(cfg, layout), cfg.block_kv)
+    return quant.times(p, factor, 0 if cfg.swap_ab else 1)
 
 
 def dequantize(cfg: _Config, src, dst, tile_tok, length) -> None:
