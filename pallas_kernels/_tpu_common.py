@@ -391,7 +391,7 @@ def paged_pallas_call(
     out_shape: jax.ShapeDtypeStruct,
     interpret: Any,
     name: str,
-    k_scale_LKPC1: jax.Array | None = None,
+    scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> Callable[..., jax.Array]:
     """The ``pallas_call`` of a kernel that runs ``attend_program`` on a ``(programs, K)`` grid.
 
@@ -410,9 +410,9 @@ def paged_pallas_call(
       out_shape: shape and dtype of the output.
       interpret: ``pallas_call``'s ``interpret`` argument (``interpret_params``).
       name: the call's name (with its block sizes).
-      k_scale_LKPC1: a quantized pool's key scales (``scale_pools``; only the shape is read):
-        the call then takes the key and value scale pools after K and V (in HBM) and the kernel
-        gets their VMEM blocks and semaphores after its own scratch (``unpack_refs``).
+      scales: a quantized pool's key and value scales (``scale_pools``; only the shapes are
+        read): the call then takes them after K and V (in HBM) and the kernel gets their VMEM
+        blocks and semaphores after its own scratch (``unpack_refs``).
     """
     _, K, _, C, H = k_pages_LKPCH.shape
     buf = (2, pages_per_compute_block, C, H)
@@ -423,14 +423,12 @@ def paged_pallas_call(
         pltpu.SemaphoreType.DMA((2, 2)),
     ]
     in_specs = [block_spec, any_spec, any_spec]
-    if k_scale_LKPC1 is not None:
-        scale_buf = (2, pages_per_compute_block, k_scale_LKPC1.shape[3], 1)
+    if scales is not None:
         in_specs += [any_spec, any_spec]
         scratch += [
-            pltpu.VMEM(scale_buf, jnp.float32),
-            pltpu.VMEM(scale_buf, jnp.float32),
-            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((2, pages_per_compute_block, s.shape[3], 1), jnp.float32) for s in scales
         ]
+        scratch.append(pltpu.SemaphoreType.DMA((2, 2)))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

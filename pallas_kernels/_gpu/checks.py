@@ -30,7 +30,9 @@ def device_and_dtype_reasons(
             )
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
     if _quant.is_quantized(k_pages.dtype):
-        reasons += quantized_reasons(q, k_pages, v_pages, majors=majors, check_backend=check_backend)
+        reasons += quantized_reasons(
+            q, k_pages, v_pages, majors=majors, check_backend=check_backend
+        )
     elif len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         reasons.append(
             f"q/k_pages/v_pages dtypes ({q.dtype}, {k_pages.dtype}, {v_pages.dtype}) must all be "
@@ -60,7 +62,9 @@ def quantized_reasons(q, k_pages, v_pages, *, majors, check_backend: bool) -> li
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         reasons.append(f"q.dtype={q.dtype} must be bfloat16 or float16 with quantized pages")
     if k_pages.shape[-2] % 8:
-        reasons.append(f"page_size={k_pages.shape[-2]} must be a multiple of 8 with quantized pages")
+        reasons.append(
+            f"page_size={k_pages.shape[-2]} must be a multiple of 8 with quantized pages"
+        )
     if check_backend and majors != (9,):
         cc = _backend.gpu_compute_capability()
         if cc is not None and cc[0] != 9:

@@ -86,7 +86,7 @@ def copies_per_barrier(cfg: _Config, mode: str) -> int:
 
 
 def issue(cfg: _Config, unit, qs: UnitScales, i, slot, pages, k_bar, v_bar) -> None:
-    """"token" mode: the TMA copies of tile i's key (and value) scales into ring slot ``slot``,
+    """ "token" mode: the TMA copies of tile i's key (and value) scales into ring slot ``slot``,
     one per page copy (``rows_per_copy`` floats), each one arrival on the slot's barrier."""
     C, r, P = cfg.page_size, cfg.rows_per_copy, cfg.num_pages
     for j, page in enumerate(pages):
@@ -103,11 +103,14 @@ def issue(cfg: _Config, unit, qs: UnitScales, i, slot, pages, k_bar, v_bar) -> N
 
 
 def page_scales(cfg: _Config, qs: UnitScales, pages) -> tuple:
-    """"page" mode: the key and value scales of a tile's pages (``_gpu_tile._lookup``'s
+    """ "page" mode: the key and value scales of a tile's pages (``_gpu_tile._lookup``'s
     entries), as one flat tuple of scalars; () when neither scale is per page."""
     P = cfg.num_pages
     out = []
-    for mode, ref, base in ((cfg.k_scales, qs.k_ref, qs.k_base), (cfg.v_scales, qs.v_ref, qs.v_base)):
+    for mode, ref, base in (
+        (cfg.k_scales, qs.k_ref, qs.k_base),
+        (cfg.v_scales, qs.v_ref, qs.v_base),
+    ):
         if mode == "page":
             out += [ref[base + jnp.clip(page, 0, P - 1)] for page in pages]
     return tuple(out)

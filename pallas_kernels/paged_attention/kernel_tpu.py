@@ -144,7 +144,7 @@ def _paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
         interpret=interpret,
         name=f"jpaged_paged_attention_tpu_G{G}_C{C}_H{H}_ppcb{ppcb}_bb{bb}",
-        k_scale_LKPC1=k_scale,
+        scales=None if k_scale is None else (k_scale, v_scale),
     )(tables_BW.reshape(-1), lengths_B, layer_1, q_BKGH, k_pages_LKPCH, v_pages_LKPCH, *scales)
     return out[:B].reshape(B, N, H)
 

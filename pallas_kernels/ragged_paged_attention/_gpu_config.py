@@ -83,11 +83,7 @@ def unsupported_reason(
     reasons = checks.device_and_dtype_reasons(q, k_pages, v_pages, check_backend=check_backend)
     *_, C, H = k_pages.shape
     fa3 = tuning_gpu.default_fa3(False) and not quant.is_quantized_pool(k_pages)
-    T = (
-        tuning_gpu.default_block_kv(H, fa3, page_size=C)
-        if block_kv is None
-        else block_kv
-    )
+    T = tuning_gpu.default_block_kv(H, fa3, page_size=C) if block_kv is None else block_kv
     if C % 8 or (T % C and C % T):
         reasons.append(
             f"page_size={C} must be a multiple of 8 that divides or is a multiple of the "

@@ -86,7 +86,7 @@ def arrivals(cfg: _Config, mode: str) -> int:
 
 
 def issue(cfg: _Config, ts: TileScales, head_base, rows, slot, which: int, bar) -> None:
-    """"token" mode: TMA copies of the key (``which`` 0) or value scales of a tile whose page
+    """ "token" mode: TMA copies of the key (``which`` 0) or value scales of a tile whose page
     copies start at pool ``rows`` (``_gpu_tile._tile_rows``), onto the pages' barrier."""
     mode, ref, base, ring = (
         (cfg.k_scales, ts.k_ref, ts.k_base, ts.k_ring)
@@ -103,7 +103,7 @@ def issue(cfg: _Config, ts: TileScales, head_base, rows, slot, which: int, bar) 
 
 
 def page_scalars(cfg: _Config, ts: TileScales, t, bt_ref, step) -> tuple[tuple, tuple]:
-    """"page" mode: the key and value scales of K/V tile ``step``'s pages (each () otherwise)."""
+    """ "page" mode: the key and value scales of K/V tile ``step``'s pages (each () otherwise)."""
     T, C, r = cfg.block_kv, cfg.page_size, cfg.rows_per_copy
     if "page" not in (cfg.k_scales, cfg.v_scales):
         return (), ()
@@ -141,12 +141,9 @@ def scale_probabilities(cfg: _Config, ts: TileScales, scalars, slot, p, keys_hi)
 def dequantize(cfg: _Config, src, dst, valid_rows=None) -> None:
     """The ring slot ``src`` into this warpgroup's bf16 tile ``dst`` (after a warpgroup barrier:
     its last product may still read the tile); rows from ``valid_rows`` on as zeros."""
-    quant.dequantize_tile(
-        src, dst, cfg.kv_dtype, valid_rows, barrier_first=not cfg.interpret
-    )
+    quant.dequantize_tile(src, dst, cfg.kv_dtype, valid_rows, barrier_first=not cfg.interpret)
 
 
 def output_scale(cfg: _Config, ts: TileScales | None):
     """The factor on the output: the per-head value scale, else None."""
     return None if ts is None or cfg.v_scales != "head" else ts.v_head
-

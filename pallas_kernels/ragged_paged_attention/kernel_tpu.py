@@ -154,7 +154,7 @@ def _ragged_tpu(
         out_shape=jax.ShapeDtypeStruct(q_NKRH.shape, q_TNH.dtype),
         interpret=interpret,
         name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}_tb{tb}",
-        k_scale_LKPC1=k_scale,
+        scales=None if k_scale is None else (k_scale, v_scale),
     )(
         tables_BW.reshape(-1),
         layer_1,
