@@ -49,7 +49,9 @@ def quantize_pool(rng, pool_LKPCH: np.ndarray, dtype, granularity: str, layered:
             amax = np.nanmax(amax, axis=axes, keepdims=True)
     scale = (amax / fmax(dtype)).astype(np.float32)
     scale = scale * rng.uniform(0.9, 1.1, size=scale.shape).astype(np.float32)
-    scale = np.where(scale > 0, scale, np.float32(1.0)) if granularity in ("tensor", "head") else scale
+    scale = (
+        np.where(scale > 0, scale, np.float32(1.0)) if granularity in ("tensor", "head") else scale
+    )
     q = pool_LKPCH / scale[..., None]
     q = np.clip(q, -fmax(dtype), fmax(dtype))
     if dtype == jnp.int8:
@@ -122,7 +124,7 @@ def make_quantized_kv(
         (kv.v_pages, v_granularity or granularity),
     ):
         pool = np.asarray(pool, np.float32).reshape(L, *np.shape(pool)[-4:])
-        magnitude = rng.lognormal(0.0, 1.0, size=pool.shape[:-1] + (1,)).astype(np.float32)
+        magnitude = rng.lognormal(0.0, 1.0, size=(*pool.shape[:-1], 1)).astype(np.float32)
         pages, scale = quantize_pool(rng, pool * magnitude, dtype, gran, layered)
         pools.append((pages, scale))
     (kq, ks), (vq, vs) = pools

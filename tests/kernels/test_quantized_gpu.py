@@ -51,7 +51,9 @@ def _decode(q, kv, *, interpret, layer=None, **knobs):
 @pytest.mark.parametrize("dtype,granularity", PRODUCT)
 def test_decode_gpu_interpret(dtype, granularity):
     rng = np.random.default_rng(51 + len(dtype) + len(granularity))
-    q, kv = decode_case(rng, [0, 1, C - 1, C, C + 1, 150], C=C, dtype=dtype, granularity=granularity)
+    q, kv = decode_case(
+        rng, [0, 1, C - 1, C, C + 1, 150], C=C, dtype=dtype, granularity=granularity
+    )
     out = _decode(q, kv, interpret=True)
     assert out.dtype == jnp.bfloat16
     assert_matches(out, decode_oracle(q, kv, sm_scale=0.125), f"{dtype} {granularity}")

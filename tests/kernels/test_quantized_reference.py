@@ -33,7 +33,9 @@ PRODUCT = [(d, g) for d in DTYPES for g in GRANULARITIES]
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_decode_matches_oracle(impl, dtype, granularity):
     rng = np.random.default_rng(len(dtype) * 7 + len(granularity))
-    q, kv = decode_case(rng, LENGTHS, C=C, dtype=dtype, granularity=granularity, q_dtype=jnp.float32)
+    q, kv = decode_case(
+        rng, LENGTHS, C=C, dtype=dtype, granularity=granularity, q_dtype=jnp.float32
+    )
     args = (q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
     if impl == "reference":
@@ -92,7 +94,9 @@ def test_hand_worked_case():
     )  # fmt: skip
     s = np.array([1.0, 0.0, 1.0])  # k rows dequantized: (1, 0), (0, 1), (1, 1)
     p = np.exp(s) / np.exp(s).sum()
-    np.testing.assert_allclose(np.asarray(out)[0, 0], p @ np.array([[1, 2], [3, 4], [5, 6]]), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out)[0, 0], p @ np.array([[1, 2], [3, 4], [5, 6]]), rtol=1e-6
+    )
 
 
 def test_granularity_of_shapes():

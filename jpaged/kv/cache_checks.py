@@ -1,0 +1,77 @@
+"""Argument checks of the KV pool's updates (``jpaged.kv.cache``): sizes, dtypes, index
+vectors and, where their values are known now (not traced), their ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.kv import quantize
+
+
+def check_sizes(**sizes: int) -> None:
+    """Each size a positive int, else one ValueError naming every bad one."""
+    bad = [
+        f"{k}={v!r}"
+        for k, v in sizes.items()
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1
+    ]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: sizes must be positive ints")
+
+
+def pool_dtype(dtype: Any) -> np.dtype:
+    """A pool's dtype: floating, or quantized (a name of ``quantize.KV_DTYPES`` or fp8 /
+    int8)."""
+    dtype = quantize.kv_dtype(dtype)
+    if not (jnp.issubdtype(dtype, jnp.floating) or quantize.is_quantized(dtype)):
+        raise ValueError(
+            f"{dtype=} must be a floating dtype or quantized ({sorted(quantize.KV_DTYPES)})"
+        )
+    return dtype
+
+
+def concrete(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array if its value is known now, else ``None`` (a tracer)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_int_vector(name: str, x: Any, ndim: int = 1) -> Any:
+    """Checks rank and integer dtype; returns ``x`` (a list or tuple as a NumPy array)."""
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of rank {ndim}, got {x.shape} {x.dtype}")
+    return x
+
+
+def check_range(name: str, x: Any, hi: int, validate: bool) -> None:
+    """Eagerly checks that concrete ``x`` lies in ``[-1, hi)``."""
+    if not validate:
+        return
+    values = concrete(x)
+    if values is None or values.size == 0:
+        return
+    lo_v, hi_v = int(values.min()), int(values.max())
+    if lo_v < -1 or hi_v >= hi:
+        raise ValueError(
+            f"{name} must lie in [-1, {hi}) (-1 = skip), got values in [{lo_v}, {hi_v}]"
+        )
+
+
+def check_kv(name: str, x: Any, expected: tuple[int, ...], letters: str, codes=None) -> None:
+    """``x`` of shape ``expected`` (named by ``letters``) and floating, or of dtype ``codes``
+    (a quantized pool's own pages) where that is given."""
+    if tuple(np.shape(x)) != expected:
+        raise ValueError(f"{name} must have shape [{letters}] = {expected}, got {np.shape(x)}")
+    if codes is not None:
+        if jnp.dtype(x.dtype) != jnp.dtype(codes):
+            raise ValueError(f"{name} must hold the pool's {jnp.dtype(codes)} codes, got {x.dtype}")
+    elif not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got {x.dtype}")
