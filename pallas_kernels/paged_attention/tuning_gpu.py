@@ -152,9 +152,9 @@ def default_num_stages(
 ) -> int:
     """Depth of the K/V ring (``TUNING["default_num_stages"]``); ``qcols``: the ``swap_ab``
     tiles' query columns; ``staged``: pages below 8 tokens by TMA; ``quantized``: 8-bit pages
-    (the deepest ring that keeps three CTAs per SM, else two, else one stage)."""
+    (the deepest ring, up to 4, that keeps three CTAs per SM, else two, else one)."""
     if quantized:
-        for ctas in (3, 2):
+        for ctas in (3, 2, 1):
             for stages in (4, 3, 2):
                 need = _gpu_sizes.smem_bytes(
                     head_dim, block_kv, stages, qcols=qcols, kv_itemsize=1, token_scales=2
