@@ -154,7 +154,9 @@ def main(argv=None):
         k, v, q = builders[name](rng)
         results[name] = measure(k, v, q, rng)
         print(f"\n{name}: K/V {k.shape}, queries {q.shape[0]}")
-        print(f"  {'dtype/granularity':<22} {'out max':>9} {'out rms':>9} {'K rms':>9} {'V rms':>9}")
+        print(
+            f"  {'dtype/granularity':<22} {'out max':>9} {'out rms':>9} {'K rms':>9} {'V rms':>9}"
+        )
         for key, r in results[name].items():
             print(
                 f"  {key:<22} {r['out_max_rel']:9.2e} {r['out_rms_rel']:9.2e} "
