@@ -152,9 +152,13 @@ def scale_probabilities(cfg: _Config, qs: UnitScales, scalars: tuple, slot, p, l
     return quant.times(p, factor, 0 if cfg.swap_ab else 1)
 
 
-def dequantize(cfg: _Config, src, dst, tile_tok, length) -> None:
-    """Tile ``src`` (8-bit, a ring slot) into the bf16 tile ``dst``; a tile past the sequence
-    end writes its rows from ``length`` on as zeros (stale or NaN page tails)."""
+def dequantize(cfg: _Config, src, dst, tile_tok=None, length=None) -> None:
+    """Tile ``src`` (8-bit, a ring slot) into the bf16 tile ``dst``; with ``length``, a tile
+    past the sequence end writes its rows from ``length`` on as zeros (stale or NaN page tails:
+    V's; K's stale rows only give scores that the mask hides)."""
+    if length is None:
+        quant.dequantize_tile(src, dst, cfg.kv_dtype)
+        return
     past = tile_tok + cfg.block_kv > length
     pl.when(past)(lambda: quant.dequantize_tile(src, dst, cfg.kv_dtype, length - tile_tok))
     pl.when(~past)(lambda: quant.dequantize_tile(src, dst, cfg.kv_dtype))

@@ -273,7 +273,7 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     k_tile = landed(k_bar, k_smem, slot, k_tile, later)
     if quant is not None:  # 8-bit K into the bf16 tile (every warp is past the last P @ V)
         qs, deq, scalars = quant
-        _gpu_quant.dequantize(cfg, k_tile, deq, tile_tok, tile_tok + T)
+        _gpu_quant.dequantize(cfg, k_tile, deq)
         k_tile = deq
 
     def qk(acc_ref):
