@@ -402,8 +402,8 @@ def write_kv(
     L, K, _, _, H = cache.k_pages.shape
     slots_T = checks.check_int_vector("slots_T", slots_T)
     T = np.shape(slots_T)[0]
-    checks.check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H")
-    checks.check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H")
+    checks.check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
+    checks.check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
     checks.check_range("slots_T", slots_T, cache.num_slots, validate)
     return _write_kv(cache, k_LTKH, v_LTKH, slots_T)
 
@@ -444,8 +444,8 @@ def write_kv_layer(
     if np.ndim(layer) != 0:
         raise ValueError(f"layer must be a scalar, got shape {np.shape(layer)}")
     T = np.shape(slots_T)[0]
-    checks.check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H")
-    checks.check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H")
+    checks.check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
+    checks.check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
     checks.check_range("slots_T", slots_T, cache.num_slots, validate)
     if validate:
         layer_value = checks.concrete(layer)
@@ -554,8 +554,8 @@ def scatter_pages(
             f"dtype {cache.dtype})"
         )
     codes = None if k_scale is None else cache.dtype
-    checks.check_kv("k_LKMCH", k_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes)
-    checks.check_kv("v_LKMCH", v_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes)
+    checks.check_kv("k_LKMCH", k_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes, pool=cache.dtype)
+    checks.check_kv("v_LKMCH", v_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes, pool=cache.dtype)
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is not None and (tuple(np.shape(sc)) != (L, K, M, C) or sc.dtype != np.float32):
             raise ValueError(

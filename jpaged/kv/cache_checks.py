@@ -65,9 +65,13 @@ def check_range(name: str, x: Any, hi: int, validate: bool) -> None:
         )
 
 
-def check_kv(name: str, x: Any, expected: tuple[int, ...], letters: str, codes=None) -> None:
+def check_kv(
+    name: str, x: Any, expected: tuple[int, ...], letters: str, codes=None, pool=None
+) -> None:
     """``x`` of shape ``expected`` (named by ``letters``) and floating, or of dtype ``codes``
-    (a quantized pool's own pages) where that is given."""
+    (a quantized pool's own pages) where that is given. ``pool``: the dtype of the pool ``x``
+    is written to; a quantized pool takes unquantized values (K/V already cast to fp8 would
+    have lost their range before the pool could scale them)."""
     if tuple(np.shape(x)) != expected:
         raise ValueError(f"{name} must have shape [{letters}] = {expected}, got {np.shape(x)}")
     if codes is not None:
@@ -75,3 +79,8 @@ def check_kv(name: str, x: Any, expected: tuple[int, ...], letters: str, codes=N
             raise ValueError(f"{name} must hold the pool's {jnp.dtype(codes)} codes, got {x.dtype}")
     elif not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating array, got {x.dtype}")
+    if codes is None and pool is not None and quantize.is_quantized(pool) and x.dtype == pool:
+        raise ValueError(
+            f"{name}.dtype={x.dtype} is the pool's own quantized dtype: pass the unquantized K/V "
+            "(bf16, f16 or f32); the pool quantizes them with a scale per token and head"
+        )

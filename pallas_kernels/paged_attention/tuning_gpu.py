@@ -27,8 +27,10 @@ TUNING: dict[str, Measured] = {
     "default_num_stages": Measured(
         knob="num_stages",
         rule="swap_ab: 2 (three CTAs per SM by SMEM at H=128); 64-row tile: the deepest ring "
-        "that keeps two CTAs per SM; small pages staged by TMA: 2 (1 where 2 do not fit)",
-        evidence="swap_ab: 2 stages beat 3 in 8 of 9 quick rows",
+        "that keeps two CTAs per SM; small pages staged by TMA: 2 (1 where 2 do not fit); "
+        "quantized pages: the deepest ring up to 4 that keeps three CTAs per SM, else two, else one",
+        evidence="swap_ab: 2 stages beat 3 in 8 of 9 quick rows; the quantized rule is not timed "
+        "(chosen from SMEM sizes; tools/gpu_quantized.sh times 2, 3 and 4 stages)",
         date="2026-11-30",
         commit="19f6d89",
     ),

@@ -214,6 +214,17 @@ def test_scatter_pages_checks_codes_and_scales():
         scatter_pages(f32, ids, codes.astype(np.float32), codes.astype(np.float32), ones, ones)
 
 
+def test_writes_refuse_values_already_in_the_pool_dtype():
+    # K/V cast to fp8 before the write would have lost their range: a clear error instead.
+    cache = PagedKVCache.create(L, K, P, C, H, dtype="fp8")
+    k = jnp.ones((3, K, H), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"k_TKH.dtype=float8_e4m3fn is the pool's own"):
+        write_kv_layer(cache, 0, k, k, np.array([0, 1, 2], np.int32))
+    with pytest.raises(ValueError, match=r"k_LKMCH.dtype=float8_e4m3fn is the pool's own"):
+        scatter_pages(cache, np.array([1]), jnp.ones((L, K, 1, C, H), jnp.float8_e4m3fn),
+                      jnp.ones((L, K, 1, C, H)))  # fmt: skip
+
+
 def test_quantized_updates_donate_and_compile_once():
     cache = PagedKVCache.create(L, K, P, C, H, dtype="fp8")
     k = jnp.ones((5, K, H))
