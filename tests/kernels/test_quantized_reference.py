@@ -163,3 +163,10 @@ def test_implementation_reasons_accept_scales():
     assert "multiple of 32" in dispatch.UNSUPPORTED_REASONS["pallas_tpu"](*args, **scales)
     if jax.default_backend() != "gpu":
         assert "compute capability" in dispatch.UNSUPPORTED_REASONS["pallas_gpu"](*args, **scales)
+
+
+def test_quant_doctests():
+    import doctest
+
+    result = doctest.testmod(_quant)
+    assert result.attempted > 0 and result.failed == 0

@@ -259,3 +259,10 @@ def test_quantize_any_granularity_feeds_attention(granularity):
     assert np.all(np.isfinite(np.asarray(out)))
     with pytest.raises(ValueError, match="granularity='row' must be one of"):
         quantize.quantize(jnp.asarray(x), jnp.int8, "row")
+
+
+def test_quantize_doctests():
+    import doctest
+
+    result = doctest.testmod(quantize)
+    assert result.attempted > 0 and result.failed == 0
