@@ -13,6 +13,7 @@ def print_table(rows, roofline, roofline_loop=None):
     hdr = (
         f"{'case':<26} {'us':>7} {'cupti':>7} {'TB/s':>5} {'%roof':>5} "
         f"{'cuDNN':>5} {'xla':>5} {'trit':>5} {'vsCuDNN':>7} {'vsTrit':>6} S"
+        f" | {'pl_trt':>6} {'vsCuDNN':>7} {'vsTrit':>6}"
     )
     print(hdr)
     for r in rows:
@@ -27,6 +28,8 @@ def print_table(rows, roofline, roofline_loop=None):
             f"{tb('pallas_gpu'):>5} {_fmt(r.get('pct_roofline'), '5.0f')} {tb('cudnn'):>5} "
             f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
             f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
+            f" | {tb('pallas_triton'):>6} {_fmt(r.get('pallas_triton_vs_cudnn'), '7.2f')} "
+            f"{_fmt(r.get('pallas_triton_vs_triton_deprecated'), '6.2f')}"
         )
         if "vs_bf16_wall" in o:
             print(

@@ -1,7 +1,8 @@
 """Decode attention benchmark: jpaged's Mosaic GPU kernel against its anchors, on one GPU.
 
 In ONE process it measures the HBM read roofline (``jnp.sum`` over 4 GiB), then per case:
-jpaged ``pallas_gpu``, cuDNN non-paged (``jax.nn.dot_product_attention`` with
+jpaged ``pallas_gpu`` and ``pallas_triton`` (the Pallas-Triton kernel for sm80-sm89, forced
+here), cuDNN non-paged (``jax.nn.dot_product_attention`` with
 ``key_value_seq_lengths`` on the same lengths), JAX's deprecated Pallas-Triton paged kernel and
 the XLA path. Data are random (never zeros), lengths uniform in [0.5, 1.5] x ctx, block tables
 a random permutation of the pool. Timing: wall-clock (``--calls`` back-to-back calls, one sync,
@@ -222,6 +223,19 @@ def _ragged(inp: Inputs, case: Case, **tuning):
     return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
 
 
+def _pallas_triton(inp: Inputs, case: Case, **tuning):
+    """jpaged's Pallas-Triton decode kernel (auto dispatch's kernel on sm80-sm89), forced."""
+    from pallas_kernels.paged_attention import kernel_triton
+
+    scale = 1.0 / math.sqrt(case.H)
+    f = jax.jit(
+        lambda q, k, v, bt, ln: kernel_triton.paged_attention_pallas_triton(
+            q, k, v, bt, ln, sm_scale=scale, **tuning
+        )
+    )
+    return f, (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
+
+
 def _xla(inp: Inputs, case: Case):
     from pallas_kernels.paged_attention import xla
 
@@ -378,6 +392,8 @@ def run_case(
         name = f"pallas_gpu_ragged_{spec}"
         _measure(name, lambda kw=kw: _ragged(inp, case, **kw), nbytes, ns, res, ref)
     anchor_bytes = live_bytes(case, inp.lengths_np)  # the anchors read bf16
+    if not ns.skip_pallas_triton:
+        _measure("pallas_triton", lambda: _pallas_triton(inp, case), anchor_bytes, ns, res, ref)
     if not ns.skip_cudnn:
         kd, vd = _dense_kv(inp, case)
         _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), anchor_bytes, ns, res, ref)
@@ -417,6 +433,13 @@ def run_case(
             row[f"vs_{anchor}"] = a["wall_us"] / ours["wall_us"]
         if "loop_us" in ours and "loop_us" in a:
             row[f"vs_{anchor}_loop"] = a["loop_us"] / ours["loop_us"]
+    trit = res.get("pallas_triton", {})
+    for anchor in ("cudnn", "triton_deprecated", "xla"):
+        a = res.get(anchor, {})
+        if "wall_us" in trit and "wall_us" in a:
+            row[f"pallas_triton_vs_{anchor}"] = a["wall_us"] / trit["wall_us"]
+    if "wall_tbs" in trit:
+        row["pallas_triton_pct_roofline"] = 100 * trit["wall_tbs"] / roofline
     if "wall_tbs" in ours:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
     if ours.get("cupti_tbs") and roofline_cupti:
@@ -486,6 +509,7 @@ def main(argv=None):
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--skip-pallas-triton", action="store_true")
     p.add_argument(
         "--only",
         type=int,

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing
 
 N, K, H, C = 32, 8, 128, 16
-_MODULES = {"xla": "xla", "pallas_gpu": "kernel_gpu"}
+_MODULES = {"xla": "xla", "pallas_gpu": "kernel_gpu", "pallas_triton": "kernel_triton"}
 DTYPE = jnp.bfloat16
 
 
@@ -160,9 +160,11 @@ def prefill_rows(args_ns, rng, results):
         if not args_ns.skip_jax_fa3 and jax.default_backend() == "gpu":
             row["jax_fa3"] = _jax_fa3_entry(q4, kd, vd, args_ns, ref)
         variants = args_ns.variant_dicts if T in args_ns.variant_lengths else []
-        for name, tuning in [("jpaged", {}), *variants]:
+        impls = [("jpaged", {}, args_ns.impl), *[(n, t, args_ns.impl) for n, t in variants]]
+        impls += [(impl, {}, impl) for impl in args_ns.also]  # columns beside jpaged's
+        for name, tuning, impl in impls:
             try:
-                fn = _ragged_fn(args_ns.impl, tuning)
+                fn = _ragged_fn(impl, tuning)
                 out = fn(*inp)
                 wall, cupti = _time(fn, inp, args_ns.calls, args_ns.rounds)
                 entry = {"wall_us": wall, "cupti_us": cupti, "tuning": tuning}
@@ -187,10 +189,11 @@ def decode_and_mixed_rows(args_ns, rng, results):
     nbytes = int(np.sum(kv_lens)) * K * H * 2 * 2
     row = {"kind": "decode", "B": Bd, "T": Bd, "live_bytes": nbytes}
     fn = _ragged_fn(args_ns.impl, {})
-    try:
-        row["jpaged"] = _entry(_time(fn, inp, args_ns.calls, 5))
-    except Exception as e:
-        row["jpaged"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for name, impl in [("jpaged", args_ns.impl), *[(i, i) for i in args_ns.also]]:
+        try:
+            row[name] = _entry(_time(_ragged_fn(impl, {}), inp, args_ns.calls, 5))
+        except Exception as e:
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     if jax.default_backend() == "gpu":
         q, kp, vp, bt, kl, _, _ = inp
         from pallas_kernels.paged_attention import kernel_gpu as decode_kernel
@@ -214,10 +217,12 @@ def decode_and_mixed_rows(args_ns, rng, results):
     inp = _paged(rng, kv_lens, q_lens)
     flops = 4 * N * H * (Tp * Tp / 2 + Bd * 2048)
     row = {"kind": "mixed", "B": Bd + 1, "T": Bd + Tp, "flops": flops}
-    try:
-        row["jpaged"] = _entry(_time(fn, inp, args_ns.calls, args_ns.rounds))
-    except Exception as e:
-        row["jpaged"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for name, impl in [("jpaged", args_ns.impl), *[(i, i) for i in args_ns.also]]:
+        try:
+            f = fn if name == "jpaged" else _ragged_fn(impl, {})
+            row[name] = _entry(_time(f, inp, args_ns.calls, args_ns.rounds))
+        except Exception as e:
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     results.append(row)
     print_row(row)
     # Mixed at long context: 8 decodes at ~32k beside a 512-token prefill chunk (a chunked
@@ -228,12 +233,12 @@ def decode_and_mixed_rows(args_ns, rng, results):
     inp = _paged(rng, kv_lens, [1] * Bl + [Tc])
     flops = 4 * N * H * (Tc * Tc / 2 + sum(kv_lens[:Bl]))
     row = {"kind": "mixed32k", "B": Bl + 1, "T": Bl + Tc, "flops": flops}
-    tunings = [("jpaged", {})]
+    tunings = [("jpaged", {}, args_ns.impl), *[(i, {}, i) for i in args_ns.also]]
     if args_ns.impl == "pallas_gpu":
-        tunings.append(("jpaged_kv_splits=1", {"kv_splits": 1}))
-    for name, tuning in tunings:
+        tunings.append(("jpaged_kv_splits=1", {"kv_splits": 1}, args_ns.impl))
+    for name, tuning, impl in tunings:
         try:
-            row[name] = _entry(_time(_ragged_fn(args_ns.impl, tuning), inp, args_ns.calls, 5))
+            row[name] = _entry(_time(_ragged_fn(impl, tuning), inp, args_ns.calls, 5))
         except Exception as e:
             row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     if jax.default_backend() == "gpu":
@@ -297,6 +302,12 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 8192, 2048, 1024, 512])
     p.add_argument("--batch-tokens", type=int, default=32768, help="B = batch_tokens // T")
     p.add_argument("--impl", default="pallas_gpu")
+    p.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        help="implementations timed beside --impl, e.g. pallas_triton",
+    )
     p.add_argument("--variants", nargs="*", default=[], help='extra tunings, "block_kv=128"')
     p.add_argument("--variant-lengths", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--calls", type=int, default=10)

@@ -253,8 +253,9 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
     if not all(hasattr(r, a) for a in ("_step", "_loop", "leaves")):
         return llm.warmup()
     lowered = [
-        r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0) if kind == "step"
-        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k, mode=d)
+        r._step.lower(r.leaves, llm.cache, b, decode=d, num_top=0, processors=()) if kind == "step"
+        else r._loop.lower(r.leaves, llm.cache, b, num_steps=k, mode=d, num_top=0,
+                      processors=())
         for kind, b, d in work
     ]  # fmt: skip
     _baselines.compile_parallel(lowered, threads)

@@ -1,23 +1,24 @@
-"""Your own Flax NNX model on jpaged's paged KV cache.
+"""Your own Flax NNX model, served by ``jpaged.LLM``.
 
-A GPT-2-style model (LayerNorm, learned positions, GELU MLP, multi-query attention), written
-the way a user would, runs on the paged cache by following ``jpaged.models.PagedModel``:
+``TinyGPT`` below is a GPT-2-style model (LayerNorm, learned positions, GELU MLP, one shared
+KV head) written the way a user would: a dense causal forward over one sequence. The block
+marked "the adaptation" is everything it takes to serve it on the paged KV cache, following
+``jpaged.models.PagedModel``:
 
 1. expose ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``;
-2. take ``(tokens_T, positions_T, cache, metadata, *, decode=False)`` and return
+2. ``__call__(tokens_T, positions_T, cache, metadata, *, decode=False)`` returns
    ``(logits for metadata.logits_indices, cache)``;
-3. in each attention layer, call ``jpaged.models.paged_attention_layer(q, k, v, cache, layer,
+3. each attention layer calls ``jpaged.models.paged_attention_layer(q, k, v, cache, layer,
    metadata)``: it writes k, v into the cache slots and attends over the pages.
 
-The script prefills two prompts into randomly chosen pages, decodes a few greedy tokens, and
-checks every logit against the model's own dense (no-cache) forward.
+``main`` serves the adapted model with ``jpaged.LLM(model).generate(...)`` and checks its
+greedy tokens against the model's own dense greedy decode; ``by_hand`` runs one prefill and
+one decode step on a pool you manage yourself, with ``jpaged.models.batch_metadata``.
 
 Run: .venv/bin/python examples/custom_model.py
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import jpaged
-from jpaged.models import AttentionMetadata, paged_attention_layer
+from jpaged.models import batch_metadata, paged_attention_layer
 
 
 class Block(nnx.Module):
@@ -52,25 +53,16 @@ class Block(nnx.Module):
 
 
 class TinyGPT(nnx.Module):
-    """A user's model. Only ``__call__`` knows about the paged cache."""
+    """A user's model: ``dense(tokens_S) -> logits [S, V]``, plain causal attention."""
 
     def __init__(self, vocab=128, dim=32, num_layers=2, num_heads=4, max_len=64, *, rngs):
-        self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim = vocab, num_layers, 1, 8
+        self.vocab_size, self.num_layers = vocab, num_layers
         self.tok = nnx.Embed(vocab, dim, rngs=rngs)
         self.pos = nnx.Embed(max_len, dim, rngs=rngs)
         self.blocks = nnx.List([Block(dim, num_heads, 8, rngs=rngs) for _ in range(num_layers)])
         self.ln_f = nnx.LayerNorm(dim, rngs=rngs)
 
-    def __call__(self, tokens_T, positions_T, cache, metadata: AttentionMetadata, *, decode=False):
-        x = self.tok(tokens_T) + self.pos(positions_T)
-        for layer, block in enumerate(self.blocks):  # 2 layers: a Python loop is fine
-            q, k, v = block.qkv(x)
-            o, cache = paged_attention_layer(q, k, v, cache, layer, metadata, decode=decode)
-            x = block.finish(x, o)
-        return self.tok.attend(self.ln_f(x[metadata.logits_indices])), cache
-
     def dense(self, tokens_S):
-        """The reference: plain causal attention over one sequence."""
         S = tokens_S.shape[0]
         x = self.tok(tokens_S) + self.pos(jnp.arange(S))
         mask = jnp.tril(jnp.ones((S, S), bool))
@@ -82,60 +74,70 @@ class TinyGPT(nnx.Module):
         return self.tok.attend(self.ln_f(x))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _step(graphdef, state, tokens, positions, cache, metadata):
-    """One jitted step; the cache is donated, so the pool is updated in place."""
-    return nnx.merge(graphdef, state)(tokens, positions, cache, metadata)
+# ---- the adaptation: TinyGPT on the paged KV cache (jpaged.models.PagedModel) ----
+class PagedTinyGPT(TinyGPT):
+    num_kv_heads, head_dim = 1, 8
+
+    def __call__(self, tokens_T, positions_T, cache, metadata, *, decode=False):
+        x = self.tok(tokens_T) + self.pos(positions_T)
+        for layer, block in enumerate(self.blocks):  # or a lax.scan over stacked layers
+            q, k, v = block.qkv(x)
+            o, cache = paged_attention_layer(q, k, v, cache, layer, metadata, decode=decode)
+            x = block.finish(x, o)
+        return self.tok.attend(self.ln_f(x[metadata.logits_indices])), cache
 
 
-def main(seed: int = 0, new_tokens: int = 6) -> float:
-    """Runs the demo; returns the largest |paged - dense| logit difference."""
+# ---- end of the adaptation ----
+
+
+def dense_greedy(model: TinyGPT, prompt: list[int], max_tokens: int, S: int = 64) -> list[int]:
+    """The model's own greedy decode: one dense forward per token over the sequence padded
+    to S tokens (causal, so the padding after it changes nothing; one compiled shape)."""
+    forward = nnx.jit(TinyGPT.dense)
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        logits = forward(model, jnp.array(tokens + [0] * (S - len(tokens)), jnp.int32))
+        tokens.append(int(logits[len(tokens) - 1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def main(seed: int = 0, max_tokens: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    """Serves the adapted model; returns (engine's greedy tokens, dense greedy tokens)."""
     rng = np.random.default_rng(seed)
-    model = TinyGPT(rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
-    C, W, P = 4, 8, 24  # page size, pages per sequence, pool pages
-    cache = jpaged.PagedKVCache.create(model.num_layers, model.num_kv_heads, P, C, model.head_dim,
-                                       dtype=jnp.float32)  # fmt: skip
-    tables = rng.permutation(P)[: 2 * W].reshape(2, W).astype(np.int32)  # any pages will do
+    model = PagedTinyGPT(rngs=nnx.Rngs(seed))
+    llm = jpaged.LLM(model, page_size=4, num_pages=64, max_num_seqs=4, max_model_len=64)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 3, 4, 1)]
+    greedy = jpaged.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    paged = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, greedy)]
+    return paged, [dense_greedy(model, p, max_tokens) for p in prompts]
+
+
+def by_hand(seed: int = 0) -> float:
+    """Prefill two prompts into shuffled pages, then one decode step, on a pool you manage
+    (no engine); returns the largest |paged - dense| logit difference."""
+    rng = np.random.default_rng(seed)
+    model = PagedTinyGPT(rngs=nnx.Rngs(seed))
+    C, W, P = 4, 4, 16  # page size, pages per sequence, pool pages
+    cache = jpaged.PagedKVCache.create(model.num_layers, 1, P, C, 8, dtype=jnp.float32)
+    tables = rng.permutation(P)[: 2 * W].reshape(2, W)  # any pages will do
     seqs = [rng.integers(0, 128, 9).tolist(), rng.integers(0, 128, 3).tolist()]
-    new = [list(s) for s in seqs]  # tokens not yet in the cache
-    paged = [[], []]  # logits of each sequence's last token, step by step
-    for _ in range(new_tokens):
-        lens = [len(s) for s in seqs]
-        tokens = [t for n in new for t in n]
-        positions = [
-            p for s, n in zip(seqs, new, strict=True) for p in range(len(s) - len(n), len(s))
-        ]
-        slots = [int(tables[b, p // C]) * C + p % C
-                 for b, (s, n) in enumerate(zip(seqs, new, strict=True))
-                 for p in range(len(s) - len(n), len(s))]  # fmt: skip
-        cu = np.cumsum([0] + [len(n) for n in new]).astype(np.int32)
-        T = 16  # one padded shape for every step: one compile
-        metadata = AttentionMetadata(
-            slot_mapping=np.array(slots + [-1] * (T - len(slots)), np.int32),
-            block_tables=tables,
-            kv_lens=np.array(lens, np.int32),
-            cu_q_lens=cu,
-            num_seqs=np.array(2, np.int32),
-            logits_indices=cu[1:] - 1,
-        )
-        pad = [0] * (T - len(tokens))
-        logits, cache = _step(graphdef, state, np.array(tokens + pad, np.int32),
-                              np.array(positions + pad, np.int32), cache, metadata)  # fmt: skip
-        logits = np.asarray(logits)
-        for b in range(2):
-            paged[b].append(logits[b])
-        new = [[int(logits[b].argmax())] for b in range(2)]
-        for s, n in zip(seqs, new, strict=True):
-            s.extend(n)
+    step = nnx.jit(PagedTinyGPT.__call__, static_argnames="decode")
+    pos, meta = batch_metadata(tables, [0, 0], [9, 3], C, num_tokens=16)
+    tokens = np.array(seqs[0] + seqs[1] + [0] * 4, np.int32)
+    first, cache = step(model, tokens, pos, cache, meta)
+    nxt = [int(row.argmax()) for row in first]
+    pos, meta = batch_metadata(tables, [9, 3], [1, 1], C)  # one new token each: decode
+    second, cache = step(model, np.array(nxt, np.int32), pos, cache, meta, decode=True)
     worst = 0.0
-    for b, s in enumerate(seqs):  # the reference: one dense forward over the whole sequence
-        dense = np.asarray(nnx.jit(TinyGPT.dense)(model, jnp.array(s, jnp.int32)))
-        rows = dense[len(s) - new_tokens - 1 : len(s) - 1]
-        worst = max(worst, float(np.abs(np.stack(paged[b]) - rows).max()))
+    for b, s in enumerate(seqs):
+        dense = nnx.jit(TinyGPT.dense)(model, jnp.array([*s, nxt[b]], jnp.int32))
+        worst = max(worst, float(jnp.abs(first[b] - dense[-2]).max()))
+        worst = max(worst, float(jnp.abs(second[b] - dense[-1]).max()))
     return worst
 
 
 if __name__ == "__main__":
-    diff = main()
-    print(f"max |paged - dense| logit difference over all steps: {diff:.2e}")
+    paged, dense = main()
+    for p, d in zip(paged, dense, strict=True):
+        print(f"engine {p}\ndense  {d}  {'equal' if p == d else 'DIFFERENT'}")
+    print(f"by hand: max |paged - dense| logit difference {by_hand():.2e}")

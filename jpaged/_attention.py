@@ -9,6 +9,7 @@ cannot run raises ``ValueError`` with the reason.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -18,12 +19,26 @@ import jax
 
 from pallas_kernels import _backend
 from pallas_kernels.paged_attention import dispatch as _paged_dispatch
+from pallas_kernels.paged_attention import sanitize as _paged_sanitize
 from pallas_kernels.paged_attention import validate as _paged_validate
 from pallas_kernels.ragged_paged_attention import dispatch as _ragged_dispatch
+from pallas_kernels.ragged_paged_attention import sanitize as _ragged_sanitize
 from pallas_kernels.ragged_paged_attention import validate as _ragged_validate
 
-Implementation = Literal["xla", "pallas_gpu", "pallas_tpu"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu")
+Implementation = Literal["xla", "pallas_gpu", "pallas_tpu", "pallas_triton"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_gpu", "pallas_tpu", "pallas_triton")
+_PALLAS = ("pallas_gpu", "pallas_tpu", "pallas_triton")
+_log = logging.getLogger("jpaged.dispatch")
+# The latest auto choice per op: (implementation, why), read by ``last_auto_choice``.
+_LAST_AUTO: dict[str, tuple[str, str]] = {}
+
+
+def last_auto_choice(op: str = "paged_attention") -> tuple[str, str] | None:
+    """The implementation ``implementation=None`` picked at the latest trace of ``op``
+    ("paged_attention" or "ragged_paged_attention") and why, or None before any. The same
+    line goes to the ``jpaged.dispatch`` logger at DEBUG level; ``jpaged._backend.auto_route()``
+    says which kernel this machine tries first without a call."""
+    return _LAST_AUTO.get(op)
 
 
 def _lookup(op: str, table: Mapping[str, Callable], impl: str) -> Callable:
@@ -38,10 +53,10 @@ def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | No
     op's module of tables (``IMPLEMENTATIONS``, ``UNSUPPORTED_REASONS``)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be None (auto) or one of {IMPLEMENTATIONS}")
-    if interpret and implementation not in ("pallas_gpu", "pallas_tpu"):
+    if interpret and implementation not in _PALLAS:
         raise ValueError(
             f"interpret=True runs a Pallas kernel in its interpreter: pass "
-            f"implementation='pallas_gpu' or 'pallas_tpu' (got {implementation=})"
+            f"implementation= one of {_PALLAS} (got {implementation=})"
         )
     reasons = dispatch.UNSUPPORTED_REASONS
     if implementation is not None:
@@ -53,16 +68,17 @@ def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | No
                     f"implementation={implementation!r} cannot run this call: {reason}"
                 )
         return implementation
-    platform = _backend.default_platform()
-    candidates: list[str] = []
-    if platform == "tpu":
-        candidates.append("pallas_tpu")
-    elif platform == "gpu" and _backend.has_mosaic_gpu():
-        candidates.append("pallas_gpu")
-    for impl in candidates:
-        if impl in dispatch.IMPLEMENTATIONS and reasons[impl](*args, **kwargs) is None:
-            return impl
-    return "xla"
+    route = _backend.auto_route()
+    impl, why = "xla", route.reason
+    if route.kernel is not None and route.kernel in dispatch.IMPLEMENTATIONS:
+        reason = reasons[route.kernel](*args, **kwargs)
+        if reason is None:
+            impl = route.kernel
+        else:
+            why = f"{route.reason}; {route.kernel} cannot run this call ({reason}): the XLA path"
+    _LAST_AUTO[op] = (impl, why)
+    _log.debug("%s: implementation=None picked %r: %s", op, impl, why)
+    return impl
 
 
 def _call(op: str, dispatch, impl: str, interpret, args, kwargs, tuning):
@@ -78,6 +94,17 @@ def _check_tuning(implementation: str | None, tuning: dict[str, Any]) -> None:
             f"tuning knobs {sorted(tuning)} are implementation-specific: pass implementation= "
             f"(one of {IMPLEMENTATIONS}) with them; auto dispatch may pick another implementation"
         )
+
+
+def _checks_values(check: bool | None, *metadata: Any) -> tuple[bool, bool]:
+    """``(check eagerly, check with checkify)`` for ``check`` and the metadata arrays: eager
+    when they are concrete (unless ``check=False``); under ``jit`` only with ``check=True``."""
+    if check is not None and not isinstance(check, bool):
+        raise ValueError(f"check={check!r} must be None (check concrete values), True or False")
+    if check is False:
+        return False, False
+    traced = any(isinstance(x, jax.core.Tracer) for x in metadata)
+    return not traced, traced and check is True
 
 
 def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
@@ -114,6 +141,7 @@ def paged_attention(
     v_scale: jax.Array | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    check: bool | None = None,
     **tuning: Any,
 ) -> jax.Array:
     """Decode attention over a paged KV cache: one query token per sequence.
@@ -134,16 +162,26 @@ def paged_attention(
         ``[K, 1, 1]`` per KV head, ``[K, P, 1]`` per page and head, ``[K, P, C]`` per token and
         head. Attention reads ``k_pages.astype(f32) * k_scale`` (f32 accumulation).
       v_scale: like ``k_scale``, for ``v_pages``.
-      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter (any backend).
+      check: value checks (lengths in ``[0, W * C]``, used page ids in ``[0, P)``, ``layer``
+        in ``[0, L)``). None (default): checked when the values are concrete (eager call;
+        they are read back to the host), not under ``jit``. True: also under ``jit``, as
+        ``jax.experimental.checkify`` checks (wrap the caller in ``checkify.checkify``).
+        False: never. Unchecked invalid values get one result in every implementation: a
+        sequence with a bad length or used page id gives zeros, a traced ``layer`` out of
+        range gives zeros everywhere (``pallas_kernels/paged_attention/sanitize.py``).
       **tuning: implementation-specific knobs (block sizes, splits); they need an explicit
         ``implementation``.
 
     Returns:
-      [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
+      [B, N, H] in ``q.dtype``; zeros for sequences of length 0. NaN or inf in ``q``, or in
+      the keys and values a query sees, give NaN in that query head's output (never read
+      slots and pages do not matter); so does ``sm_scale=nan``.
 
     Raises:
-      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run
+        them; with the value checks on, an invalid value (its index named).
 
     >>> import jax.numpy as jnp, jpaged
     >>> q = jnp.ones((1, 2, 4)); kv = jnp.ones((1, 3, 2, 4))
@@ -155,6 +193,15 @@ def paged_attention(
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
         k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+    eager, traced = _checks_values(check, block_tables, lengths, layer)
+    if eager:  # valid values pass `sanitize` unchanged: it is skipped
+        _paged_validate.validate_dynamic(q, k_pages, v_pages, block_tables, lengths, layer=layer)
+    else:
+        if traced:
+            _paged_sanitize.check_traced(block_tables, lengths, layer, k_pages_shape=k_pages.shape)
+        block_tables, lengths, layer = _paged_sanitize.sanitize(
+            block_tables, lengths, layer, k_pages_shape=k_pages.shape
+        )
     args = (q, k_pages, v_pages, block_tables, lengths)
     kwargs = dict(
         sm_scale=_sm_scale(sm_scale, q.shape[-1]),
@@ -187,6 +234,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    check: bool | None = None,
     **tuning: Any,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens over a paged KV cache.
@@ -212,21 +260,44 @@ def ragged_paged_attention(
       k_scale: quantized pages only: f32 scales broadcastable to [K, P, C] (as in
         ``paged_attention``).
       v_scale: like ``k_scale``, for ``v_pages``.
-      implementation: None (auto), "xla", "pallas_gpu" or "pallas_tpu".
+      implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter.
+      check: value checks (``cu_q_lens`` from 0, non-decreasing, ending at most at T;
+        ``num_seqs`` in ``[0, B]``; ``q_len_b <= kv_lens[b] <= W * C``; used page ids in
+        ``[0, P)``; ``layer`` in ``[0, L)``). None (default): checked when the values are
+        concrete (eager call), not under ``jit``. True: also under ``jit``, as
+        ``jax.experimental.checkify`` checks. False: never. Unchecked invalid values get one
+        result in every implementation: the whole output is zeros
+        (``pallas_kernels/ragged_paged_attention/sanitize.py``).
       **tuning: implementation-specific knobs; they need an explicit ``implementation``.
 
     Returns:
-      [T, N, H] in ``q.dtype``.
+      [T, N, H] in ``q.dtype``. NaN or inf in ``q``, or in the keys and values a row sees,
+      give NaN in that row's head (never read slots and pages do not matter); so does
+      ``sm_scale=nan``.
 
     Raises:
-      ValueError: on inconsistent shapes or dtypes, or an implementation that cannot run them.
+      ValueError: on inconsistent shapes or dtypes, a non-bool ``causal``, or an
+        implementation that cannot run them; with the value checks on, an invalid value
+        (its index named).
     """
     _ragged_validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
-        k_scale=k_scale, v_scale=v_scale,
+        causal=causal, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+    metadata = (block_tables, kv_lens, cu_q_lens, num_seqs)
+    eager, traced = _checks_values(check, *metadata, layer)
+    if eager:  # valid values pass `sanitize` unchanged: it is skipped
+        _ragged_validate.validate_dynamic(
+            q, k_pages, v_pages, *metadata, layer=layer, k_scale=k_scale, v_scale=v_scale
+        )
+    else:
+        shapes = dict(num_rows=q.shape[0], k_pages_shape=k_pages.shape)
+        if traced:
+            _ragged_sanitize.check_traced(*metadata, layer, **shapes)
+        *metadata, layer = _ragged_sanitize.sanitize(*metadata, layer, **shapes)
+    block_tables, kv_lens, cu_q_lens, num_seqs = metadata
     args = (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
     kwargs = dict(
         sm_scale=_sm_scale(sm_scale, q.shape[-1]),

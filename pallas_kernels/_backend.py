@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,3 +39,65 @@ def has_mosaic_gpu() -> bool:
     """True on NVIDIA GPUs that Mosaic GPU targets (Hopper sm90 and newer)."""
     cc = gpu_compute_capability()
     return cc is not None and cc >= (9, 0)
+
+
+# Compute capabilities whose GPUs auto dispatch gives the Pallas-Triton kernels: Ampere and
+# Ada (sm80 A100, sm86 A10 / RTX 30xx, sm87 Orin, sm89 L4 / RTX 40xx). Turing (sm75, T4) is
+# left out: the kernels lower for it but were never compiled for it (no bf16 MMA there, and
+# XLA's Triton pipeline is built for Ampere and newer; BUILD.md, dispatch matrix).
+TRITON_AUTO_CAPABILITIES = ((8, 0), (9, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRoute:
+    """The Pallas kernel auto dispatch tries on this backend, and why.
+
+    Attributes:
+      kernel: "pallas_gpu", "pallas_triton", "pallas_tpu", or None (the XLA path only).
+      reason: one sentence naming the backend fact that chose it.
+    """
+
+    kernel: str | None
+    reason: str
+
+
+def _rocm() -> bool:
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    return "rocm" in version or "hip" in version
+
+
+def triton_route_reason() -> str | None:
+    """None when this JAX still has Pallas's Triton backend (it is deprecated), else why not."""
+    try:
+        from jax.experimental.pallas import triton as plt  # noqa: F401
+    except ImportError as e:
+        return f"this JAX ({jax.__version__}) has no Pallas Triton backend ({e})"
+    return None
+
+
+def auto_route() -> AutoRoute:
+    """Which Pallas kernel ``implementation=None`` tries first on the default backend, and why
+    (the XLA path runs whatever that kernel cannot: its ``unsupported_reason`` says why)."""
+    platform = default_platform()
+    if platform == "tpu":
+        return AutoRoute("pallas_tpu", "TPU backend: the Mosaic TPU kernels")
+    if platform != "gpu":
+        return AutoRoute(None, f"{platform} backend: no compiled kernel, the XLA path")
+    if _rocm():
+        return AutoRoute(None, "ROCm GPU: no kernel verified there, the XLA path")
+    cc = gpu_compute_capability()
+    if cc is None:
+        return AutoRoute(None, "GPU of unknown compute capability: the XLA path")
+    sm = f"sm{cc[0]}{cc[1]}"
+    if has_mosaic_gpu():
+        return AutoRoute("pallas_gpu", f"{sm}: Mosaic GPU kernels (Hopper and newer)")
+    lo, hi = TRITON_AUTO_CAPABILITIES
+    if lo <= cc < hi:
+        missing = triton_route_reason()
+        if missing is not None:
+            return AutoRoute(None, f"{sm}: {missing}; the XLA path")
+        return AutoRoute("pallas_triton", f"{sm}: Pallas-Triton kernels (Ampere/Ada)")
+    return AutoRoute(
+        None,
+        f"{sm}: no kernel verified below sm80 (Pallas-Triton) and sm90 (Mosaic GPU): the XLA path",
+    )

@@ -157,6 +157,24 @@ def dequantize_gathered(
     return pages.astype(jnp.float32) * gather_scales(scale, 0 if layer is None else layer, page_ids)
 
 
+def dequantize_gathered_heads_first(
+    pages: jax.Array, scale: jax.Array | None, layer: Any, page_ids: jax.Array
+) -> jax.Array:
+    """Like `dequantize_gathered`, for pages gathered heads first, as ``[K, ..., C, H]``
+    (``page_ids``' shape after the KV head axis).
+
+    Args:
+      pages: [K, ..., C, H] gathered pages.
+      scale: None, or the pool's ``layered_scale`` f32[L', K', P', C'].
+      layer: the layer index of a 5-D pool (None or 0 for a 4-D one).
+      page_ids: i32[...] the gathered page ids, in [0, P).
+    """
+    if scale is None:
+        return pages
+    s = gather_scales(scale, 0 if layer is None else layer, page_ids)  # [..., K', C', 1]
+    return pages.astype(jnp.float32) * jnp.moveaxis(s, -3, 0)
+
+
 def canonical_scales(
     k_pages: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
 ) -> tuple[jax.Array | None, jax.Array | None]:

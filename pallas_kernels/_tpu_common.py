@@ -308,7 +308,7 @@ def attend_items(
             jnp.zeros((R, H), jnp.float32),
         )
         _, l_R1, acc_RH = lax.fori_loop(0, nb, block, init)
-        store_o(j, jnp.where(l_R1 > 0, acc_RH / jnp.where(l_R1 > 0, l_R1, 1.0), 0.0))
+        store_o(j, jnp.where(l_R1 != 0, acc_RH / jnp.where(l_R1 != 0, l_R1, 1.0), 0.0))
         return done + nb
 
     lax.fori_loop(0, num_items, item, jnp.int32(0))

@@ -9,6 +9,12 @@ library and its tests never import torch. For each model below it writes
   decode steps (`generate(output_logits=True)`, EOS ignored), the 32 greedy tokens, and a
   beam-search result (`generate(num_beams=4, num_return_sequences=4)`).
 
+`--only sampling` writes `tests/goldens/llama2_sampling.json` from the checkpoint already in
+`tests/checkpoints/llama2` (nothing is rebuilt): a greedy `generate(repetition_penalty=1.3,
+output_scores=True, output_logits=True)` (tokens, the processed scores, the raw logits), and
+transformers' `MinPLogitsWarper` applied to fixed random logits (the tokens it keeps), and
+`PreTrainedTokenizerFast.apply_chat_template` of a small chat template (text and ids).
+
 It also writes `tests/goldens/demo_addition.json`: the greedy answers of the shipped demo
 model (`jpaged/assets/demo_addition`, trained by `examples/train_demo_model.py`) to the first
 64 of its held-out sums, from `LlamaForCausalLM.from_pretrained` (`--only demo` writes just
@@ -18,7 +24,7 @@ Weights are random (fixed seed), with larger-than-default init and random biases
 weights so that every parameter matters and greedy choices are not near-ties (the script
 checks the top-2 logit margin of every greedy step).
 
-Usage: .venv-torch/bin/python tools/make_goldens.py [--out-root .] [--only random|demo]
+Usage: .venv-torch/bin/python tools/make_goldens.py [--out-root .] [--only random|demo|sampling]
 """
 
 from __future__ import annotations
@@ -278,14 +284,128 @@ def make_demo_golden(ckpt: pathlib.Path, out_root: pathlib.Path) -> None:
     print(f"demo_addition: {right}/{len(pairs)} held-out sums right under transformers")
 
 
+# A small chat template that exercises what transformers' renderer sets up: trim_blocks and
+# lstrip_blocks, special tokens from the tokenizer, a filter, raise_exception, loop controls.
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}
+<<SYS>>{{ message['content'] | trim }}<</SYS>>
+    {% elif message['role'] in ['user', 'assistant'] %}
+[{{ message['role'] | upper }}] {{ message['content'] | trim }}
+        {%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}
+
+    {% else %}
+{{ raise_exception('unknown role: ' + message['role']) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}[ASSISTANT] {% endif %}"""
+CHAT_MESSAGES = [
+    {"role": "system", "content": " Answer briefly. "},
+    {"role": "user", "content": "The quick brown fox"},
+    {"role": "assistant", "content": "jumps over"},
+    {"role": "user", "content": "the lazy dog?"},
+]
+
+SAMPLING_NEW_TOKENS = 16
+REPETITION_PENALTY = 1.3
+
+
+def make_sampling_golden(out_root: pathlib.Path) -> None:
+    """Repetition-penalty greedy decoding with its scores and raw logits, and min-p masks,
+    from transformers, on the llama2 test checkpoint as it is."""
+    ckpt = out_root / "tests" / "checkpoints" / "llama2"
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    # A prompt that repeats tokens, so the penalty hits prompt tokens more than once.
+    prompt_ids = tok.encode(PROMPT_TEXT).ids + tok.encode(" the the fox").ids
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=SAMPLING_NEW_TOKENS,
+            min_new_tokens=SAMPLING_NEW_TOKENS, do_sample=False,
+            repetition_penalty=REPETITION_PENALTY, output_scores=True, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    scores = torch.cat(out.scores, dim=0)  # [N, V] after the repetition penalty
+    logits = torch.cat(out.logits, dim=0)  # [N, V] raw
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    assert tokens == scores.argmax(-1).tolist()
+    top2 = scores.topk(2, dim=-1).values
+    margin = float((top2[:, 0] - top2[:, 1]).min())
+    if margin < MIN_MARGIN:
+        sys.exit(f"sampling golden: greedy top-2 margin {margin:.2e} < {MIN_MARGIN}")
+    gen = torch.Generator().manual_seed(3)
+    min_p_logits = 2.0 * torch.randn((6, VOCAB), generator=gen)
+    min_p, temperature = 0.1, 0.7
+    warped = transformers.MinPLogitsWarper(min_p)(
+        torch.zeros((6, 1), dtype=torch.long), min_p_logits / temperature
+    )
+    golden = {
+        "model": "llama2",
+        "checkpoint": "tests/checkpoints/llama2",
+        "generator": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "script": "tools/make_goldens.py --only sampling",
+        },
+        "repetition": {
+            "prompt_ids": prompt_ids,
+            "repetition_penalty": REPETITION_PENALTY,
+            "max_new_tokens": SAMPLING_NEW_TOKENS,
+            "tokens": tokens,
+            "min_top2_margin": margin,
+            "scores": floats(scores),
+            "logits": floats(logits),
+            "notes": (
+                "generate(do_sample=False, repetition_penalty, output_scores=True, "
+                "output_logits=True), EOS ignored: scores are the logits after "
+                "RepetitionPenaltyLogitsProcessor (over prompt and generated tokens), logits "
+                "the raw ones; the greedy token is the argmax of scores."
+            ),
+        },
+        "min_p": {
+            "min_p": min_p,
+            "temperature": temperature,
+            "logits": floats(min_p_logits),
+            "kept": [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in warped],
+            "notes": "MinPLogitsWarper(min_p) on logits / temperature: the token ids it keeps.",
+        },
+    }
+    hf_tok = PreTrainedTokenizerFast.from_pretrained(ckpt)
+    chat = {"template": CHAT_TEMPLATE, "messages": CHAT_MESSAGES}
+    for gen_prompt in (True, False):
+        text = hf_tok.apply_chat_template(CHAT_MESSAGES, chat_template=CHAT_TEMPLATE,
+                                          tokenize=False, add_generation_prompt=gen_prompt)  # fmt: skip
+        ids = hf_tok.apply_chat_template(CHAT_MESSAGES, chat_template=CHAT_TEMPLATE,
+                                         tokenize=True, add_generation_prompt=gen_prompt)  # fmt: skip
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        key = "with_generation_prompt" if gen_prompt else "without_generation_prompt"
+        chat[key] = {"text": text, "token_ids": list(ids)}
+    golden["chat"] = chat
+    golden["tokenizer"] = {
+        "text": PROMPT_TEXT + " over the lazy dog.",
+        "encode": hf_tok.encode(PROMPT_TEXT + " over the lazy dog."),
+        "decode_ids": [1, *prompt_ids[:6], 2],
+        "decode": hf_tok.decode([1, *prompt_ids[:6], 2], skip_special_tokens=True),
+    }
+    gold = out_root / "tests" / "goldens" / "llama2_sampling.json"
+    gold.write_text(json.dumps(golden, separators=(",", ":")) + "\n")
+    print(f"llama2_sampling: {len(tokens)} tokens, margin {margin:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-root", type=pathlib.Path, default=pathlib.Path("."))
-    parser.add_argument("--only", choices=("random", "demo"), default=None,
-                        help="only the random tiny models, or only the demo model's golden")  # fmt: skip
+    parser.add_argument("--only", choices=("random", "demo", "sampling"), default=None,
+                        help="only the random tiny models, only the demo model's golden, or "
+                             "only the sampling golden (from the existing llama2 checkpoint)")  # fmt: skip
     parser.add_argument("--demo-checkpoint", type=pathlib.Path, default=DEMO_CHECKPOINT)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.only == "sampling":
+        make_sampling_golden(args.out_root)
+        return
     if args.only != "random":
         make_demo_golden(args.demo_checkpoint, args.out_root)
     if args.only == "demo":
@@ -301,6 +421,7 @@ def main() -> None:
             tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
         )
         hf_tok.save_pretrained(args.out_root / "tests" / "checkpoints" / name)
+    make_sampling_golden(args.out_root)
 
 
 if __name__ == "__main__":

@@ -266,7 +266,8 @@ def _child(args) -> None:
     for B in [int(b) for b in args.batch.split(",")]:
         pages = B * (math.ceil((ctx + k) / C) + 1) + 8
         llm = jpaged.LLM(model, page_size=C, num_pages=pages, max_num_seqs=B,
-                         max_model_len=ctx + 512, num_decode_steps=k, eos_token_id=[],
+                         max_model_len=min(ctx + 512, cfg.max_position_embeddings),
+                         num_decode_steps=k, eos_token_id=[],
                          enable_prefix_caching=False, compiler_options=options)  # fmt: skip
         rng = np.random.default_rng(B)
         table = np.zeros((B, llm.width), np.int32)

@@ -1,20 +1,23 @@
 """Sampled tokens into sequences: stop and length checks, forks, beam steps, prefix commits.
 
 `TokenAppender` is what the engine does with the tokens a step returns: it appends them to
-their sequences and finishes a sequence on a stop token or a length limit (through the
-scheduler, which frees its pages); forks a prompt into its ``n`` completions or a beam into
-the candidates that keep it (pages shared, no copy); and registers newly full pages in the
-prefix cache.
+their sequences (with their ``logprobs`` entries when asked) and finishes a sequence on a
+stop token, a stop string (`jpaged.engine.stop_strings`) or a length limit (through the
+scheduler, which frees its pages); records prompt log-probabilities; forks a prompt into
+its ``n`` completions or a beam into the candidates that keep it (pages shared, no copy);
+and registers newly full pages in the prefix cache.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
-from jpaged.engine import beam
+from jpaged.engine import beam, stop_strings
 from jpaged.engine.counters import Counters
+from jpaged.engine.outputs import logprob_entry
 from jpaged.engine.requests import Request, Sequence
 from jpaged.engine.scheduler import Scheduler
 from jpaged.kv.allocator import BlockAllocator
@@ -31,6 +34,7 @@ class TokenAppender:
       counters: ``tokens_generated`` is added to.
       max_model_len: longest sequence.
       enable_prefix_caching: register full pages in the prefix cache.
+      tokenizer: decodes text for stop strings and ``Logprob.decoded_token`` (None: ids only).
     """
 
     def __init__(
@@ -41,39 +45,66 @@ class TokenAppender:
         *,
         max_model_len: int,
         enable_prefix_caching: bool,
+        tokenizer: Any = None,
     ):
         self.alloc = alloc
         self.scheduler = scheduler
         self.counters = counters
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
+        self.tokenizer = tokenizer
         self._seq_ids = itertools.count()
 
     def new_seq_id(self) -> int:
         """A fresh allocator id for a sequence."""
         return next(self._seq_ids)
 
-    def append(self, req: Request, seq: Sequence, token: int, lp: float) -> None:
-        """Appends one sampled token; finishes the sequence on a stop token or a limit."""
+    def append(self, req: Request, seq: Sequence, token: int, lp: float, top=None) -> None:
+        """Appends one sampled token; finishes the sequence on a stop token, a stop string or
+        a limit.
+
+        Args:
+          top: the token's ``(top logprobs f32[N], top ids i32[N], rank)`` from the device
+            (with ``logprobs``), else None.
+        """
         seq.tokens.append(token)
         seq.cumulative_logprob += lp
         self.counters.tokens_generated += 1
         p = req.params
+        if p.logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprob_entry(token, lp, top, p.logprobs, self.tokenizer))
         reason = None
-        if token in req.stop_ids and seq.num_generated >= p.min_tokens:
+        after_min = seq.num_generated >= p.min_tokens
+        if token in req.stop_ids and after_min:
             reason = "stop"
-        elif seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.stop_reason = token if token in p.stop_token_ids else None
+        elif p.stop and self.tokenizer is not None:
+            hit = stop_strings.scan(seq, self.tokenizer, p.stop)
+            if hit is not None and after_min:
+                reason = "stop"
+                seq.text_end, seq.stop_reason = hit
+        if reason is None and (
+            seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             self.scheduler.finish_seq(req, seq, reason)
 
-    def append_many(self, req: Request, seq: Sequence, tokens: list[int], lps: list[float]) -> int:
+    def append_many(self, req: Request, seq: Sequence, tokens: list[int], lps: list[float],
+                    tops=None) -> int:  # fmt: skip
         """``append`` of each token in turn until the sequence finishes; returns how many
-        were appended. Without stop tokens only the length limits can end it: one slice."""
+        were appended (tokens after a stop are dropped). Without stop tokens, stop strings
+        or log-probability entries only the length limits can end it: one slice.
+
+        Args:
+          tops: per token its ``top`` triple (``append``), or None.
+        """
         p = req.params
-        if req.stop_ids:
+        if req.stop_ids or p.stop or p.logprobs is not None:
             for i, (tok, lp) in enumerate(zip(tokens, lps, strict=True)):
-                self.append(req, seq, tok, lp)
+                self.append(req, seq, tok, lp, None if tops is None else tops[i])
                 if seq.finished:
                     return i + 1
             return len(tokens)
@@ -89,19 +120,36 @@ class TokenAppender:
             self.scheduler.finish_seq(req, seq, "length")
         return n
 
+    def record_prompt_logprobs(self, req: Request, positions: list[int], targets: list[int],
+                               prompt, rows: list[int]) -> None:  # fmt: skip
+        """Stores the prompt log-probabilities a step computed: entry ``positions[i]`` (the
+        prompt token ``targets[i]``) from token row ``rows[i]`` of the step's ``prompt``
+        output ``(logprob f32[T], top f32[T, N], ids i32[T, N], rank i32[T])``. Entries
+        already stored (a recompute after preemption) are kept."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * len(req.prompt)
+        lp_T, vals_TN, ids_TN, rank_T = prompt
+        k = req.num_prompt_logprobs
+        for pos, tok, r in zip(positions, targets, rows, strict=True):
+            if req.prompt_logprobs[pos] is None:
+                req.prompt_logprobs[pos] = logprob_entry(
+                    tok, lp_T[r], (vals_TN[r], ids_TN[r], rank_T[r]), k, self.tokenizer
+                )
+
     def commit_pages(self, req: Request, seq: Sequence) -> None:
         """Registers newly computed full pages in the prefix cache (only on a page boundary)."""
         full = seq.num_computed // self.alloc.page_size * self.alloc.page_size
         if not self.enable_prefix_caching or full <= seq.num_committed or seq.finished:
             return
-        self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt)
+        self.alloc.commit_full_pages(seq.seq_id, seq.tokens[:full], req.salt, verify=False)
         seq.num_committed = full
 
     def fork(self, req: Request, parent: Sequence, index: int, seed: int) -> Sequence:
         """A new sequence sharing every page of ``parent`` (refcounts + 1, no copy)."""
         child = Sequence(self.new_seq_id(), index, list(parent.tokens), parent.num_prompt, seed,
                          parent.num_computed, cumulative_logprob=parent.cumulative_logprob,
-                         num_committed=parent.num_committed)  # fmt: skip
+                         num_committed=parent.num_committed,
+                         logprobs=None if parent.logprobs is None else list(parent.logprobs))  # fmt: skip
         self.alloc.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
         return child

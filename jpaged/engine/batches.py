@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jpaged.engine.logits_process import LogitsInputs
 from jpaged.engine.requests import Request, Sequence
 from jpaged.models._protocol import AttentionMetadata
 
@@ -72,12 +73,17 @@ class StepBatch:
       metadata: the ``AttentionMetadata`` (slots, block tables [B, W], kv lens, cu_q_lens,
         num_seqs, logits_indices [R]).
       sampling: ``SamplingArrays`` of the R logits rows.
+      logits: the rows' ``LogitsInputs`` (penalties, bias, min-p, processors) or None.
+      prompt_targets: i32[T] or None: for prompt log-probabilities, the token that follows
+        each token row in its prompt (-1: none); the step then computes every row's logits.
     """
 
     tokens: Any
     positions: Any
     metadata: AttentionMetadata
     sampling: SamplingArrays
+    logits: LogitsInputs | None = None
+    prompt_targets: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +104,8 @@ class LoopBatch:
       min_steps: i32[B] tokens before which stop tokens do not stop a row (``min_tokens``).
       stop_ids: i32[B, S] stop tokens per row (EOS included unless ignored); -1 padding.
       sampling: ``SamplingArrays`` (``position`` unused: the loop computes it).
+      logits: ``LogitsInputs`` or None; the loop appends each sampled token to its
+        ``history`` (the carry holds it for the next loop).
     """
 
     tokens: Any
@@ -109,6 +117,7 @@ class LoopBatch:
     min_steps: Any
     stop_ids: Any
     sampling: SamplingArrays
+    logits: LogitsInputs | None = None
 
 
 def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:

@@ -24,6 +24,7 @@ from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import LoopBatch, bucket, pad_to, sampling_arrays, sampling_row
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
+from jpaged.engine.logits_process import logits_inputs, num_top_for
 from jpaged.engine.runner import Runner
 from jpaged.engine.sampling import sampling_mode
 from jpaged.engine.scheduler import Scheduled, Scheduler, StepPlan
@@ -47,8 +48,8 @@ class DecodeChain:
       threaded_dispatch: dispatch loops from a worker thread (GPU: see ``_dispatch``).
 
     Attributes:
-      state: ``(scheduled rows, sampling mode, future of the loop in flight)`` while a chain
-        runs, else None.
+      state: ``(scheduled rows, program, future of the loop in flight)`` while a chain runs,
+        else None; ``program`` is the loop's static ``(sampling mode, num_top, processors)``.
     """
 
     def __init__(
@@ -72,7 +73,7 @@ class DecodeChain:
         self.width = width
         self._seq_bucket = seq_bucket
         self.threaded_dispatch = threaded_dispatch
-        self.state: tuple[list[Scheduled], str, concurrent.futures.Future | None] | None = None
+        self.state: tuple[list[Scheduled], tuple, concurrent.futures.Future | None] | None = None
         self._dispatcher: concurrent.futures.ThreadPoolExecutor | None = None
 
     def can_loop(self, plan: StepPlan) -> bool:
@@ -138,7 +139,14 @@ class DecodeChain:
         for b, s in enumerate(stop_lists):
             stop_ids[b, : len(s)] = s
         samp = np.asarray([sampling_row(it.request, it.seq, it.seq.seed) for it in items])
-        min_steps = [max(it.request.params.min_tokens - it.seq.num_generated, 0) for it in items]
+        inputs, processors = logits_inputs(
+            [(it.request.params, it.seq.tokens, it.seq.num_prompt) for it in items], Bp,
+            self.width * self.kv.alloc.page_size,
+        )  # fmt: skip
+        num_top = num_top_for([it.request.params for it in items])
+        # At most the row's limit (a min_tokens beyond it must not overflow the int32 array).
+        min_steps = [min(max(it.request.params.min_tokens - it.seq.num_generated, 0), lim)
+                     for it, lim in zip(items, limits, strict=True)]  # fmt: skip
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
@@ -149,22 +157,24 @@ class DecodeChain:
             min_steps=pad_to(np.asarray(min_steps, np.int32), Bp, 0),
             stop_ids=stop_ids,
             sampling=sampling_arrays(samp, Bp),
+            logits=inputs,
         )
         # The sampling mode is static (no device-side branch) and fixed for the whole chain:
-        # its rows only ever drop out.
+        # its rows only ever drop out. So are the log-probability outputs and processors.
         mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
+        program = (mode, num_top, processors)
         # Processed by the next `step()`, which first dispatches the loop after it: every
         # step makes at most one device call, and host work overlaps the loop in flight.
         try:
-            self.state = (items, mode, self._dispatch(batch, mode))
+            self.state = (items, program, self._dispatch(batch, program))
         except Exception:
             self.end(items)
             raise
         return True
 
-    def _dispatch(self, batch: LoopBatch, mode: str) -> concurrent.futures.Future:
+    def _dispatch(self, batch: LoopBatch, program: tuple) -> concurrent.futures.Future:
         """Starts a decode loop; returns the future of
-        ``((cache, tokens, logprobs, steps run, carry), seconds the call took)``.
+        ``((cache, tokens, logprobs, steps run, carry, top), seconds the call took)``.
 
         On GPU the call that dispatches a loop can return only once the loop has run (XLA
         thunks that synchronise with the host: cuBLAS GEMMs on dynamic slices inside loops,
@@ -179,18 +189,18 @@ class DecodeChain:
                     getattr(jax.config, "jax_default_matmul_precision", None))  # fmt: skip
         if not self.threaded_dispatch:
             fut = concurrent.futures.Future()
-            fut.set_result(self._loop_call(cache, batch, mode, settings))
+            fut.set_result(self._loop_call(cache, batch, program, settings))
             self.kv.pending = fut  # installs its pool on the next read of kv.cache
             return fut
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jpaged-dispatch"
             )
-        fut = self._dispatcher.submit(self._loop_call, cache, batch, mode, settings)
+        fut = self._dispatcher.submit(self._loop_call, cache, batch, program, settings)
         self.kv.pending = fut
         return fut
 
-    def _loop_call(self, cache, batch: LoopBatch, mode: str, settings):
+    def _loop_call(self, cache, batch: LoopBatch, program: tuple, settings):
         """Runs in the dispatch thread (under the dispatching thread's JAX settings)."""
         device, precision = settings
         with contextlib.ExitStack() as stack:
@@ -199,10 +209,12 @@ class DecodeChain:
             if precision is not None:
                 stack.enter_context(jax.default_matmul_precision(precision))
             t = time.perf_counter()
+            mode, num_top, processors = program
             out = self.runner.decode_loop(cache, batch, num_steps=self.num_decode_steps,
-                                          mode=mode)  # fmt: skip
+                                          mode=mode, num_top=num_top,
+                                          processors=processors)  # fmt: skip
             dt = time.perf_counter() - t
-        for x in out[1:4]:  # tokens, logprobs, steps run
+        for x in jax.tree.leaves((out[1:4], out[5])):  # tokens, logprobs, steps run, top
             x.copy_to_host_async()
         return out, dt
 
@@ -218,9 +230,9 @@ class DecodeChain:
     def advance(self) -> None:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
         from its device-side carry, so the host work below overlaps the device."""
-        items, mode, fut = self.state
+        items, program, fut = self.state
         try:
-            self._advance(items, mode, fut)
+            self._advance(items, program, fut)
         except Exception:
             # A loop failed (e.g. out of memory, in the dispatch thread or here): the chain
             # ends and its reservations are released; its rows are scheduled again from what
@@ -258,7 +270,7 @@ class DecodeChain:
             if copies:  # never within a reservation, unless forked since: not here
                 raise AssertionError(f"unexpected copy-on-write in a decode chain: {copies}")
 
-    def _advance(self, items, mode: str, fut) -> None:
+    def _advance(self, items, program: tuple, fut) -> None:
         k = self.num_decode_steps
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
         # The next loop's reservations and block tables need only what the host knows now,
@@ -279,25 +291,31 @@ class DecodeChain:
             live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
             plan = (self._tables(items, Bp), live)
         t = time.perf_counter()
-        (_, out_KB, lp_KB, ran, carry), dispatch_s = fut.result()
+        (_, out_KB, lp_KB, ran, carry, top), dispatch_s = fut.result()
         self.counters.timing["device_wait_s"] += time.perf_counter() - t
         self.counters.timing["dispatch_s"] += dispatch_s
         nxt = None
         if plan is not None:
             tables, live = plan
             assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
-            nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live), mode)
+            nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live),
+                                 program)  # fmt: skip
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
+        top = None if top is None else tuple(np.asarray(x) for x in top)
         self.counters.loop_steps += int(ran)
         self.counters.timing["device_wait_s"] += time.perf_counter() - t
         # Rows' tokens as Python lists at once (not an int() per element).
-        for it, toks, lps in zip(items, out_KB.T.tolist(), lp_KB.T.tolist(), strict=False):
+        for b, (it, toks, lps) in enumerate(zip(items, out_KB.T.tolist(), lp_KB.T.tolist(),
+                                                strict=False)):  # fmt: skip
             seq = it.seq
             if seq.finished or toks[0] < 0:
                 continue
             n = toks.index(-1) if toks[-1] < 0 else len(toks)  # -1 once the row stopped
-            seq.num_computed += self.appender.append_many(it.request, seq, toks[:n], lps[:n])
+            tops = None if top is None else [(top[0][i, b], top[1][i, b], top[2][i, b])
+                                             for i in range(n)]  # fmt: skip
+            seq.num_computed += self.appender.append_many(it.request, seq, toks[:n], lps[:n],
+                                                          tops)  # fmt: skip
         # The allocator's lengths catch up with the cache (inside the reservation: nothing is
         # allocated), so stats and the prefix cache are current even mid-chain.
         chained = nxt is not None and any(not it.seq.finished for it in items)
@@ -308,4 +326,4 @@ class DecodeChain:
                 if not chained:  # end of the chain: release the unused reservation
                     self.kv.alloc.truncate(seq.seq_id, seq.num_computed)
                 self.appender.commit_pages(it.request, seq)
-        self.state = (items, mode, nxt) if chained else None
+        self.state = (items, program, nxt) if chained else None

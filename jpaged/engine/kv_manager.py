@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged.engine.batches import bucket, pad_to
@@ -65,7 +67,7 @@ class KVManager:
         if self._cache.k_pages.is_deleted():
             raise RuntimeError(
                 "the K/V pool was lost: a device call that had taken it (donated) failed; "
-                "this engine cannot continue, build a new jpaged.LLM"
+                "replace_lost_pool() puts a fresh one in its place"
             )
         return self._cache
 
@@ -74,6 +76,27 @@ class KVManager:
         if self.pending is not None:
             raise AssertionError("the cache was replaced while a decode loop was dispatching")
         self._cache = value
+
+    def replace_lost_pool(self) -> bool:
+        """After a failed device call: if the pool was lost (donated to the call, or the
+        output of a call that failed on the device), puts a zero-filled pool of the same
+        shapes and dtypes in its place and returns True (every K/V it held is gone: the
+        caller recomputes or fails what lived there)."""
+        fut = self.pending
+        if fut is not None:
+            if not fut.done() or fut.exception() is None:
+                return False  # a loop still owns (or has returned) the pool
+            self.pending = None
+        leaves = jax.tree.leaves(self._cache)
+        lost = any(x.is_deleted() for x in leaves)
+        if not lost:
+            try:  # the output of a call that failed on the device holds its error
+                jax.block_until_ready(leaves)
+            except Exception:
+                lost = True
+        if lost:
+            self._cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._cache)
+        return lost
 
     def apply(self, ops: Iterable[PageOp]) -> None:
         """Runs a plan's page operations on the device, in order."""

@@ -12,47 +12,52 @@ one device call (`StepExecutor`) or starts a chain of decode loops (`DecodeChain
 >>> len(out[0].outputs[0].token_ids)
 4
 
-Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built. A
-request the engine cannot serve (empty prompt, a prompt of ``max_model_len`` tokens or
-more, token ids outside the vocabulary, a request that cannot fit in the pool even alone)
-does not raise: its output has ``finish_reason == "error"`` and ``error`` says why, and the
-engine keeps serving the other requests.
+Errors: invalid ``SamplingParams``/``BeamSearchParams`` raise ``ValueError`` when built, and
+so do malformed requests where they enter (``add_request``, ``generate``: a prompt that is not
+token ids nor a string with a tokenizer, named with the offending element; a ``cache_salt``
+that is not a str), leaving nothing queued. A request the engine cannot serve (empty prompt,
+a prompt of ``max_model_len`` tokens or more, token ids outside the vocabulary, a request
+that cannot fit in the pool even alone) does not raise: its output has
+``finish_reason == "error"`` and ``error`` says why, and the engine keeps serving the other
+requests. A step that raises (a page operation, the device call, the token appender) fails
+the requests of that step the same way, with the exception as ``error``; ``step()`` itself
+raises nothing and the engine serves the next call (`LLM._fail_step`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
-import math
-import pathlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
-from jpaged.engine import beam
-from jpaged.engine.appender import TokenAppender
-from jpaged.engine.counters import Counters
-from jpaged.engine.decode_chain import DecodeChain
-from jpaged.engine.kv_manager import KVManager
-from jpaged.engine.model_setup import default_kv_bytes, model_dtype, read_eos, with_params
+from jpaged.engine.assembly import assemble
+from jpaged.engine.chat import render_conversations
+from jpaged.engine.engine_stats import engine_stats
+from jpaged.engine.intake import (
+    Prompt,
+    RequestIntake,
+    as_prompt_list,
+    check_cache_salt,
+    id_order,
+)
+from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
-from jpaged.engine.requests import Request, Status
-from jpaged.engine.requests import Sequence as Seq
-from jpaged.engine.runner import Runner, default_compiler_options
+from jpaged.engine.params import check_for_engine
+from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
-from jpaged.engine.scheduler import Scheduler
-from jpaged.engine.step import StepExecutor
 from jpaged.engine.warmup import warmup_programs
-from jpaged.kv.allocator import BlockAllocator
-from jpaged.kv.cache import PagedKVCache, pages_for_budget
+from jpaged.kv.cache import PagedKVCache
 
 __all__ = ["LLM"]
 
-Prompt = Sequence[int] | str
+_log = logging.getLogger("jpaged")
+
+
+def _check_params(params: Any, name: str) -> None:
+    if not isinstance(params, SamplingParams | BeamSearchParams):
+        raise ValueError(f"{name} must be SamplingParams or BeamSearchParams, got {params!r}")
 
 
 class LLM:
@@ -82,7 +87,9 @@ class LLM:
         decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
       cache_dtype: K/V dtype (default: the model's embedding dtype).
-      tokenizer: a ``tokenizers.Tokenizer`` (loaded from the checkpoint when None).
+      tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer (wrapped in
+        `jpaged.engine.tokenizer_adapter.TransformersTokenizer`, which ``self.tokenizer``
+        then is); loaded from the checkpoint when None.
       eos_token_id: end-of-sequence id(s) (read from the checkpoint when None).
       watermark: fraction of the pool kept free at admission.
       seed: seeds requests that give no seed.
@@ -130,99 +137,37 @@ class LLM:
         compiler_options: dict[str, Any] | None = None,
         keep_finished: int = 4096,
     ):
-        if isinstance(model, str | pathlib.Path):
-            from jpaged.models import from_pretrained, load_tokenizer
-
-            path = pathlib.Path(model)
-            self.model = from_pretrained(path, dtype=dtype)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-            if eos_token_id is None:
-                eos_token_id = read_eos(path)
-        else:
-            self.model = with_params(model, params)
-        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if not isinstance(num_decode_steps, int) or num_decode_steps < 1:
-            raise ValueError(f"{num_decode_steps=} must be an int >= 1")
-        if not isinstance(keep_finished, int) or keep_finished < 0:
-            raise ValueError(f"{keep_finished=} must be an int >= 0")
-        for name, v in (
-            ("max_model_len", max_model_len),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if v is not None and (not isinstance(v, int | np.integer) or v < 1):
-                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-        self.tokenizer = tokenizer
-        eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
-        self.eos_token_ids = frozenset(int(e) for e in eos)
-        m = self.model
-        cfg = getattr(m, "config", None)
-        if max_model_len is None:
-            max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_model_len = int(max_model_len)
-        self.page_size = C = page_size
-        self.width = W = math.ceil(self.max_model_len / C)
-        if cache_dtype is None:
-            cache_dtype = model_dtype(m)
-        L, K, H = m.num_layers, m.num_kv_heads, m.head_dim
-        if num_pages is None:
-            budget = kv_cache_memory if kv_cache_memory is not None else default_kv_bytes()
-            num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), max_num_seqs * W)
-        cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
-        bpp = cache.bytes_per_page
-        self.alloc = BlockAllocator(
-            int(num_pages), C, watermark=watermark,
-            num_host_pages=int(swap_space // bpp), bytes_per_page=bpp,
+        self.options = opts = EngineOptions(
+            page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+            swap_space=swap_space, num_decode_steps=num_decode_steps, dtype=dtype,
+            cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
+            swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
+            compiler_options=compiler_options, keep_finished=keep_finished,
         )  # fmt: skip
-        self.kv = KVManager(self.alloc, cache)
-        self.max_num_seqs = max_num_seqs
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(256, min(2048, self.max_model_len))
-        self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.enable_prefix_caching = enable_prefix_caching
-        self.num_decode_steps = num_decode_steps
-        self.debug = debug
-        self.scheduler = Scheduler(
-            self.alloc,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-            enable_prefix_caching=enable_prefix_caching,
-            swap_bytes_per_s=swap_bytes_per_s,
-            recompute_tokens_per_s=recompute_tokens_per_s,
-            swap_space_bytes=swap_space,
-            # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and
-            # the next one; `DecodeChain`); admission keeps the pages of one loop free.
-            lookahead_tokens=self.num_decode_steps if self.num_decode_steps > 1 else 0,
-        )
-        if compiler_options is None:
-            compiler_options = default_compiler_options()
-        self.runner = Runner(m, compiler_options=compiler_options)
-        self.counters = Counters()
-        self.appender = TokenAppender(
-            self.alloc, self.scheduler, self.counters,
-            max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+        parts = assemble(model, opts, params=params, tokenizer=tokenizer, eos_token_id=eos_token_id)
+        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len, self.width = parts.max_model_len, parts.width
+        self.page_size, self.max_num_seqs = opts.page_size, opts.max_num_seqs
+        self.max_num_batched_tokens = parts.max_num_batched_tokens
+        self.enable_prefix_caching = opts.enable_prefix_caching
+        self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.keep_finished = opts.keep_finished
+        self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
+        self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
+        self.executor, self.chain = parts.executor, parts.chain
+        self.chat_template = parts.chat_template
+        self.intake = RequestIntake(
+            self.alloc, self.appender, tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids, vocab_size=self.model.vocab_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, seed=opts.seed,
         )  # fmt: skip
-        self.executor = StepExecutor(
-            self.kv, self.runner, self.appender, self.counters, width=W,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-        )  # fmt: skip
-        self.chain = DecodeChain(
-            self.kv, self.runner, self.scheduler, self.appender, self.counters,
-            num_decode_steps=num_decode_steps, max_model_len=self.max_model_len, width=W,
-            seq_bucket=self.executor.seq_bucket,
-            # On GPU a loop's dispatching call can last until the loop has run: it is made
-            # from a worker thread (elsewhere dispatch is asynchronous already, and
-            # thread-local JAX settings would not follow the call).
-            threaded_dispatch=jax.default_backend() == "gpu",
-        )  # fmt: skip
-        self._rng = np.random.default_rng(seed)
-        self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self.keep_finished = keep_finished
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
-        self._arrivals = itertools.count()
         self._failed_at_add: set[str] = set()
 
     @property
@@ -251,14 +196,58 @@ class LLM:
           sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
           progress: show a progress bar (tqdm) over finished requests.
           cache_salt: prefix-cache salt of these requests (pages are shared only within a salt).
+
+        Raises:
+          ValueError: (nothing is queued) a prompt that is not token ids nor a string with a
+            tokenizer (``prompts[i]`` and the element named), parameters of the wrong type or
+            count, a ``cache_salt`` that is not a str or None.
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all((p, sp, cache_salt) for p, sp in zip(prompts, params, strict=False))
+        ids = self._add_all(prompts, params, cache_salt)
         return self._run_to_completion(ids, progress)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
+        a list of conversations, through the model's chat template (`jpaged.engine.chat`:
+        rendered as transformers' ``apply_chat_template`` renders it, then tokenized without
+        added special tokens); ``RequestOutput.prompt`` holds the rendered text.
+
+        Args:
+          chat_template: a Jinja template that overrides the checkpoint's.
+          add_generation_prompt: end the prompt with the assistant's turn header.
+          chat_template_kwargs: more variables for the template.
+
+        Raises:
+          ValueError: no tokenizer, no chat template, or malformed messages.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer: give LLM(tokenizer=...)")
+        texts = render_conversations(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **(chat_template_kwargs or {}),
+        )  # fmt: skip
+        ids = [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(ids) if not isinstance(params, Sequence) else list(params)
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} sampling params for {len(ids)} conversations")
+        rids = self._add_all(ids, params, None)
+        for rid, text in zip(rids, texts, strict=True):
+            self._requests[rid].prompt_text = text
+        return self._run_to_completion(rids, progress)
 
     def beam_search(
         self,
@@ -274,8 +263,8 @@ class LLM:
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {params!r}")
-        prompts = _as_prompt_list(prompts)
-        ids = self._add_all((p, params, None) for p in prompts)
+        prompts = as_prompt_list(prompts)
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         return self._run_to_completion(ids, progress)
 
     def stream(
@@ -287,9 +276,9 @@ class LLM:
 
         Closing the generator early (``break``, ``close()``) aborts its unfinished requests.
         """
-        prompts = _as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
-        ids = self._add_all((p, params, None) for p in prompts)
+        prompts = as_prompt_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids = self._add_all(prompts, [params] * len(prompts), None)
         pending = set(ids)
         try:
             for rid in ids:
@@ -305,16 +294,36 @@ class LLM:
         finally:
             self._abort_all(pending)
 
-    def _add_all(self, requests) -> list[str]:
-        """Adds ``(prompt, params, cache_salt)`` requests; on an error aborts those added."""
+    def _add_all(self, prompts: list, params: list, cache_salt: str | None) -> list[str]:
+        """Adds one request per prompt, all or nothing: every prompt and parameter set is
+        checked before the first is added, and on a later error the requests added are
+        removed (the caller never got their ids, so no later step may report them).
+
+        Raises:
+          ValueError: naming the first bad prompt (``prompts[i]``) or parameter set.
+        """
+        check_cache_salt(cache_salt)
+        for i, sp in enumerate(params):
+            _check_params(sp, f"sampling_params[{i}]")
+            check_for_engine(sp, vocab_size=self.model.vocab_size,
+                             has_tokenizer=self.tokenizer is not None)  # fmt: skip
+        read = [self.intake.read_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids: list[str] = []
         try:
-            for prompt, params, salt in requests:
-                ids.append(self.add_request(prompt, params, cache_salt=salt))
+            for prompt, sp in zip(read, params, strict=True):
+                ids.append(self._add(prompt, sp, None, cache_salt))
         except BaseException:
-            self._abort_all(ids)
+            self._discard(ids)
             raise
         return ids
+
+    def _discard(self, ids) -> None:
+        """Aborts and forgets requests whose ids never reached the caller."""
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is not None and not req.finished:
+                self.scheduler.abort(req)
+            self._failed_at_add.discard(rid)
 
     def _abort_all(self, ids) -> None:
         for rid in ids:
@@ -335,45 +344,29 @@ class LLM:
         (see the module docstring); its output is available from ``step``/``generate``.
 
         Raises:
-          ValueError: ``params`` is not a ``SamplingParams``/``BeamSearchParams``, a string
-            prompt without a tokenizer, or a duplicate ``request_id``.
+          ValueError: (nothing is queued) ``params`` is not a ``SamplingParams``/
+            ``BeamSearchParams``; the prompt is not a list of token ids (``int``/numpy
+            integers) nor a string with a tokenizer; ``cache_salt`` is not a str or None;
+            ``request_id`` is not a str, or is already in use.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams | BeamSearchParams):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
-        if request_id is None:  # auto ids skip ids users gave
-            request_id = str(next(self._ids))
-            while request_id in self._requests:
-                request_id = str(next(self._ids))
-        request_id = str(request_id)
+        _check_params(params, "params")
+        check_for_engine(params, vocab_size=self.model.vocab_size,
+                         has_tokenizer=self.tokenizer is not None)  # fmt: skip
+        check_cache_salt(cache_salt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str or None")
+        return self._add(self.intake.read_prompt(prompt), params, request_id, cache_salt)
+
+    def _add(self, prompt, params, request_id: str | None, cache_salt: str | None) -> str:
+        """Queues a checked request (``prompt`` as `RequestIntake.read_prompt` returns it)."""
+        if request_id is None:
+            request_id = self.intake.new_id(self._requests)
         if request_id in self._requests:
             raise ValueError(f"{request_id=} is already in use")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer; pass token ids instead")
-            text, prompt = prompt, self.tokenizer.encode(prompt).ids
-        tokens = [int(t) for t in prompt]
-        req = Request(request_id, tokens, params, arrival=next(self._arrivals), prompt_text=text)
-        req.salt = cache_salt
-        req.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids
-        )
+        req = self.intake.make_request(prompt, params, request_id, cache_salt)
         self._requests[request_id] = req
-        if isinstance(params, BeamSearchParams):
-            if 0 < self.max_model_len - len(tokens) < params.max_tokens:
-                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(tokens))
-                req.params = params
-            req.beam = beam.BeamState(params, len(tokens), req.stop_ids)
-        seed = params.seed if isinstance(params, SamplingParams) else None
-        if seed is None:
-            seed = int(self._rng.integers(0, 2**31 - params.n if hasattr(params, "n") else 2**31))
-        req.seqs = [Seq(self.appender.new_seq_id(), 0, list(tokens), len(tokens), seed)]
-        error = self._validate(req)
-        if error is not None:
-            req.error = error
-            req.seqs[0].finish_reason = "error"
-            req.status = Status.FINISHED
+        if req.finished:
             self._failed_at_add.add(request_id)
         else:
             self.scheduler.add(req)
@@ -412,7 +405,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed."""
         touched = self._step()
-        return [self._output(self._requests[rid]) for rid in sorted(touched, key=_id_order)
+        return [self._output(self._requests[rid]) for rid in sorted(touched, key=id_order)
                 if rid in self._requests]  # fmt: skip
 
     def _step(self) -> set[str]:
@@ -423,29 +416,66 @@ class LLM:
             t1 = time.perf_counter()
             # Rows finished in an earlier loop of the chain were reported then (and may be
             # retired); rows finishing now are reported through the scheduler's finished list.
-            touched = {it.request.request_id for it in self.chain.state[0]
-                       if not it.request.finished}  # fmt: skip
+            items = self.chain.state[0]
+            touched = {it.request.request_id for it in items if not it.request.finished}
             self.counters.steps += 1
-            self.chain.advance()
+            try:
+                self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
+            except Exception as e:
+                self._fail_step([it.request for it in items], e)
             timing["step_s"] += time.perf_counter() - t1
             return self._after_step(touched)
         # A decode loop left running by the chain that ended: wait for it here, so that its
         # failure (if any) surfaces before scheduling changes the allocator (a copy-on-write
-        # or swap that could then not run).
-        self.kv.cache  # noqa: B018
+        # or swap that could then not run). Its rows have finished on the host.
+        try:
+            self.kv.cache  # noqa: B018
+        except Exception as e:
+            self._fail_step([], e)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        self.kv.apply(plan.page_ops)  # swap-outs, copies, swap-ins, in the planned order
-        t1 = time.perf_counter()
-        timing["schedule_s"] += t1 - t0
         touched = {s.request.request_id for s in plan.scheduled}
         touched |= {rid for rid, _ in plan.preempted}
+        for i, op in enumerate(plan.page_ops):  # swap-outs, copies, swap-ins, in order
+            try:
+                self.kv.apply([op])
+            except Exception as e:
+                # The requests of this and the later operations fail; the others of the
+                # plan run in a later step (their slots stay allocated).
+                self._fail_step([self._requests.get(o.request_id) for o in plan.page_ops[i:]], e)
+                return self._after_step(touched)
+        t1 = time.perf_counter()
+        timing["schedule_s"] += t1 - t0
         if plan.scheduled:
             self.counters.steps += 1
-            if not (self.chain.can_loop(plan) and self.chain.start(plan)):
-                self.executor.run(plan)
+            try:
+                if not (self.chain.can_loop(plan) and self.chain.start(plan)):
+                    self.executor.run(plan)
+            except Exception as e:
+                self._fail_step([s.request for s in plan.scheduled], e)
         timing["step_s"] += time.perf_counter() - t1
         return self._after_step(touched)
+
+    def _fail_step(self, requests: list, error: Exception) -> None:
+        """A step raised ``error``: its requests fail (finish reason "error", the message in
+        ``RequestOutput.error``, their pages freed) and the engine goes on serving. If the
+        device pool was lost with the failed call (it had been donated), a zero-filled pool
+        replaces it, the running requests start again from their tokens (recompute) and the
+        prefix cache is emptied."""
+        _log.error("an engine step failed; its requests fail", exc_info=error)
+        text = f"{type(error).__name__}: {error}"
+        message = "the engine step running this request failed: " + (
+            text if len(text) <= 1000 else text[:1000] + " ..."
+        )
+        for req in requests:
+            if req is not None and not req.finished:
+                # Pages this step registered (or swapped in) may not hold their tokens' K/V.
+                held = [s.seq_id for s in req.live_seqs() if s.seq_id in self.alloc]
+                self.alloc.reset_prefix_cache(held)
+                self.scheduler.fail(req, message)
+        if self.kv.replace_lost_pool():
+            self.scheduler.restart_running()
+            self.alloc.reset_prefix_cache()
 
     def _after_step(self, touched: set[str]) -> set[str]:
         if self.debug:
@@ -466,8 +496,10 @@ class LLM:
         Covers the decode step for every sequence bucket, the decode loop for every sequence
         bucket and sampling mode (greedy, random, truncated), the ragged step for every
         (sequence, token) bucket pair and the page programs of copy-on-write and swap
-        (`KVManager.warmup_page_programs`); beam search's top-k variant compiles on first
-        use. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
+        (`KVManager.warmup_page_programs`); beam search's top-k variant and the variants of
+        the sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
+        processors: `jpaged.engine.logits_process`) compile on first use, once per
+        combination met in a batch. After this, serving compiles nothing (``stats()["recompiles"]`` is fixed).
 
         Returns:
           The number of program shapes run.
@@ -480,77 +512,41 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Pool, sharing, prefix-cache, preemption and compile counters."""
-        s = self.alloc.stats()
-        c = self.scheduler.counters
-        return {
-            "pages_total": s.total_pages,
-            "pages_free": s.free_pages,
-            "pages_used": s.used_pages,
-            "pages_shared": s.shared_pages,
-            "pages_cached": s.cached_pages,
-            "pages_evictable": s.evictable_pages,
-            "kv_utilisation": s.utilisation,
-            "live_tokens": s.live_tokens,
-            "logical_tokens": s.logical_tokens,
-            "prefix_queries": s.prefix_queries,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "prefix_hit_rate": s.prefix_hit_tokens / max(s.prefix_query_tokens, 1),
-            "preemptions_recompute": c["preemptions_recompute"],
-            "preemptions_swap": c["preemptions_swap"],
-            "cow_copies": s.cow_copies,
-            "swapped_out_bytes": s.swapped_out_bytes,
-            "swapped_in_bytes": s.swapped_in_bytes,
-            "recompiles": self.runner.num_compiles,
-            "steps": self.counters.steps,
-            "device_calls": self.counters.device_calls,
-            "loop_decode_steps": self.counters.loop_steps,
-            "tokens_generated": self.counters.tokens_generated,
-            # Host time scheduling, host + device time in steps, and of that the time spent
-            # waiting for device results (so host work per step = step_s - device_wait_s)
-            # and the time the calls that start device work took to return (dispatch_s; a
-            # decode loop's call runs in the dispatch thread on GPU, where it can last until
-            # the loop has run: the main thread's wait for it is in device_wait_s).
-            **{f"time_{k}": v for k, v in self.counters.timing.items()},
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-        }
+        return engine_stats(self.alloc, self.scheduler, self.runner, self.counters)
+
+    def page_tables(self) -> dict[tuple[str, int], list[int]]:
+        """The device pages each sequence holds now, in order (its block table).
+
+        Returns:
+          ``{(request_id, index): page ids}`` for every unfinished request's sequences that
+          hold pages (``index``: the completion or beam slot; swapped-out and waiting
+          sequences hold none). Pages shared by several sequences appear in each.
+        """
+        tables = {}
+        for req in self.scheduler.running:
+            for seq in req.seqs:
+                alive = seq.finish_reason is None and seq.seq_id in self.alloc
+                if alive and not self.alloc.is_swapped(seq.seq_id):
+                    pages = self.alloc.block_table(seq.seq_id)
+                    if pages:
+                        tables[(req.request_id, seq.index)] = list(pages)
+        return tables
 
     @property
     def preemption_events(self):
         return list(self.scheduler.events)
 
-    # ------------------------------------------------------------------ requests
-
-    def _validate(self, req: Request) -> str | None:
-        n = len(req.prompt)
-        V = self.model.vocab_size
-        if n == 0:
-            return "empty prompt: a request needs at least one prompt token"
-        if n >= self.max_model_len:
-            return f"prompt of {n} tokens must be shorter than max_model_len={self.max_model_len}"
-        if min(req.prompt) < 0 or max(req.prompt) >= V:
-            return f"prompt token ids must lie in [0, vocab_size={V})"
-        if req.fan_out > self.max_num_seqs:
-            return f"{req.fan_out} sequences exceed max_num_seqs={self.max_num_seqs}"
-        if req.is_beam and req.fan_out > self.max_num_batched_tokens:
-            return (
-                f"beam_width={req.fan_out} exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} (all beams decode in one step)"
-            )
-        C = self.page_size
-        gen = min(req.params.max_tokens, self.max_model_len - n)
-        # Full prompt pages are shared; each sequence owns the rest of its pages.
-        need = n // C + req.fan_out * (math.ceil((n + gen) / C) - n // C)
-        usable = self.alloc.num_pages - self.alloc.watermark_pages
-        if need > usable:
-            return (
-                f"cannot fit even alone: {n} prompt tokens + {gen} new tokens x {req.fan_out} "
-                f"sequence(s) need up to {need} pages of {C} tokens; the pool has {usable} "
-                f"(num_pages={self.alloc.num_pages} minus the watermark)"
-            )
-        return None
-
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        """Steps until the requests ``ids`` finish; returns their outputs, in order. If
+        anything raises meanwhile (an interrupt, a bug), the unfinished ones are aborted and
+        forgotten: the caller never gets their ids, so no later step may run them."""
+        try:
+            return self._steps_until_done(ids, progress)
+        except BaseException:
+            self._discard([rid for rid in ids if rid in self._requests])
+            raise
+
+    def _steps_until_done(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -574,16 +570,3 @@ class LLM:
 
     def _output(self, req: Request) -> RequestOutput:
         return request_output(req, self.tokenizer)
-
-
-def _id_order(request_id: str):
-    return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
-
-
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int | np.integer):
-        return [prompts]
-    return prompts

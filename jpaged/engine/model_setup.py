@@ -3,16 +3,15 @@ checkpoint's end-of-sequence ids and the default KV-cache budget."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jpaged.models import LlamaForCausalLM, ModelConfig
+from jpaged.models._config import read_json_file
 
 __all__ = ["default_kv_bytes", "model_dtype", "read_eos", "with_params"]
 
@@ -57,11 +56,21 @@ def model_dtype(model) -> Any:
 
 
 def read_eos(path: pathlib.Path) -> list[int] | None:
-    """The checkpoint's end-of-sequence ids (generation_config.json, then config.json)."""
+    """The checkpoint's end-of-sequence ids (generation_config.json, then config.json).
+
+    Raises:
+      ValueError: naming the file: not valid JSON, or an ``eos_token_id`` that is not an
+        int or a list of ints.
+    """
     for name in ("generation_config.json", "config.json"):
         f = path / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            eos = read_json_file(f).get("eos_token_id")
             if eos is not None:
-                return list(np.atleast_1d(eos).astype(int))
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+                    raise ValueError(
+                        f"{str(f)!r}: eos_token_id={eos!r} must be an int or a list of ints"
+                    )
+                return ids
     return None

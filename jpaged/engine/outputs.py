@@ -1,5 +1,6 @@
-"""The engine's results: ``jpaged.RequestOutput`` and ``jpaged.CompletionOutput``, and
-``request_output``, which builds one from a request (texts decoded incrementally)."""
+"""The engine's results: ``jpaged.RequestOutput``, ``jpaged.CompletionOutput`` and their
+``Logprob`` entries (vLLM's shapes), and ``request_output``, which builds one from a
+request (texts decoded incrementally, cut before a stop string)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,51 @@ from typing import Any
 from jpaged.engine import beam
 from jpaged.engine.detokenize import Detokenizer
 from jpaged.engine.requests import Request, Sequence
+from jpaged.engine.stop_strings import held_back
 
-__all__ = ["CompletionOutput", "RequestOutput", "request_output"]
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "logprob_entry", "request_output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (vLLM's ``Logprob``).
+
+    Attributes:
+      logprob: log-probability under the model's raw distribution (``log_softmax`` of the
+        logits, before penalties, bias, processors and temperature).
+      rank: 1-based rank in that distribution (tokens at least as likely counted).
+      decoded_token: the token decoded alone, when the engine has a tokenizer.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def logprob_entry(token: int, logprob: float, top, k: int, tokenizer: Any) -> dict[int, Logprob]:
+    """``{token_id: Logprob}`` of one position: the chosen (or prompt) token first, then the
+    ``k`` most likely tokens (one entry fewer when the chosen token is among them).
+
+    Args:
+      top: ``(logprobs f32[N], ids i32[N], rank of the chosen token)`` from the device,
+        N >= k, descending.
+    """
+    vals, ids, rank = top
+
+    def piece(t: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([t])
+
+    entry = {int(token): Logprob(float(logprob), int(rank), piece(int(token)))}
+    for i in range(min(k, len(ids))):
+        t = int(ids[i])
+        if t not in entry:
+            entry[t] = Logprob(float(vals[i]), i + 1, piece(t))
+    return entry
+
+
+def top_row(top, r: int):
+    """Row ``r`` of a device ``top`` triple (``None`` stays ``None``)."""
+    return None if top is None else (top[0][r], top[1][r], top[2][r])
 
 
 @dataclasses.dataclass
@@ -24,6 +68,10 @@ class CompletionOutput:
       finish_reason: "stop", "length", "abort", "error" or None while running.
       cumulative_logprob: sum of the generated tokens' log-probabilities.
       score: beam search only: the length-penalised score.
+      logprobs: with ``SamplingParams(logprobs=k)``: per generated token, ``{token_id:
+        Logprob}`` of the chosen token and the k most likely ones; else None.
+      stop_reason: the stop string or stop token id that finished it (None for EOS,
+        a length limit, or while running).
     """
 
     index: int
@@ -32,6 +80,8 @@ class CompletionOutput:
     finish_reason: str | None
     cumulative_logprob: float
     score: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass
@@ -46,6 +96,9 @@ class RequestOutput:
       finished: True once every completion finished.
       error: why the request failed (finish reason "error"), else None.
       num_cached_tokens: prompt tokens served from the prefix cache.
+      prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``: per prompt token,
+        ``{token_id: Logprob}`` of it and the k most likely ones given the tokens before it
+        (None for the first token, and for tokens not computed yet); else None.
     """
 
     request_id: str
@@ -55,6 +108,7 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:
@@ -68,9 +122,11 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
             for i, h in enumerate(beam.results(req.beam))
         ]  # fmt: skip
     else:
+        stops = getattr(req.params, "stop", ())
         outs = [
-            CompletionOutput(s.index, s.output_ids, _text(tokenizer, s), s.finish_reason,
-                             s.cumulative_logprob)
+            CompletionOutput(s.index, s.output_ids, _text(tokenizer, s, stops), s.finish_reason,
+                             s.cumulative_logprob, logprobs=_copy(s.logprobs),
+                             stop_reason=s.stop_reason)
             for s in sorted(req.seqs, key=lambda s: s.index)
         ]  # fmt: skip
     return RequestOutput(
@@ -81,17 +137,27 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         finished=req.finished,
         error=req.error,
         num_cached_tokens=req.num_cached_tokens or 0,
+        prompt_logprobs=_copy(req.prompt_logprobs),
     )
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str | None:
     return None if tokenizer is None else tokenizer.decode(ids)
 
 
-def _text(tokenizer: Any, seq: Sequence) -> str | None:
-    """The sequence's output text, decoded incrementally (a full decode once finished)."""
+def _text(tokenizer: Any, seq: Sequence, stops: tuple[str, ...] = ()) -> str | None:
+    """The sequence's output text, decoded incrementally (a full decode once finished); cut
+    before the stop string that finished it; while running, without a tail that could
+    still become a stop string."""
     if tokenizer is None:
         return None
     if seq.detokenizer is None:
         seq.detokenizer = Detokenizer()
-    return seq.detokenizer.update(tokenizer, seq.output_ids, finished=seq.finished)
+    if seq.text_end is not None:
+        return seq.detokenizer.text[: seq.text_end]
+    text = seq.detokenizer.update(tokenizer, seq.output_ids, finished=seq.finished)
+    return held_back(text, stops) if stops and not seq.finished else text

@@ -39,6 +39,10 @@ class Sequence:
       num_computed: tokens whose K/V are in the cache.
       finish_reason: None while running; "stop", "length", "abort" or "error".
       cumulative_logprob: sum of the log-probabilities of the generated tokens.
+      logprobs: per generated token ``{token_id: Logprob}`` (``SamplingParams.logprobs``),
+        else None.
+      stop_reason: the stop string or stop token id that finished it.
+      text_end: with a stop string: the length of the output text before it.
     """
 
     seq_id: int
@@ -51,6 +55,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_committed: int = 0  # tokens of full pages registered in the prefix cache
     detokenizer: Any = None  # the engine's incremental ``Detokenizer`` of the output text
+    logprobs: list | None = None
+    stop_reason: int | str | None = None
+    text_end: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +95,8 @@ class Request:
       salt: prefix-cache salt.
       stop_ids: the token ids that stop a sequence (its stop tokens, and the engine's EOS
         unless ``ignore_eos``), set by the engine at admission.
+      prompt_logprobs: per prompt token ``{token_id: Logprob}`` or None
+        (``SamplingParams.prompt_logprobs``), else None.
     """
 
     request_id: str
@@ -106,6 +115,7 @@ class Request:
     refork: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     stop_ids: frozenset[int] = frozenset()  # tokens that stop it (EOS unless ignored)
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         self.is_beam = isinstance(self.params, BeamSearchParams)
@@ -114,6 +124,16 @@ class Request:
     def fan_out(self) -> int:
         """Sequences the prompt forks into once prefilled (n, or the beam width)."""
         return self.params.beam_width if self.is_beam else self.params.n
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a request that wants prompt log-probabilities: every prompt position
+        must be computed, none served from cached pages (vLLM does the same)."""
+        return self.is_beam or self.params.prompt_logprobs is None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None if self.is_beam else self.params.prompt_logprobs
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

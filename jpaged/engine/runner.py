@@ -3,8 +3,9 @@
 Two jitted programs run a model on the paged cache:
 
 - ``step``: one forward over a ragged token batch (prefill chunks and decodes mixed), then
-  on-device sampling of one token per logits row (and, for beam search, the top
-  log-probabilities of each row).
+  on-device logits processing and sampling of one token per logits row
+  (`jpaged.engine.sampling.sample_rows`; for beam search and ``logprobs``, the top
+  log-probabilities of each row; for ``prompt_logprobs``, those of every token row).
 - ``decode_loop``: a ``lax.fori_loop`` of exactly k decode steps, each feeding the token it
   sampled into the next, writing K/V into slots the host reserved ahead (crossing page
   boundaries); a sequence that finished (stop token or length) writes nothing in the steps
@@ -31,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.engine.batches import LoopBatch, SamplingArrays, StepBatch
-from jpaged.engine.sampling import sample, sampling_mode, top_logprobs
+from jpaged.engine.batches import LoopBatch, StepBatch
+from jpaged.engine.logits_process import penalty_state, prompt_logprobs, update_penalty_state
+from jpaged.engine.sampling import sample_rows, sampling_mode
 from jpaged.models._protocol import AttentionMetadata
 
 SAMPLING_MODES = ("greedy", "random", "truncate")  # the decode loop's static sampling modes
@@ -46,52 +48,86 @@ GPU_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_enable_dynamic_slice_fusion": True,
 }
+# The options per NVIDIA GPU generation (compute capability major) where they were measured:
+# Hopper (sm90: the H200). Every other generation (Ampere/Ada sm80-sm89, Turing sm75,
+# Blackwell sm100+) keeps XLA's defaults until it is measured there.
+MEASURED_GPU_OPTIONS: dict[int, dict[str, Any]] = {9: GPU_COMPILER_OPTIONS}
 
 
-def default_compiler_options(platform: str | None = None) -> dict[str, Any]:
-    """The step programs' XLA options for ``platform``: "cuda" gets ``GPU_COMPILER_OPTIONS``
-    (measured on an H200), anything else (CPU, TPU, ROCm: not measured) XLA's defaults.
-    Default: the default backend's platform ("gpu" resolves to "cuda" or "rocm").
+def _cuda_capability() -> tuple[int, int] | None:
+    """The default backend's NVIDIA compute capability, None off an NVIDIA GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return tuple(int(x) for x in str(cc).split(".")[:2])  # type: ignore[return-value]
+    except ValueError:  # ROCm names its architecture ("gfx90a")
+        return None
+
+
+def default_compiler_options(
+    platform: str | None = None, compute_capability: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """The step programs' XLA options: on a "cuda" platform those measured for the GPU's
+    generation (``MEASURED_GPU_OPTIONS``: Hopper's ``GPU_COMPILER_OPTIONS``), XLA's defaults
+    for unmeasured generations and anything else (CPU, TPU, ROCm). Default: the default
+    backend's platform ("gpu" resolves to "cuda" or "rocm") and GPU. ``compute_capability``
+    (major, minor) picks the generation; with "cuda" and none given, the local GPU's, else
+    Hopper's (the measured one).
 
     >>> default_compiler_options("cpu"), default_compiler_options("rocm")
     ({}, {})
-    >>> sorted(default_compiler_options("cuda"))
+    >>> sorted(default_compiler_options("cuda", (9, 0)))
     ['xla_gpu_enable_dynamic_slice_fusion', 'xla_gpu_enable_triton_gemm']
+    >>> default_compiler_options("cuda", (8, 9)), default_compiler_options("cuda", (10, 0))
+    ({}, {})
     """
     if platform is None:
         platform = jax.default_backend()
         if platform == "gpu":
             version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
             platform = "rocm" if "rocm" in version or "hip" in version else "cuda"
-    return dict(GPU_COMPILER_OPTIONS) if platform == "cuda" else {}
-
-
-def _sampled(logits_RV, s: SamplingArrays, mode: str | None = None):
-    return sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position, mode=mode)
+    if platform != "cuda":
+        return {}
+    cc = compute_capability or _cuda_capability() or (9, 0)
+    return dict(MEASURED_GPU_OPTIONS.get(cc[0], {}))
 
 
 _TRACES = [0]  # traces (= compiles) of the step programs in this process
 
 
-def _step_impl(graphdef, state, cache, batch: StepBatch, *, decode: bool, num_top: int):
+def _step_impl(graphdef, state, cache, batch: StepBatch, *, decode: bool, num_top: int,
+               processors: tuple):  # fmt: skip
     _TRACES[0] += 1  # runs once per trace, i.e. once per compile
     model = nnx.merge(graphdef, state)
-    logits_RV, cache = model(batch.tokens, batch.positions, cache, batch.metadata, decode=decode)
-    tokens_R, logprobs_R = _sampled(logits_RV, batch.sampling)
-    top = top_logprobs(logits_RV, num_top) if num_top else None
-    return cache, tokens_R, logprobs_R, top
+    meta = batch.metadata
+    every_row = batch.prompt_targets is not None  # prompt log-probabilities: all T rows
+    if every_row:
+        T = batch.tokens.shape[0]
+        meta = dataclasses.replace(meta, logits_indices=jnp.arange(T, dtype=jnp.int32))
+    logits_RV, cache = model(batch.tokens, batch.positions, cache, meta, decode=decode)
+    prompt = None
+    if every_row:
+        prompt = prompt_logprobs(logits_RV, batch.prompt_targets, num_top)
+        logits_RV = logits_RV[batch.metadata.logits_indices]
+    tokens_R, logprobs_R, top = sample_rows(
+        logits_RV, batch.sampling, batch.logits, processors=processors, num_top=num_top
+    )
+    return cache, tokens_R, logprobs_R, top, prompt
 
 
-def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode: str):
+def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode: str,
+               num_top: int, processors: tuple):  # fmt: skip
     _TRACES[0] += 1
     model = nnx.merge(graphdef, state)
     B, W = batch.block_tables.shape
     C = cache.page_size
     rows_B = jnp.arange(B, dtype=jnp.int32)
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
+    inputs = batch.logits
 
     def body(_, carry):
-        ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = carry
+        ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB, extra = carry
         step = ran  # iterations run with an active row: they come first
         page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
         slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
@@ -105,11 +141,28 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
         )
         logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
         s = dataclasses.replace(batch.sampling, position=lens_B + 1)
-        new_B, lp_B = _sampled(logits_BV, s, mode)
+        now = inputs
+        if "history" in extra:
+            now = dataclasses.replace(inputs, history=extra["history"])
+        new_B, lp_B, top = sample_rows(logits_BV, s, now, mode=mode, processors=processors,
+                                       num_top=num_top, state=extra.get("penalty"))  # fmt: skip
         any_B = jnp.any(active_B)
         k = jnp.minimum(step, num_steps - 1)
         out_KB = out_KB.at[k].set(jnp.where(any_B & active_B, new_B, out_KB[k]))
         lp_KB = lp_KB.at[k].set(jnp.where(any_B, lp_B, lp_KB[k]))
+        extra = dict(extra)
+        if "history" in extra:  # the new token sits at position lens + 1
+            S = extra["history"].shape[1]
+            extra["history"] = (
+                extra["history"]
+                .at[rows_B, jnp.where(active_B, lens_B + 1, S)]
+                .set(new_B, mode="drop")
+            )
+        if "penalty" in extra:
+            extra["penalty"] = update_penalty_state(extra["penalty"], new_B, active_B)
+        if top is not None:
+            for name, x in zip(("top_vals", "top_ids", "ranks"), top, strict=True):
+                extra[name] = extra[name].at[k].set(jnp.where(any_B, x, extra[name][k]))
         gen_B = gen_B + active_B.astype(jnp.int32)
         stopped_B = jnp.any(new_B[:, None] == batch.stop_ids, axis=1) & (gen_B >= batch.min_steps)
         still_B = active_B & ~stopped_B & (gen_B < batch.max_steps)
@@ -122,8 +175,20 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
             gen_B,
             out_KB,
             lp_KB,
+            extra,
         )
 
+    extra = {}
+    if inputs is not None and inputs.history is not None:
+        extra["history"] = jnp.asarray(inputs.history)
+        if inputs.repetition is not None:
+            V = model.vocab_size
+            extra["penalty"] = penalty_state(extra["history"], inputs.num_prompt, V)
+    if num_top:
+        n = min(num_top, model.vocab_size)
+        extra["top_vals"] = jnp.zeros((num_steps, B, n), jnp.float32)
+        extra["top_ids"] = jnp.zeros((num_steps, B, n), jnp.int32)
+        extra["ranks"] = jnp.zeros((num_steps, B), jnp.int32)
     init = (
         jnp.int32(0),
         cache,
@@ -133,12 +198,13 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
         jnp.zeros((B,), jnp.int32),
         jnp.full((num_steps, B), -1, jnp.int32),
         jnp.zeros((num_steps, B), jnp.float32),
+        extra,
     )
     # A loop of a known trip count (num_steps; iterations after every row stopped write
     # nothing): a data-dependent while condition would make the host wait for the device on
     # every iteration on GPU (XLA reads the predicate back), so the call would not return
     # before the loop ended.
-    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB = jax.lax.fori_loop(
+    steps, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB, extra = jax.lax.fori_loop(
         0, num_steps, body, init
     )
     # Where the rows stand, for a loop chained right after this one without the host.
@@ -150,7 +216,12 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
         max_steps=batch.max_steps - gen_B,
         min_steps=jnp.maximum(batch.min_steps - gen_B, 0),
     )
-    return cache, out_KB, lp_KB, steps, carry
+    if "history" in extra:
+        carry = dataclasses.replace(
+            carry, logits=dataclasses.replace(inputs, history=extra["history"])
+        )
+    top = (extra["top_vals"], extra["top_ids"], extra["ranks"]) if num_top else None
+    return cache, out_KB, lp_KB, steps, carry, top
 
 
 @functools.cache
@@ -163,18 +234,20 @@ def _programs(graphdef, treedef, compiler_options: tuple = ()):
     def merge(leaves):
         return jax.tree.unflatten(treedef, leaves)
 
-    def step(leaves, cache, batch, *, decode, num_top):
-        return _step_impl(graphdef, merge(leaves), cache, batch, decode=decode, num_top=num_top)
+    def step(leaves, cache, batch, *, decode, num_top, processors):
+        return _step_impl(graphdef, merge(leaves), cache, batch, decode=decode, num_top=num_top,
+                          processors=processors)  # fmt: skip
 
-    def loop(leaves, cache, batch, *, num_steps, mode):
-        return _loop_impl(graphdef, merge(leaves), cache, batch, num_steps=num_steps, mode=mode)
+    def loop(leaves, cache, batch, *, num_steps, mode, num_top, processors):
+        return _loop_impl(graphdef, merge(leaves), cache, batch, num_steps=num_steps, mode=mode,
+                          num_top=num_top, processors=processors)  # fmt: skip
 
     opts = dict(compiler_options) or None
     return (
-        jax.jit(step, static_argnames=("decode", "num_top"), donate_argnames=("cache",),
-                compiler_options=opts),
-        jax.jit(loop, static_argnames=("num_steps", "mode"), donate_argnames=("cache",),
-                compiler_options=opts),
+        jax.jit(step, static_argnames=("decode", "num_top", "processors"),
+                donate_argnames=("cache",), compiler_options=opts),
+        jax.jit(loop, static_argnames=("num_steps", "mode", "num_top", "processors"),
+                donate_argnames=("cache",), compiler_options=opts),
     )  # fmt: skip
 
 
@@ -206,22 +279,40 @@ class Runner:
     def num_compiles(self) -> int:
         return _TRACES[0] - self._start
 
-    def step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0):
-        """Runs one step; returns (cache, tokens i32[R], logprobs f32[R], top or None)."""
-        return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top)
+    def step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0,
+             processors: tuple = ()):  # fmt: skip
+        """Runs one step.
 
-    def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None):
+        Args:
+          num_top: static; > 0 also returns each row's top ``num_top`` raw log-probabilities
+            (beam search, ``logprobs``) and its sampled token's rank.
+          processors: static; the batch's logits-processor chains (``batch.logits``).
+
+        Returns:
+          ``(cache, tokens i32[R], logprobs f32[R], top, prompt)``: ``top`` is None or
+          ``(f32[R, num_top], i32[R, num_top], rank i32[R])``; ``prompt`` (with
+          ``batch.prompt_targets``) is None or ``(logprob f32[T], f32[T, num_top],
+          i32[T, num_top], rank i32[T])`` of each row's target token.
+        """
+        return self._step(self.leaves, cache, batch, decode=decode, num_top=num_top,
+                          processors=processors)  # fmt: skip
+
+    def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
+                    num_top: int = 0, processors: tuple = ()):  # fmt: skip
         """Runs up to ``num_steps`` decode steps.
 
         Args:
           mode: the static sampling mode ("greedy", "random", "truncate"); None computes it
             from ``batch.sampling`` (host arrays; a device carry keeps its first mode).
+          num_top, processors: as ``step``'s.
 
         Returns:
           ``(cache, tokens i32[k, B] (-1 once a row stopped), logprobs f32[k, B], steps run,
-          carry)``, where ``carry`` is the ``LoopBatch`` a next loop continues from.
+          carry, top)``, where ``carry`` is the ``LoopBatch`` a next loop continues from and
+          ``top`` None or ``(f32[k, B, num_top], i32[k, B, num_top], rank i32[k, B])``.
         """
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode)
+        return self._loop(self.leaves, cache, batch, num_steps=num_steps, mode=mode,
+                          num_top=num_top, processors=processors)  # fmt: skip

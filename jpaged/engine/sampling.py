@@ -1,4 +1,6 @@
-"""Sampling parameters and on-device sampling (greedy, temperature, top-k, top-p, seeded).
+"""On-device sampling (greedy, temperature, min-p, top-k, top-p, seeded) after the logits
+processing of `jpaged.engine.logits_process`; the parameter classes live in
+`jpaged.engine.params` (re-exported here).
 
 Every random draw is keyed by ``fold_in(key(seed), position)``, where ``position`` is the
 position of the token being sampled. A request therefore samples the same tokens whatever
@@ -7,143 +9,33 @@ else is in the batch, whichever step or bucket it lands in, and after a preempti
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.engine.logits_process import (
+    LogitsInputs,
+    apply_processing,
+    rank_of,
+    token_logprob,
+    top_logprobs,
+)
+from jpaged.engine.params import BeamSearchParams, SamplingParams
+
+__all__ = [
+    "BeamSearchParams",
+    "SamplingParams",
+    "sample",
+    "sample_rows",
+    "sampling_mode",
+    "top_logprobs",
+    "truncating",
+]
+
 # Finite, so a fully masked row never turns into NaN (jax's Pallas ops use the same constant).
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_SEED_MAX = 2**31 - 1
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int | np.integer)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, int | float | np.integer | np.floating)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How to sample the completions of one prompt.
-
-    Invalid values raise ``ValueError`` at construction, before a request reaches the engine.
-
-    Attributes:
-      max_tokens: maximum number of generated tokens per completion (>= 1).
-      temperature: 0 is greedy; > 0 divides the logits before sampling.
-      top_k: keep the k most likely tokens; 0 or -1 keeps all.
-      top_p: keep the smallest set of most likely tokens whose probability reaches
-        ``top_p`` (0 < top_p <= 1; 1 keeps all).
-      n: completions per prompt. They share the prompt's pages. Completion i uses seed
-        ``seed + i``, so it equals a run of the same prompt alone with ``n=1, seed=seed+i``.
-      seed: per-request seed; None draws one from the engine's generator.
-      stop_token_ids: generation stops after emitting any of these (it is kept in the output).
-      ignore_eos: if True, the model's EOS token does not stop generation.
-      min_tokens: EOS and stop tokens do not stop generation before this many tokens.
-
-    >>> SamplingParams(max_tokens=8, temperature=0.0).greedy
-    True
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    def __post_init__(self):
-        errors = []
-        if not isinstance(self.max_tokens, int | np.integer) or self.max_tokens < 1:
-            errors.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not (
-            _is_real(self.temperature) and self.temperature >= 0 and np.isfinite(self.temperature)
-        ):
-            errors.append(f"temperature={self.temperature!r} must be a finite float >= 0")
-        if not isinstance(self.top_k, int | np.integer) or self.top_k < -1:
-            errors.append(f"top_k={self.top_k!r} must be an int >= 1, or 0 / -1 (all tokens)")
-        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
-            errors.append(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.n, int | np.integer) or self.n < 1:
-            errors.append(f"n={self.n!r} must be an int >= 1")
-        if self.seed is not None and (
-            not isinstance(self.seed, int | np.integer) or not 0 <= self.seed <= _SEED_MAX
-        ):
-            errors.append(f"seed={self.seed!r} must be None or an int in [0, 2**31 - 1]")
-        elif self.seed is not None and _is_int(self.n) and self.seed + self.n - 1 > _SEED_MAX:
-            errors.append(
-                f"seed={self.seed!r} with n={self.n!r}: completion i uses seed + i, so "
-                f"seed + n - 1 must be <= 2**31 - 1"
-            )
-        if not isinstance(self.min_tokens, int | np.integer) or not (
-            0 <= self.min_tokens <= max(int(self.max_tokens), 0)
-        ):
-            errors.append(f"min_tokens={self.min_tokens!r} must be in [0, max_tokens]")
-        try:
-            stops = tuple(int(t) for t in self.stop_token_ids)
-        except (TypeError, ValueError):
-            stops = None
-            errors.append(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints")
-        if stops is not None and any(t < 0 for t in stops):
-            errors.append(f"stop_token_ids={self.stop_token_ids!r} must be >= 0")
-        if errors:
-            raise ValueError("invalid SamplingParams: " + "; ".join(errors))
-        object.__setattr__(self, "stop_token_ids", stops)
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling is greedy (``temperature == 0``)."""
-        return self.temperature == 0.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BeamSearchParams:
-    """Beam search, with the semantics of Hugging Face transformers' ``num_beams`` search.
-
-    Attributes:
-      beam_width: beams kept per prompt (>= 1); also the number of returned sequences.
-      max_tokens: maximum new tokens per beam (>= 1).
-      length_penalty: a finished beam scores ``sum_logprobs / num_generated ** length_penalty``.
-      early_stopping: True stops as soon as ``beam_width`` beams finished; False stops when no
-        running beam can beat the worst kept finished one at the current length; "never"
-        judges that at the longest possible length (transformers' semantics).
-      stop_token_ids: tokens that finish a beam besides the model's EOS.
-      ignore_eos: if True, EOS does not finish a beam.
-    """
-
-    beam_width: int = 4
-    max_tokens: int = 16
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        errors = []
-        if not isinstance(self.beam_width, int | np.integer) or self.beam_width < 1:
-            errors.append(f"beam_width={self.beam_width!r} must be an int >= 1")
-        if not isinstance(self.max_tokens, int | np.integer) or self.max_tokens < 1:
-            errors.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not (_is_real(self.length_penalty) and np.isfinite(self.length_penalty)):
-            errors.append(f"length_penalty={self.length_penalty!r} must be finite")
-        if self.early_stopping not in (True, False, "never"):
-            errors.append(f"early_stopping={self.early_stopping!r} must be True, False or 'never'")
-        try:
-            stops = tuple(int(t) for t in self.stop_token_ids)
-        except (TypeError, ValueError):
-            stops = None
-            errors.append(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints")
-        if errors:
-            raise ValueError("invalid BeamSearchParams: " + "; ".join(errors))
-        object.__setattr__(self, "stop_token_ids", stops)
 
 
 def sample(
@@ -155,6 +47,7 @@ def sample(
     position_B: jax.Array,
     *,
     mode: str | None = None,
+    min_p_B: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row, on device; traceable (call it inside the jitted step).
 
@@ -175,6 +68,9 @@ def sample(
         or "truncate" (some row top-k/top-p truncates: a full-vocabulary sort). None decides
         between "random" and "truncate" on device (a ``lax.cond``, which on GPU makes the host
         wait for the device before it goes on: callers that know the rows pass the mode).
+      min_p_B: f32[B] or None; after temperature, tokens less likely than ``min_p`` times
+        the most likely one are dropped (0 keeps all; greedy rows ignore it). No sort: it
+        needs no "truncate" mode.
 
     Returns:
       (tokens i32[B], logprobs f32[B]): the tokens and their log-probability under the
@@ -202,6 +98,10 @@ def sample(
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B).astype(jnp.float32)
     scaled_BV = logits_BV / safe_t_B[:, None]
+    if min_p_B is not None:
+        # p_i >= min_p * p_max  <=>  s_i >= s_max + log(min_p)  (log 0 = -inf keeps all).
+        floor_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True) + jnp.log(min_p_B)[:, None]
+        scaled_BV = jnp.where(scaled_BV < floor_B1, _MASK_VALUE, scaled_BV)
 
     def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
@@ -239,6 +139,47 @@ def sample(
     return tokens_B, logprob_B
 
 
+def sample_rows(
+    logits_RV: jax.Array,
+    s: Any,
+    inputs: LogitsInputs | None,
+    *,
+    mode: str | None = None,
+    processors: tuple = (),
+    num_top: int = 0,
+    state=None,
+):
+    """Processes the logits (`jpaged.engine.logits_process`), samples, and computes the
+    log-probability outputs; traceable.
+
+    Args:
+      logits_RV: f32[R, V] raw logits.
+      s: the rows' ``SamplingArrays`` (temperature, top_k, top_p, seed, position: [R]).
+      inputs: the rows' ``LogitsInputs``, or None (the plain ``sample`` path, unchanged).
+      mode: static sampling mode (``sample``).
+      processors: static processor chains of the batch.
+      num_top: static; > 0 also returns the top ``num_top`` alternatives and the rank.
+      state: the decode loop's penalty state (None: built from ``inputs.history``).
+
+    Returns:
+      ``(tokens i32[R], logprobs f32[R], top)``: log-probabilities under the raw logits;
+      ``top`` is None or ``(logprobs f32[R, num_top], ids i32[R, num_top], rank i32[R])``.
+    """
+    if inputs is None:
+        tokens_R, lp_R = sample(logits_RV, s.temperature, s.top_k, s.top_p, s.seed,
+                                s.position, mode=mode)  # fmt: skip
+    else:
+        processed_RV = apply_processing(logits_RV, inputs, processors=processors, state=state)
+        tokens_R, _ = sample(processed_RV, s.temperature, s.top_k, s.top_p, s.seed, s.position,
+                             mode=mode, min_p_B=inputs.min_p)  # fmt: skip
+        lp_R = token_logprob(logits_RV, tokens_R)
+    top = None
+    if num_top:
+        vals_RN, ids_RN = top_logprobs(logits_RV, num_top)
+        top = (vals_RN, ids_RN, rank_of(logits_RV, tokens_R))
+    return tokens_R, lp_R, top
+
+
 def truncating(
     temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array, vocab_size: int
 ) -> jax.Array:
@@ -262,18 +203,3 @@ def sampling_mode(temperature, top_k, top_p, vocab_size: int) -> str:
     if np.any((t > 0.0) & (((k > 0) & (k < vocab_size)) | (p < 1.0))):
         return "truncate"
     return "random"
-
-
-def top_logprobs(logits_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k largest log-probabilities of each row and their token ids (beam search).
-
-    Args:
-      logits_BV: [B, V] logits.
-      k: static number of candidates per row (``2 * beam_width`` suffices for beam search).
-
-    Returns:
-      (logprobs f32[B, k] descending, token ids i32[B, k]).
-    """
-    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-    values, ids = jax.lax.top_k(logprobs_BV, min(k, logprobs_BV.shape[-1]))
-    return values, ids.astype(jnp.int32)

@@ -57,7 +57,7 @@ class PageOp:
         "copy" (``(src, dst)`` pages: copy-on-write) or "swap_in" (``(host_slot,
         device_page)`` pairs: scatter host pages back).
       pairs: the pairs, as the allocator returned them.
-      request_id: the request whose pages move (swaps), else None.
+      request_id: the request whose pages move or are copied.
     """
 
     kind: str
@@ -308,7 +308,7 @@ class Scheduler:
                     self.alloc.truncate(g.seq.seq_id, before)
                 return False
             if copies:
-                out.page_ops.append(PageOp("copy", tuple(copies)))
+                out.page_ops.append(PageOp("copy", tuple(copies), req.request_id))
             grown.append((p, held))
         return True
 
@@ -436,7 +436,7 @@ class Scheduler:
             for seq in self._admitted_seqs(req):
                 tokens = req.prompt if req.refork else seq.tokens
                 seq.num_committed = 0
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and req.reads_prefix_cache:
                     cached = self.alloc.allocate_with_prefix(seq.seq_id, tokens, req.salt)
                     seq.num_computed = cached
                     if req.num_cached_tokens is None:
@@ -487,20 +487,37 @@ class Scheduler:
             self.counters["swapped_out_bytes"] += moved
             amount = moved
         else:
-            amount = 0
-            for seq in req.live_seqs():
-                amount += seq.num_computed
-                self.alloc.free(seq.seq_id)
-                seq.num_computed = seq.num_committed = 0
-            # A forked group recomputes its prompt once (first sequence), then forks it again
-            # so the prompt's pages are shared as before (see `_plan`).
-            req.refork = req.forked and len(req.live_seqs()) > 1
-            req.status = Status.WAITING
+            amount = self._drop_kv(req)
         self.counters[f"preemptions_{mode}"] += 1
         self.events.append(PreemptionEvent(req.request_id, mode, amount, self.step_index))
         # Preempted requests go back to the head of the queue (they are older than waiting ones).
         self.waiting.appendleft(req)
         return mode
+
+    def _drop_kv(self, req: Request) -> int:
+        """Frees the request's pages; it waits to compute its tokens again (recompute).
+        Returns the tokens whose K/V it dropped."""
+        amount = 0
+        for seq in req.live_seqs():
+            amount += seq.num_computed
+            if self._holds_pages(seq):
+                self.alloc.free(seq.seq_id)
+            seq.num_computed = seq.num_committed = 0
+        # A forked group recomputes its prompt once (first sequence), then forks it again
+        # so the prompt's pages are shared as before (see `_plan`).
+        req.refork = req.forked and len(req.live_seqs()) > 1
+        req.status = Status.WAITING
+        return amount
+
+    def restart_running(self) -> list[Request]:
+        """Sends every running request back to the head of the queue, its pages freed, to
+        compute its tokens again (the engine's recovery when the device pool was lost).
+        Returns them, oldest first."""
+        restarted, self.running = self.running, []
+        for req in reversed(restarted):
+            self._drop_kv(req)
+            self.waiting.appendleft(req)
+        return restarted
 
     def _choose_mode(self, req: Request) -> str:
         swap_bytes, swap_s = self._swap_cost(req)

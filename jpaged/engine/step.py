@@ -9,14 +9,18 @@ re-forks after a recompute); then it reads the sampled tokens back and hands the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import bucket, build_step_batch, sampling_arrays, sampling_row
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
+from jpaged.engine.logits_process import logits_inputs, num_top_for
+from jpaged.engine.outputs import top_row
 from jpaged.engine.requests import Request, Sequence
 from jpaged.engine.runner import Runner
 from jpaged.engine.scheduler import StepPlan
@@ -86,14 +90,28 @@ class StepExecutor:
         if any(it.request.is_beam for it in items):
             num_top = bucket(2 * max(it.request.fan_out for it in items if it.request.is_beam),
                              8, 1 << 30)  # fmt: skip
+        inputs, processors = logits_inputs(
+            [(items[b].request.params, items[b].seq.tokens, items[b].seq.num_prompt)
+             for b, _ in rows], Bp, self.width * self.kv.alloc.page_size,
+        )  # fmt: skip
+        prompt_rows = self._prompt_rows(items)
+        prompt_targets = None
+        if prompt_rows:
+            prompt_targets = np.full(batch.tokens.shape[0], -1, np.int32)
+            for _, _, tok, r in prompt_rows:
+                prompt_targets[r] = tok
+        num_top = max(num_top, num_top_for(
+            [items[b].request.params for b, _ in rows] + [p[0].params for p in prompt_rows]))  # fmt: skip
+        if inputs is not None or prompt_targets is not None:
+            batch = dataclasses.replace(batch, logits=inputs, prompt_targets=prompt_targets)
         timing = self.counters.timing
         t = time.perf_counter()
-        self.kv.cache, tok_R, lp_R, top = self.runner.step(
-            self.kv.cache, batch, decode=decode, num_top=num_top
+        self.kv.cache, tok_R, lp_R, top, prompt = self.runner.step(
+            self.kv.cache, batch, decode=decode, num_top=num_top, processors=processors
         )
         timing["dispatch_s"] += time.perf_counter() - t
         self.counters.device_calls += 1
-        for x in (tok_R, lp_R) if top is None else (tok_R, lp_R, *top):
+        for x in jax.tree.leaves((tok_R, lp_R, top, prompt)):
             x.copy_to_host_async()
         # While the device runs: book-keeping that needs no sampled token (prefix-cache
         # hashing, re-forks). K/V of the scheduled tokens are in the cache once it finishes,
@@ -105,8 +123,17 @@ class StepExecutor:
                 self.appender.refork(it.request, it.seq)
         t = time.perf_counter()
         tok_R, lp_R = np.asarray(tok_R), np.asarray(lp_R)
-        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
+        top = None if top is None else tuple(np.asarray(x) for x in top)
+        prompt = None if prompt is None else tuple(np.asarray(x) for x in prompt)
         timing["device_wait_s"] += time.perf_counter() - t
+        by_req: dict[str, list] = {}
+        for entry in prompt_rows:
+            by_req.setdefault(entry[0].request_id, []).append(entry)
+        for entries in by_req.values():
+            self.appender.record_prompt_logprobs(
+                entries[0][0], [e[1] for e in entries], [e[2] for e in entries], prompt,
+                [e[3] for e in entries],
+            )  # fmt: skip
         by_item: dict[int, list[int]] = {}
         for r, (b, _) in enumerate(rows):
             by_item.setdefault(b, []).append(r)
@@ -125,6 +152,24 @@ class StepExecutor:
                             for i in range(1, len(rs))]  # fmt: skip
                 req.forked = True
             for seq, r in zip(targets, rs, strict=True):
-                self.appender.append(req, seq, int(tok_R[r]), float(lp_R[r]))
+                self.appender.append(req, seq, int(tok_R[r]), float(lp_R[r]), top_row(top, r))
         for req, entries in beams.values():
-            self.appender.beam_step(req, entries, top)
+            self.appender.beam_step(req, entries, top[:2])
+
+    @staticmethod
+    def _prompt_rows(items) -> list[tuple[Request, int, int, int]]:
+        """``(request, prompt position, prompt token, token row)`` of every prompt
+        log-probability this step computes: token row t (position p of a request with
+        ``prompt_logprobs``) scores prompt token p + 1."""
+        out = []
+        row = 0
+        for it in items:
+            req, seq = it.request, it.seq
+            if req.num_prompt_logprobs is not None:
+                done = req.prompt_logprobs
+                for i in range(it.num_new):
+                    pos = seq.num_computed + i + 1
+                    if pos < len(req.prompt) and (done is None or done[pos] is None):
+                        out.append((req, pos, req.prompt[pos], row + i))
+            row += it.num_new
+        return out

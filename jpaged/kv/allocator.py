@@ -75,7 +75,7 @@ from jpaged.kv.allocator_stats import (
     invariant_errors,
 )
 from jpaged.kv.page_pool import PagePool
-from jpaged.kv.prefix_cache import hash_chain
+from jpaged.kv.prefix_cache import first_mismatch, hash_chain
 from jpaged.kv.seq_record import SeqRecord, pages_for
 from jpaged.kv.swap_space import HostSwapSpace, group_pages
 
@@ -276,7 +276,12 @@ class BlockAllocator:
         return len(pages) * self.page_size, pages
 
     def commit_full_pages(
-        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        salt: bytes | str | None = None,
+        *,
+        verify: bool = True,
     ) -> int:
         """Registers the full pages of ``seq_id`` in the prefix cache; returns how many are new.
 
@@ -285,6 +290,9 @@ class BlockAllocator:
           token_ids: its tokens so far (at least up to its last full page); tokens past the
             sequence's length are ignored.
           salt: must equal the salt the sequence was allocated with.
+          verify: also check ``token_ids`` against the pages registered before (prefix hits,
+            earlier commits): O(pages) hashing per call. The engine, whose token lists only
+            grow, passes False.
 
         A page whose hash is already cached on another page stays an uncached duplicate
         until the sequence is freed (block tables never change behind the engine's back).
@@ -301,6 +309,12 @@ class BlockAllocator:
             )
         full = min(len(token_ids), seq.num_tokens) // self.page_size
         old = len(seq.hashes)
+        bad = first_mismatch(token_ids, self.page_size, seq.hashes[:full], salt) if verify else None
+        if bad is not None:
+            raise AllocatorError(
+                f"commit_full_pages({seq_id!r}): token ids of page {bad} disagree with "
+                f"the cached contents of page {seq.pages[bad]}"
+            )
         hashes = hash_chain(token_ids, self.page_size, full, salt, parents=seq.hashes)
         for i in range(old, full):
             cached = self._pool.cache.page_hash.get(seq.pages[i])
@@ -403,6 +417,18 @@ class BlockAllocator:
         if len(self._freed_ids) > 65536:
             self._freed_ids.popitem(last=False)
         self._dirty.add(seq_id)
+
+    def reset_prefix_cache(self, seq_ids: Iterable[Hashable] | None = None) -> None:
+        """Forgets cached hashes whose pages may not hold what they say (the device pool was
+        lost, a failed step did not write them): of every page (evictable ones become free),
+        or of the device pages of ``seq_ids``. Held pages stay with their sequences."""
+        ids = list(self._seqs) if seq_ids is None else list(seq_ids)
+        seqs = [self._get(i, "reset_prefix_cache", allow_swapped=True) for i in ids]
+        if seq_ids is None:
+            self._pool.drop_cache()
+        self._pool.uncache(p for seq in seqs if not seq.swapped for p in seq.pages)
+        for seq in seqs:
+            seq.hashes = []
 
     # ------------------------------------------------------------------ swap
 

@@ -35,7 +35,8 @@ class AllocatorStats:
       live_tokens: distinct device slots holding a token of some sequence.
       logical_tokens: sum of the sequences' lengths (shared tokens counted per sequence).
       allocated_slots: ``used_pages * page_size``.
-      utilisation: ``live_tokens / allocated_slots`` (1.0 when nothing is allocated).
+      page_fill: ``live_tokens / allocated_slots``, how full the held pages are (0.0 when
+        nothing is allocated).
       cow_copies: copy-on-write page copies emitted so far.
       prefix_queries: prefix-cache lookups made by ``allocate_with_prefix``.
       prefix_query_tokens: prompt tokens of those lookups.
@@ -58,7 +59,7 @@ class AllocatorStats:
     live_tokens: int
     logical_tokens: int
     allocated_slots: int
-    utilisation: float
+    page_fill: float
     cow_copies: int
     prefix_queries: int
     prefix_query_tokens: int
@@ -110,7 +111,7 @@ def collect_stats(
         live_tokens=live,
         logical_tokens=logical,
         allocated_slots=allocated,
-        utilisation=live / allocated if allocated else 1.0,
+        page_fill=live / allocated if allocated else 0.0,
         cow_copies=cow_copies,
         prefix_queries=prefix_queries,
         prefix_query_tokens=prefix_query_tokens,

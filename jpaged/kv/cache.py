@@ -382,13 +382,14 @@ def write_kv(
         quantizes them, one scale a token and head: ``quantize.quantize_tokens``).
       v_LTKH: [L, T, K, H] values.
       slots_T: i32[T], ``page * C + offset`` per token; ``-1`` skips the token.
-      validate: check concrete ``slots_T`` values eagerly.
+      validate: check concrete ``slots_T`` values eagerly (in range, distinct).
 
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes or dtypes, or a concrete slot outside ``[-1, P * C)``.
+      ValueError: wrong shapes or dtypes, or a concrete slot outside ``[-1, P * C)`` or
+        repeated.
 
     >>> cache = PagedKVCache.create(1, 1, 2, 2, 4, jnp.float32)
     >>> k = jnp.ones((1, 2, 1, 4), jnp.float32)
@@ -405,6 +406,7 @@ def write_kv(
     checks.check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
     checks.check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
     checks.check_range("slots_T", slots_T, cache.num_slots, validate)
+    checks.check_distinct_slots(slots_T, validate)
     return _write_kv(cache, k_LTKH, v_LTKH, slots_T)
 
 
@@ -430,14 +432,15 @@ def write_kv_layer(
         them, one scale a token and head: ``quantize.quantize_tokens``).
       v_TKH: [T, K, H] values.
       slots_T: i32[T], ``page * C + offset``; ``-1`` skips the token.
-      validate: check concrete ``layer`` and ``slots_T`` values eagerly.
+      validate: check concrete ``layer`` and ``slots_T`` values eagerly (slots in range
+        and distinct).
 
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes or dtypes, a concrete slot outside ``[-1, P * C)`` or a
-        concrete layer outside ``[0, L)``.
+      ValueError: wrong shapes or dtypes, a concrete slot outside ``[-1, P * C)`` or
+        repeated, or a concrete layer outside ``[0, L)``.
     """
     L, K, _, _, H = cache.k_pages.shape
     slots_T = checks.check_int_vector("slots_T", slots_T)
@@ -447,6 +450,7 @@ def write_kv_layer(
     checks.check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
     checks.check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
     checks.check_range("slots_T", slots_T, cache.num_slots, validate)
+    checks.check_distinct_slots(slots_T, validate)
     if validate:
         layer_value = checks.concrete(layer)
         if layer_value is not None and not 0 <= int(layer_value) < L:

@@ -65,6 +65,20 @@ def check_range(name: str, x: Any, hi: int, validate: bool) -> None:
         )
 
 
+def check_distinct_slots(x: Any, validate: bool) -> None:
+    """Eagerly checks that the written (non ``-1``) slots of concrete ``x`` are distinct."""
+    values = concrete(x) if validate else None
+    if values is None:
+        return
+    written = values[values >= 0]
+    unique, counts = np.unique(written, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"slots_T must be distinct (two tokens written to one slot leave either one), "
+            f"repeated: {unique[counts > 1][:8].tolist()}"
+        )
+
+
 def check_kv(
     name: str, x: Any, expected: tuple[int, ...], letters: str, codes=None, pool=None
 ) -> None:

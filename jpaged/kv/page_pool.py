@@ -69,3 +69,16 @@ class PagePool:
     def writable(self, page: int) -> bool:
         """Whether ``page`` may be written in place (one holder, not cached)."""
         return self.refcount[page] == 1 and not self.cache.is_cached(page)
+
+    def uncache(self, pages) -> None:
+        """Drops the hashes of held ``pages`` that are cached (they stay referenced)."""
+        for page in pages:
+            if self.cache.is_cached(page):
+                self.cache.uncache(page)
+
+    def drop_cache(self) -> None:
+        """Forgets every cached page's hash: evictable pages become free."""
+        for page in list(self.cache.page_hash):
+            self.cache.uncache(page)
+            if self.refcount[page] == 0:
+                self.free.append(page)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PrefixCache", "hash_page", "root_hash"]
+__all__ = ["PrefixCache", "first_mismatch", "hash_chain", "hash_page", "root_hash"]
 
 _ROOT = b"jpaged.prefix.v1"
 
@@ -62,6 +62,23 @@ def hash_chain(
         parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size])
         hashes.append(parent)
     return hashes
+
+
+def first_mismatch(
+    token_ids: Sequence[int],
+    page_size: int,
+    hashes: Sequence[bytes],
+    salt: bytes | str | None = None,
+) -> int | None:
+    """The first page whose chain hash over ``token_ids`` differs from ``hashes`` (None if
+    every one of the ``len(hashes)`` pages agrees).
+
+    >>> h = hash_chain([1, 2, 3, 4], 2, 2)
+    >>> first_mismatch([1, 2, 3, 4], 2, h), first_mismatch([1, 2, 3, 5], 2, h)
+    (None, 1)
+    """
+    again = hash_chain(token_ids, page_size, len(hashes), salt)
+    return next((i for i, (a, b) in enumerate(zip(again, hashes, strict=True)) if a != b), None)
 
 
 class PrefixCache:

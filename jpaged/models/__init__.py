@@ -14,4 +14,5 @@ from jpaged.models._loader import load_params as load_params
 from jpaged.models._loader import load_tokenizer as load_tokenizer
 from jpaged.models._protocol import AttentionMetadata as AttentionMetadata
 from jpaged.models._protocol import PagedModel as PagedModel
+from jpaged.models._protocol import batch_metadata as batch_metadata
 from jpaged.models._protocol import paged_attention_layer as paged_attention_layer

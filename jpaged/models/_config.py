@@ -9,11 +9,32 @@ benchmarks and tests use.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+
+def read_json_file(file: str | pathlib.Path) -> dict[str, Any]:
+    """The JSON object in ``file`` (a checkpoint's ``config.json``,
+    ``generation_config.json``, ...).
+
+    Raises:
+      ValueError: naming the file, when it is not valid JSON (or not UTF-8) or holds
+        something other than a JSON object.
+    """
+    try:
+        data = json.loads(pathlib.Path(file).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{str(file)!r} must hold a JSON object, got a {type(data).__name__} at the top"
+        )
+    return data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,8 +130,18 @@ class ModelConfig:
 
         Raises:
           ValueError: for an unsupported ``model_type``, RoPE type, or a layout jpaged cannot
-            run (e.g. Qwen2 with sliding window on some layers only).
+            run (e.g. Qwen2 with sliding window on some layers only); a missing required
+            key or a value of the wrong type (named).
         """
+        try:
+            return cls._from_hf(hf)
+        except KeyError as e:
+            raise ValueError(f"config.json has no {e.args[0]!r}, which jpaged needs") from e
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"config.json holds a value of the wrong type: {e}") from e
+
+    @classmethod
+    def _from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -122,26 +153,26 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported hidden_act={act!r} in config.json; jpaged supports 'silu'"
             )
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
+        num_heads = _int(hf, "num_attention_heads")
+        hidden = _int(hf, "hidden_size")
+        head_dim = _int(hf, "head_dim", None) or hidden // max(num_heads, 1)
         rope_theta, rope_scaling = _rope_from_hf(hf)
         qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         return cls(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=_int(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_int(hf, "intermediate_size"),
+            num_layers=_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_int(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_int(hf, "max_position_embeddings", 4096),
             sliding_window=_sliding_window_from_hf(model_type, hf),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -150,10 +181,39 @@ class ModelConfig:
         )
 
 
+_REQUIRED = object()
+
+
+def _int(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """``hf[key]`` as an int (``default`` when absent or null; a KeyError when required)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json: {key}={value!r} must be an integer")
+    return value
+
+
+def _float(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """``hf[key]`` as a float (``default`` when absent or null; a KeyError when required)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"config.json: {key}={value!r} must be a number")
+    return float(value)
+
+
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers < 5 writes `rope_theta` + `rope_scaling`; 5 writes `rope_parameters`.
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if not isinstance(params, Mapping):
+        raise ValueError(f"config.json: rope parameters {params!r} must be a JSON object")
+    theta = _float(params, "rope_theta", _float(hf, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -162,12 +222,12 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "default":
         return theta, None
-    kwargs: dict[str, Any] = {"rope_type": rope_type, "factor": float(params["factor"])}
+    kwargs: dict[str, Any] = {"rope_type": rope_type, "factor": _float(params, "factor")}
     if rope_type == "llama3":
         kwargs.update(
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=_float(params, "low_freq_factor"),
+            high_freq_factor=_float(params, "high_freq_factor"),
+            original_max_position_embeddings=_int(params, "original_max_position_embeddings"),
         )
     return theta, RopeScaling(**kwargs)
 
@@ -180,8 +240,8 @@ def _sliding_window_from_hf(model_type: str, hf: Mapping[str, Any]) -> int | Non
     if model_type == "qwen2" and layer_types is None:
         if not hf.get("use_sliding_window", False):
             return None
-        start = int(hf.get("max_window_layers", 0))
-        n = int(hf["num_hidden_layers"])
+        start = _int(hf, "max_window_layers", 0)
+        n = _int(hf, "num_hidden_layers")
         layer_types = ["full_attention"] * start + ["sliding_attention"] * (n - start)
     if layer_types is None:
         return int(window)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jpaged.models._config import ModelConfig
+from jpaged.models._config import ModelConfig, read_json_file
 from jpaged.models._llama import LlamaForCausalLM, param_shapes
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -64,12 +64,18 @@ def load_config(path: str | pathlib.Path) -> ModelConfig:
 
     Raises:
       FileNotFoundError: if the directory or its ``config.json`` does not exist.
-      ValueError: for an unsupported ``model_type`` or configuration.
+      ValueError: naming the file: not valid JSON, a required key missing or of the wrong
+        type (named), an unsupported ``model_type`` or configuration.
     """
     config_file = _checkpoint_dir(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(config_file)!r} not found: a checkpoint needs config.json")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    try:
+        return ModelConfig.from_hf(read_json_file(config_file))
+    except ValueError as e:
+        if str(config_file) in str(e):
+            raise
+        raise ValueError(f"{str(config_file)!r}: {e}") from e
 
 
 def _tensor_files(ckpt: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -227,6 +233,9 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = None) -> LlamaForC
 def load_tokenizer(path: str | pathlib.Path):
     """The checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, or None if absent.
 
+    Raises:
+      ValueError: naming the file, when it cannot be read as a tokenizer (corrupt JSON).
+
     >>> tok = load_tokenizer("tests/checkpoints/llama2")
     >>> len(tok.encode("The quick brown fox jumps").ids)
     19
@@ -236,7 +245,10 @@ def load_tokenizer(path: str | pathlib.Path):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"{str(file)!r} is not a valid tokenizer file: {e}") from e
 
 
 def _natural_key(name: str):

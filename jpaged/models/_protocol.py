@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged._attention import paged_attention, ragged_paged_attention
 from jpaged.kv.cache import write_kv_layer
@@ -56,6 +57,72 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+
+
+def batch_metadata(
+    block_tables: Any,
+    cached_lens: Any,
+    query_lens: Any,
+    page_size: int,
+    *,
+    num_tokens: int | None = None,
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """The positions and `AttentionMetadata` of a ragged batch, for running a model on the
+    paged cache by hand (``jpaged.LLM`` builds its own).
+
+    Sequence b already holds ``cached_lens[b]`` tokens in its pages and adds
+    ``query_lens[b]`` new ones this step; its rows are ``cu_q_lens[b]:cu_q_lens[b + 1]``.
+
+    Args:
+      block_tables: i32[B, W] the pages of each sequence, in order.
+      cached_lens: [B] tokens already in the cache per sequence.
+      query_lens: [B] new tokens per sequence this step (>= 1 each).
+      page_size: C, tokens per page.
+      num_tokens: T, rows of the batch (padding rows past the new tokens write nothing);
+        default the number of new tokens. A fixed T keeps one compiled shape across steps.
+
+    Returns:
+      ``(positions_T, metadata)``: i32[T] the position of each row (0 for padding) and the
+      metadata, whose ``logits_indices`` pick each sequence's last row.
+
+    Raises:
+      ValueError: mismatched lengths, a query length below 1, more tokens than the block
+        table's pages hold, or ``num_tokens`` below the number of new tokens.
+
+    >>> pos, meta = batch_metadata([[3, 1, 5]], [2], [3], page_size=2, num_tokens=4)
+    >>> pos.tolist(), meta.slot_mapping.tolist(), meta.kv_lens.tolist()
+    ([2, 3, 4, 0], [2, 3, 10, -1], [5])
+    """
+    tables = np.asarray(block_tables, np.int32)
+    cached = np.asarray(cached_lens, np.int64).reshape(-1)
+    query = np.asarray(query_lens, np.int64).reshape(-1)
+    if tables.ndim != 2 or not len(cached) == len(query) == tables.shape[0]:
+        raise ValueError(
+            f"block_tables [B, W], cached_lens [B] and query_lens [B] must agree on B; got "
+            f"{tables.shape}, {cached.shape}, {query.shape}"
+        )
+    if (query < 1).any() or (cached < 0).any():
+        raise ValueError("query_lens must be >= 1 and cached_lens >= 0 for every sequence")
+    capacity = tables.shape[1] * page_size
+    if (cached + query > capacity).any():
+        raise ValueError(f"a sequence exceeds its block table's {capacity} token slots")
+    total = int(query.sum())
+    rows = total if num_tokens is None else int(num_tokens)
+    if rows < total:
+        raise ValueError(f"num_tokens={rows} is below the {total} new tokens")
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, query, strict=True)])
+    seq_of_row = np.repeat(np.arange(len(query)), query)
+    slots = tables[seq_of_row, positions // page_size] * page_size + positions % page_size
+    cu = np.concatenate([[0], np.cumsum(query)]).astype(np.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=np.pad(slots, (0, rows - total), constant_values=-1).astype(np.int32),
+        block_tables=tables,
+        kv_lens=(cached + query).astype(np.int32),
+        cu_q_lens=cu,
+        num_seqs=np.array(len(query), np.int32),
+        logits_indices=cu[1:] - 1,
+    )
+    return np.pad(positions, (0, rows - total)).astype(np.int32), metadata
 
 
 class PagedModel(Protocol):

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu, xla
+from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu, kernel_triton, xla
 
 IMPLEMENTATIONS: dict[str, Callable] = {
     "xla": xla.paged_attention_xla,
     "pallas_gpu": kernel_gpu.paged_attention_pallas_gpu,
     "pallas_tpu": kernel_tpu.paged_attention_pallas_tpu,
+    "pallas_triton": kernel_triton.paged_attention_pallas_triton,
 }
 UNSUPPORTED_REASONS: dict[str, Callable] = {
     "xla": xla.unsupported_reason,
     "pallas_gpu": kernel_gpu.unsupported_reason,
     "pallas_tpu": kernel_tpu.unsupported_reason,
+    "pallas_triton": kernel_triton.unsupported_reason,
 }

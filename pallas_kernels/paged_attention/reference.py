@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _quant
+from pallas_kernels.paged_attention.sanitize import sanitize
 from pallas_kernels.paged_attention.validate import validate_static
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -59,8 +60,9 @@ def paged_attention_reference(
       v_scale: like ``k_scale``, for ``v_pages``.
 
     Returns:
-      [B, N, H] in ``q.dtype``; zeros for sequences of length 0. Query head n reads
-      KV head ``n // (N // K)``.
+      [B, N, H] in ``q.dtype``; zeros for sequences of length 0, and for those with an
+      invalid length or used page id (``sanitize.py``). Query head n reads KV head
+      ``n // (N // K)``.
 
     Raises:
       ValueError: on inconsistent shapes, dtypes or knobs (see ``validate_static``).
@@ -75,6 +77,10 @@ def paged_attention_reference(
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
         k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+    # Invalid values get the result every implementation gives (sanitize.py).
+    block_tables, lengths, layer = sanitize(
+        block_tables, lengths, layer, k_pages_shape=k_pages.shape
+    )
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
@@ -146,5 +152,5 @@ def _reference(
         "bkgs,bksh->bkgh", p_BKGS, v_BKSH,
         precision=_HIGHEST, preferred_element_type=jnp.float32,
     )  # fmt: skip
-    o_BKGH = jnp.where(l_BKG > 0, o_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0), 0.0)
+    o_BKGH = jnp.where(l_BKG != 0, o_BKGH / jnp.where(l_BKG != 0, l_BKG, 1.0), 0.0)
     return o_BKGH.reshape(B, N, H).astype(q_BNH.dtype)

@@ -137,6 +137,8 @@ def validate_static(
     if t_sd is not None:
         if len(t_sd[0]) != 2:
             errors.append(f"block_tables.ndim={len(t_sd[0])} must be 2 ([B, W])")
+        elif t_sd[0][1] < 1:
+            errors.append(f"block_tables.shape={t_sd[0]} must have W >= 1 (pages per sequence)")
         if t_sd[1] != jnp.int32:
             errors.append(f"block_tables.dtype={t_sd[1]} must be int32")
     if l_sd is not None:

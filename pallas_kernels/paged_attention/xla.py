@@ -1,21 +1,29 @@
 """The "xla" decode-attention implementation: chunked page gathers, online softmax.
 
 Not the naive "gather every page, then dense attention" (which materialises
-[B, K, W * C, H] and ran at 0.5 TB/s on an H200). Instead a ``lax.while_loop``
-walks each sequence's pages in chunks of ``pages_per_chunk`` pages:
+[B, K, W * C, H] and ran at 0.5 TB/s on an H200). A loop walks each sequence's pages in
+chunks of ``pages_per_chunk`` pages:
 
   1. gather one chunk of pages for all B sequences at once with the block table
-     (one XLA gather of [B, pages_per_chunk, K, C, H]),
+     (one XLA gather of [K, B, pages_per_chunk, C, H] per K and V),
   2. score it against the G query heads that share each KV head
-     (``"bkgh,bpkch->bkgpc"``, so every K/V byte is read once per step),
+     (``"kbgh,kbrch->kbgrc"``: K/V are never repeated per query head, and the dots'
+     batch axes lead, so the chunk is never transposed),
   3. fold it into a running max / sum / accumulator in f32 (online softmax).
 
 Memory is O(B * N * H + B * K * pages_per_chunk * C * H), whatever the context.
-The trip count is dynamic: it is the largest number of chunks any sequence needs,
-so a batch of short sequences does little work. With a sliding window each
-sequence starts at the page holding its first visible key, so pages before the
-window are never gathered. Chunks are per-sequence offsets into each block table,
-so sequences of different lengths never pad each other.
+
+The trip count is static, ``ceil(W / pages_per_chunk)`` (with a window of w keys, the chunks
+of its ``ceil(w / C) + 1`` pages when fewer): a loop whose trip count depends on
+the lengths is a ``while_loop`` whose condition XLA on GPU reads back to the host every
+iteration (the call then blocks until the loop ends, and the GPU idles between steps). Table
+slots past a sequence's last page are redirected to that last page, so a short sequence's
+idle steps re-read one page (from L2), never the rest of the table (or its poisoned or
+out-of-range entries). With a sliding window each sequence starts at the page holding its
+first visible key, so pages before the window are never gathered. Chunks are per-sequence
+offsets into each block table, so sequences of different lengths never pad each other. K is
+used as stored (its scores are masked after the dot); V rows outside the sequence are zeroed
+before ``P @ V`` so NaN tails never reach the output.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import _quant
 
-DEFAULT_CHUNK_TOKENS = 256
+# Tokens gathered per loop step: at B=128 / 2k on the H200 1024 (pages_per_chunk 64 at C=16)
+# took 1517 us, 512 1592, 256 1728 (benchmarks/results/triton_sweep_h200.json).
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 def unsupported_reason(
@@ -183,63 +193,72 @@ def _paged_attention_xla(
     dot_dtype = kv_dtype if q_BNH.dtype == kv_dtype else jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
 
-    lengths_B, lo_B, first_page_B, pages_used_B, num_chunks = chunk_schedule(
+    lengths_B, lo_B, first_page_B, pages_used_B, _ = chunk_schedule(
         lengths_B, page_size=C, width=W, pages_per_chunk=R, sliding_window=sliding_window
     )
+    last_col_B = jnp.clip(pages_used_B - 1, 0, W - 1)
+    # Each sequence's last page id (clipped into the pool): where idle slots read.
+    last_id_B = jnp.clip(
+        jnp.take_along_axis(tables_BW, last_col_B[:, None], axis=1)[:, 0], 0, P - 1
+    )
 
-    q_BKGH = q_BNH.reshape(B, K, G, H).astype(dot_dtype)
+    q_KBGH = q_BNH.reshape(B, K, G, H).transpose(1, 0, 2, 3).astype(dot_dtype)
+    head_K = jnp.arange(K, dtype=jnp.int32)
     page_R = jnp.arange(R, dtype=jnp.int32)
     offset_C = jnp.arange(C, dtype=jnp.int32)
 
-    def body(carry):
-        i, m_BKG, l_BKG, acc_BKGH = carry
+    def body(i, carry):
+        m_KBG, l_KBG, acc_KBGH = carry
         col_BR = first_page_B[:, None] + i * R + page_R[None, :]  # table columns
         live_BR = col_BR < pages_used_B[:, None]
-        ids_BR = jnp.take_along_axis(tables_BW, jnp.minimum(col_BR, W - 1), axis=1)
-        ids_BR = jnp.clip(jnp.where(live_BR, ids_BR, 0), 0, P - 1)
-        # One gather per chunk: [B, R, K, C, H] straight from the (layer of the) pool.
-        k_BRKCH = k_pages_LKPCH[layer, :, ids_BR]
-        v_BRKCH = v_pages_LKPCH[layer, :, ids_BR]
-        # Quantized pools: page.astype(f32) * scale, the scales gathered with their pages.
-        k_BRKCH = _quant.dequantize_gathered(k_BRKCH, k_scale, layer, ids_BR)
-        v_BRKCH = _quant.dequantize_gathered(v_BRKCH, v_scale, layer, ids_BR)
-
+        ids_BR = jnp.take_along_axis(tables_BW, jnp.minimum(col_BR, last_col_B[:, None]), axis=1)
+        ids_BR = jnp.where(live_BR, jnp.clip(ids_BR, 0, P - 1), last_id_B[:, None])
         pos_BRC = col_BR[:, :, None] * C + offset_C[None, None, :]
         visible_BRC = (pos_BRC < lengths_B[:, None, None]) & (pos_BRC >= lo_B[:, None, None])
-        vis_BR1C1 = visible_BRC[:, :, None, :, None]
-        k_BRKCH = jnp.where(vis_BR1C1, k_BRKCH, jnp.zeros((), kv_dtype)).astype(dot_dtype)
-        v_BRKCH = jnp.where(vis_BR1C1, v_BRKCH, jnp.zeros((), kv_dtype)).astype(dot_dtype)
+        # One gather each, [K, B, R, C, H] (the dots' batch axes (k, b) leading, so neither
+        # dot transposes the chunk), straight from the (layer of the) pool: the layer is an
+        # index of the gather, never a slice (which would copy the layer).
+        at = (layer, head_K[:, None, None], ids_BR[None])
+        # Quantized pools: page.astype(f32) * scale, the scales gathered with their pages.
+        k_KBRCH = _quant.dequantize_gathered_heads_first(k_pages_LKPCH[at], k_scale, layer, ids_BR)
+        v_KBRCH = _quant.dequantize_gathered_heads_first(v_pages_LKPCH[at], v_scale, layer, ids_BR)
+        k_KBRCH = k_KBRCH.astype(dot_dtype)
+        vis_1BRC1 = visible_BRC[None, :, :, :, None]
+        v_KBRCH = jnp.where(vis_1BRC1, v_KBRCH, jnp.zeros((), kv_dtype)).astype(dot_dtype)
 
-        s_BKGRC = jnp.einsum(
-            "bkgh,brkch->bkgrc", q_BKGH, k_BRKCH,
+        s_KBGRC = jnp.einsum(
+            "kbgh,kbrch->kbgrc", q_KBGH, k_KBRCH,
             precision=precision, preferred_element_type=jnp.float32,
         )  # fmt: skip
-        s_BKGRC = s_BKGRC * jnp.float32(sm_scale)
+        s_KBGRC = s_KBGRC * jnp.float32(sm_scale)
         if logits_soft_cap is not None:
             cap = jnp.float32(logits_soft_cap)
-            s_BKGRC = cap * jnp.tanh(s_BKGRC / cap)
-        mask_BKGRC = visible_BRC[:, None, None, :, :]
-        s_BKGRC = jnp.where(mask_BKGRC, s_BKGRC, -jnp.inf)
+            s_KBGRC = cap * jnp.tanh(s_KBGRC / cap)
+        s_KBGRC = jnp.where(visible_BRC[None, :, None], s_KBGRC, -jnp.inf)
 
-        m_new_BKG = jnp.maximum(m_BKG, jnp.max(s_BKGRC, axis=(-2, -1)))
-        m_safe_BKG = jnp.where(m_new_BKG == -jnp.inf, 0.0, m_new_BKG)
-        alpha_BKG = jnp.exp(m_BKG - m_safe_BKG)  # exp(-inf) = 0 before the first key
-        p_BKGRC = jnp.exp(s_BKGRC - m_safe_BKG[..., None, None])  # masked -> 0
-        l_BKG = alpha_BKG * l_BKG + jnp.sum(p_BKGRC, axis=(-2, -1))
-        pv_BKGH = jnp.einsum(
-            "bkgrc,brkch->bkgh", p_BKGRC.astype(dot_dtype), v_BRKCH,
+        m_new_KBG = jnp.maximum(m_KBG, jnp.max(s_KBGRC, axis=(-2, -1)))
+        m_safe_KBG = jnp.where(m_new_KBG == -jnp.inf, 0.0, m_new_KBG)
+        alpha_KBG = jnp.exp(m_KBG - m_safe_KBG)  # exp(-inf) = 0 before the first key
+        p_KBGRC = jnp.exp(s_KBGRC - m_safe_KBG[..., None, None])  # masked -> 0
+        l_KBG = alpha_KBG * l_KBG + jnp.sum(p_KBGRC, axis=(-2, -1))
+        pv_KBGH = jnp.einsum(
+            "kbgrc,kbrch->kbgh", p_KBGRC.astype(dot_dtype), v_KBRCH,
             precision=precision, preferred_element_type=jnp.float32,
         )  # fmt: skip
-        acc_BKGH = alpha_BKG[..., None] * acc_BKGH + pv_BKGH
-        return i + 1, m_new_BKG, l_BKG, acc_BKGH
+        acc_KBGH = alpha_KBG[..., None] * acc_KBGH + pv_KBGH
+        return m_new_KBG, l_KBG, acc_KBGH
 
     init = (
-        jnp.int32(0),
-        jnp.full((B, K, G), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, G), jnp.float32),
-        jnp.zeros((B, K, G, H), jnp.float32),
+        jnp.full((K, B, G), -jnp.inf, jnp.float32),
+        jnp.zeros((K, B, G), jnp.float32),
+        jnp.zeros((K, B, G, H), jnp.float32),
     )
-    _, _, l_BKG, acc_BKGH = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
-    safe_l_BKG = jnp.where(l_BKG > 0, l_BKG, 1.0)
-    o_BKGH = jnp.where(l_BKG[..., None] > 0, acc_BKGH / safe_l_BKG[..., None], 0.0)
-    return o_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+    # A static trip count: no loop condition read back to the host (module docstring). A window
+    # of w keys spans at most ceil(w / C) + 1 pages from each sequence's first visible one.
+    steps = -(-W // R)
+    if sliding_window is not None:
+        steps = min(steps, -(-(-(-sliding_window // C) + 1) // R))
+    _, l_KBG, acc_KBGH = jax.lax.fori_loop(0, steps, body, init)
+    safe_l_KBG = jnp.where(l_KBG != 0, l_KBG, 1.0)
+    o_KBGH = jnp.where(l_KBG[..., None] != 0, acc_KBGH / safe_l_KBG[..., None], 0.0)
+    return o_KBGH.transpose(1, 0, 2, 3).reshape(B, N, H).astype(q_BNH.dtype)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _quant
-from pallas_kernels.ragged_paged_attention import schedule, validate
+from pallas_kernels.ragged_paged_attention import sanitize, schedule, validate
 
 
 def ragged_paged_attention_reference(
@@ -55,7 +55,7 @@ def ragged_paged_attention_reference(
 
     Returns:
       [T, N, H] in ``q.dtype``; padding rows (from ``cu_q_lens[num_seqs]`` on) and rows that
-      see no key are zeros.
+      see no key are zeros, and every row when a value is invalid (``sanitize.py``).
 
     Raises:
       ValueError: on inconsistent shapes or dtypes (``validate.validate_static``).
@@ -69,7 +69,12 @@ def ragged_paged_attention_reference(
     validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
-        k_scale=k_scale, v_scale=v_scale,
+        causal=causal, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    # Invalid values get the result every implementation gives (sanitize.py).
+    block_tables, kv_lens, cu_q_lens, num_seqs, layer = sanitize.sanitize(
+        block_tables, kv_lens, cu_q_lens, num_seqs, layer,
+        num_rows=q.shape[0], k_pages_shape=k_pages.shape,
     )  # fmt: skip
     k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     T, N, H = q.shape
@@ -115,5 +120,5 @@ def ragged_paged_attention_reference(
     p_TKGS = jnp.exp(s_TKGS - m_TKG1)
     l_TKG1 = jnp.sum(p_TKGS, axis=-1, keepdims=True)
     o_TKGH = jnp.einsum("tkgs,tskh->tkgh", p_TKGS, v_TSKH, precision="highest")
-    o_TKGH = jnp.where(l_TKG1 > 0, o_TKGH / jnp.where(l_TKG1 > 0, l_TKG1, 1.0), 0.0)
+    o_TKGH = jnp.where(l_TKG1 != 0, o_TKGH / jnp.where(l_TKG1 != 0, l_TKG1, 1.0), 0.0)
     return o_TKGH.reshape(T, N, H).astype(q.dtype)

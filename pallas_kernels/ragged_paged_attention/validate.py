@@ -61,6 +61,7 @@ def validate_static(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    causal: Any = True,
     k_scale: Any = None,
     v_scale: Any = None,
 ) -> None:
@@ -78,6 +79,7 @@ def validate_static(
       logits_soft_cap: None or a positive float.
       sliding_window: None or an int >= 1.
       layer: None for a 4-D pool; an int in [0, L) or an integer scalar array for a 5-D pool.
+      causal: a bool.
       k_scale: None, or for quantized pages float32 broadcastable to [K, P, C] (a 5-D pool:
         [L or 1, K, P, C]; ``pallas_kernels._quant.GRANULARITIES``).
       v_scale: like ``k_scale``.
@@ -86,6 +88,8 @@ def validate_static(
       ValueError: listing every mismatch found.
     """
     errors: list[str] = []
+    if not isinstance(causal, bool | np.bool_):
+        errors.append(f"causal={causal!r} must be a bool")
     if q.ndim != 3:
         errors.append(f"q must be [T, N, H] (3-D), got {q.shape=}")
     elif not jnp.issubdtype(q.dtype, jnp.floating):
@@ -173,6 +177,8 @@ def validate_dynamic(
     num_seqs: jax.Array,
     *,
     layer: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> None:
     """Checks the values of the index arrays; eager only (reads them back to the host).
 
@@ -180,11 +186,15 @@ def validate_dynamic(
     ``cu_q_lens[0] == 0``, ``cu_q_lens`` non-decreasing, ``cu_q_lens[num_seqs] <= T``,
     ``q_len_b <= kv_lens[b]``, ``0 <= kv_lens[b] <= W * C``, ``0 <= num_seqs <= B``, the
     page ids of the pages a sequence uses in ``[0, P)``, and ``layer`` in ``[0, L)``.
+    ``k_scale``/``v_scale`` are the call's scales (quantized pages), for ``validate_static``.
 
     Raises:
       ValueError: listing every violated condition with the offending values.
     """
-    validate_static(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer=layer)
+    validate_static(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+        layer=layer, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     T = q.shape[0]
     B, W = block_tables.shape
     C, P = k_pages.shape[-2], k_pages.shape[-3]

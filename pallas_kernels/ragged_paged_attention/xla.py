@@ -2,11 +2,15 @@
 
 Memory-lean (never a dense [T, S] score matrix over the pool): the query rows are cut into
 tiles of ``block_q`` rows of one sequence each (metadata computed on device,
-``schedule.tile_schedule``), and a ``while_loop`` walks KV chunks of ``pages_per_chunk`` pages,
-gathering for every tile only its own sequence's pages of that chunk. The trip count comes from
-the largest key position any tile needs, so short batches do short loops. Math is f32, so the
-result is exact to f32 rounding against the reference. Shapes are static in (T, B, W) and
-``num_seqs`` is dynamic: one compile serves every batch.
+``schedule.tile_schedule``), and a loop walks KV chunks of ``pages_per_chunk`` pages, gathering
+for every tile only its own sequence's pages of that chunk, from the tile's first visible key on
+(a sliding window's start). The trip count is static, ``ceil(W / pages_per_chunk)`` (with a
+causal window, the chunks its span can touch when fewer): a trip count from the lengths would be
+a ``while_loop`` whose condition XLA on GPU reads back to the host every iteration. Slots past a
+tile's last page are redirected to that page, so idle steps re-read one page (from L2), never
+the rest of the table. Math is f32, so the result is exact to f32 rounding against the
+reference. Shapes are static in (T, B, W) and ``num_seqs`` is dynamic: one compile serves every
+batch.
 """
 
 from __future__ import annotations
@@ -147,24 +151,20 @@ def _ragged_xla(
     last_slot_I = jnp.clip(npages_I - 1, 0, W - 1)
     seq_tables_IW = block_tables_BW[ts.seq]
 
-    # KV range any tile needs: [lo, hi) keys, rounded out to chunks.
-    last_pos_I = ts.pos0 + ts.q_rows - 1
-    hi_I = jnp.minimum(kv_len_I, last_pos_I + 1) if causal else kv_len_I
-    hi_I = jnp.where(ts.q_rows > 0, hi_I, 0)
-    chunk_hi = (jnp.max(hi_I) + Sc - 1) // Sc
+    # Each tile's first chunk (a window's start; 0 without one): step c reads chunk first + c.
     if sliding_window is not None:
-        lo_I = jnp.where(ts.q_rows > 0, jnp.maximum(ts.pos0 - sliding_window + 1, 0), _BIG)
-        chunk_lo = jnp.minimum(jnp.min(lo_I) // Sc, chunk_hi)
+        first_I = jnp.maximum(ts.pos0 - sliding_window + 1, 0) // Sc
     else:
-        chunk_lo = jnp.int32(0)
+        first_I = jnp.zeros_like(kv_len_I)
 
     def body(c, carry):
         m_IKQG, l_IKQG, acc_IKQGH = carry
-        slot_p = c * pc + jnp.arange(pc, dtype=jnp.int32)
-        slot_Ip = jnp.minimum(slot_p[None, :], last_slot_I[:, None])
+        chunk_I = first_I + c
+        slot_Ip = chunk_I[:, None] * pc + jnp.arange(pc, dtype=jnp.int32)[None, :]
+        slot_Ip = jnp.minimum(slot_Ip, last_slot_I[:, None])
         pages_Ip = jnp.clip(jnp.take_along_axis(seq_tables_IW, slot_Ip, axis=1), 0, P - 1)
-        key_S = c * Sc + jnp.arange(Sc, dtype=jnp.int32)
-        in_len_IS = key_S[None, :] < kv_len_I[:, None]
+        key_IS = chunk_I[:, None] * Sc + jnp.arange(Sc, dtype=jnp.int32)[None, :]
+        in_len_IS = key_IS < kv_len_I[:, None]
 
         def load(pool, scale):
             x = schedule.gather_pages(pool, layer, pages_Ip)  # [NT, pc, K, C, H]
@@ -179,9 +179,9 @@ def _ragged_xla(
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         vis_IQS = in_len_IS[:, None, :] & row_ok_IQ[:, :, None]
         if causal:
-            vis_IQS &= key_S[None, None, :] <= pos_IQ[:, :, None]
+            vis_IQS &= key_IS[:, None, :] <= pos_IQ[:, :, None]
         if sliding_window is not None:
-            vis_IQS &= pos_IQ[:, :, None] - key_S[None, None, :] < sliding_window
+            vis_IQS &= pos_IQ[:, :, None] - key_IS[:, None, :] < sliding_window
         s = jnp.where(vis_IQS[:, None, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_IKQG, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -196,12 +196,14 @@ def _ragged_xla(
         jnp.zeros((NT, K, Tq, G), _F32),
         jnp.zeros((NT, K, Tq, G, H), _F32),
     )
-    _, l_IKQG, acc_IKQGH = jax.lax.fori_loop(chunk_lo, chunk_hi, body, init)
-    l_safe = jnp.where(l_IKQG > 0, l_IKQG, 1.0)
-    o_IKQGH = jnp.where(l_IKQG[..., None] > 0, acc_IKQGH / l_safe[..., None], 0.0)
+    # A static trip count: no loop condition read back to the host (module docstring). With a
+    # causal window a tile's keys span at most w + Tq - 1 positions from its first chunk's start.
+    steps = -(-W // pc)
+    if sliding_window is not None and causal:
+        steps = min(steps, -(-(sliding_window + Tq - 1) // Sc) + 1)
+    _, l_IKQG, acc_IKQGH = jax.lax.fori_loop(0, steps, body, init)
+    l_safe = jnp.where(l_IKQG != 0, l_IKQG, 1.0)
+    o_IKQGH = jnp.where(l_IKQG[..., None] != 0, acc_IKQGH / l_safe[..., None], 0.0)
     o_rows = o_IKQGH.transpose(0, 2, 1, 3, 4).reshape(NT * Tq, N, H)
     o_TNH = o_rows[ts.tile_T * Tq + ts.row_T]
     return jnp.where(tm.valid_T[:, None, None], o_TNH, 0.0).astype(q_TNH.dtype)
-
-
-_BIG = jnp.iinfo(jnp.int32).max

@@ -223,7 +223,7 @@ def test_serving_main_writes_json_and_merges(tmp_path):
         assert summary["sustainable_rate"][name] == max(ok, default=0.0)
     rates = summary["sustainable_rate"]
     want = rates["jpaged"] / rates["static"] if rates["static"] else None
-    assert summary["jpaged_over_static"] == (pytest.approx(want) if want else None)
+    assert summary["jpaged_over_static"] == (pytest.approx(want) if want is not None else None)
     with pytest.raises(ValueError, match="other settings"):
         serving.main(["--systems", "static", "--merge", *common, "--page-size", "8"])
 

@@ -354,3 +354,25 @@ def test_preemption_events_are_bounded():
         llm.scheduler.events.append(PreemptionEvent(str(i), "swap", 1, i))
     events = llm.preemption_events
     assert len(events) == 4096 and events[-1].request_id == "4999"
+
+
+def test_page_tables_and_utilisation_follow_the_pool():
+    llm = make_llm(num_decode_steps=1)
+    stats = llm.stats()
+    assert stats["kv_utilisation"] == 0.0 and stats["kv_page_fill"] == 0.0
+    assert llm.page_tables() == {}
+    llm.add_request(list(range(1, 10)), jpaged.SamplingParams(max_tokens=8, n=3, seed=0))
+    llm.add_request([3, 4], jpaged.SamplingParams(max_tokens=8, temperature=0.0))
+    llm.step()
+    tables = llm.page_tables()
+    assert sorted(tables) == [("0", 0), ("0", 1), ("0", 2), ("1", 0)]
+    prompt_pages = {tuple(tables["0", i][: 9 // llm.page_size]) for i in range(3)}
+    assert len(prompt_pages) == 1  # the n=3 samples share the prompt's full pages
+    held = {p for pages in tables.values() for p in pages}
+    stats = llm.stats()
+    assert stats["pages_used"] == len(held)
+    assert stats["kv_utilisation"] == len(held) / stats["pages_total"]
+    assert 0.0 < stats["kv_page_fill"] <= 1.0
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.page_tables() == {} and llm.stats()["kv_utilisation"] == 0.0

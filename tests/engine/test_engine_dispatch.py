@@ -20,19 +20,22 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 SLOW_CASES = {"test_a_chain_ends_for_a_waiting_request_only_if_the_next_step_admits_it[24-8-16-2]"}
 
 
-def serve_through_failures(llm, message, check):
-    """Steps ``llm`` until done; every ``RuntimeError`` must carry ``message`` and pass
-    ``check()``. Returns (failures, the last output of each request)."""
-    raised, outs = 0, {}
+def serve_through_failures(llm, check):
+    """Steps ``llm`` until done (a failing step raises nothing), running ``check()`` after
+    every step. Returns the last output of each request."""
+    outs = {}
     while llm.has_unfinished_requests():
-        try:
-            for o in llm.step():
-                outs[o.request_id] = o
-        except RuntimeError as e:
-            assert message in str(e)
-            raised += 1
-            check()
-    return raised, outs
+        for o in llm.step():
+            outs[o.request_id] = o
+        check()
+    return outs
+
+
+def assert_failed_by(out, message):
+    """``out`` failed in a step that raised ``message``: finish reason "error", the
+    exception in ``RequestOutput.error``."""
+    assert out.finished and out.error is not None and message in out.error, out
+    assert {c.finish_reason for c in out.outputs} == {"error"}
 
 
 def threaded_llm(**kw):
@@ -85,7 +88,10 @@ def test_rows_finished_mid_chain_are_reported_once_even_with_keep_finished_0(thr
     assert [o.outputs[0].token_ids for o in done] == [dense_greedy(p, 12) for p in prompts]
 
 
-def test_a_failed_loop_ends_its_chain_and_the_engine_keeps_serving(monkeypatch):
+def test_a_failed_loop_fails_its_rows_and_the_engine_keeps_serving(monkeypatch):
+    """A loop that raises in the dispatch thread before taking the pool: its rows fail
+    ("error", the exception's message), their pages are freed, and the engine serves the
+    next call as a fresh one would."""
     llm = threaded_llm()
     loop = llm.runner.decode_loop
     calls = [0]
@@ -102,15 +108,16 @@ def test_a_failed_loop_ends_its_chain_and_the_engine_keeps_serving(monkeypatch):
         llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
 
     def check():
-        assert llm.chain.state is None
         llm.alloc.check_invariants()
 
-    raised, outs = serve_through_failures(llm, "simulated", check)
-    assert raised == 1
-    assert [outs[str(i)].outputs[0].token_ids for i in range(2)] == [
-        dense_greedy(p, 20) for p in prompts
-    ]
+    outs = serve_through_failures(llm, check)
+    assert llm.chain.state is None
+    for rid in ("0", "1"):
+        assert_failed_by(outs[rid], "RESOURCE_EXHAUSTED: simulated")
+        assert 0 < len(outs[rid].outputs[0].token_ids) < 20  # the first loop's tokens kept
     assert llm.stats()["pages_used"] == 0
+    again = llm.generate(prompts, jpaged.SamplingParams(max_tokens=20, **GREEDY))
+    assert [o.outputs[0].token_ids for o in again] == [dense_greedy(p, 20) for p in prompts]
 
 
 def test_the_callers_matmul_precision_follows_the_loop():
@@ -126,12 +133,12 @@ def test_the_callers_matmul_precision_follows_the_loop():
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_consistent(
+def test_a_failure_while_processing_a_loop_fails_its_rows_and_keeps_the_pool_consistent(
     monkeypatch, threaded
 ):
     """An error after some rows' tokens were taken (lengths not yet caught up in the
-    allocator) is raised as itself; rows keep exactly their computed tokens and the engine
-    finishes every request correctly."""
+    allocator): the loop's rows fail with the error, their pages are freed (invariants
+    hold after every step) and the engine then serves every request correctly."""
     llm = threaded_llm()
     llm.chain.threaded_dispatch = threaded
     append = llm.appender.append_many
@@ -146,39 +153,54 @@ def test_a_failure_while_processing_a_loop_raises_itself_and_keeps_the_pool_cons
     monkeypatch.setattr(llm.appender, "append_many", flaky)
     prompts = random_prompts(18, (3, 6, 10))
     ids = [llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY)) for p in prompts]
-
-    def check():
-        llm.alloc.check_invariants()
-        for rid in ids:
-            seq = llm._requests[rid].seqs[0]
-            assert llm.alloc.num_tokens(seq.seq_id) == seq.num_computed
-
-    raised, outs = serve_through_failures(llm, "simulated host failure", check)
-    assert raised == 1
-    assert [outs[i].outputs[0].token_ids for i in ids] == [dense_greedy(p, 20) for p in prompts]
-    assert llm.stats()["pages_used"] == 0
+    outs = serve_through_failures(llm, llm.alloc.check_invariants)
+    for rid in ids:
+        assert_failed_by(outs[rid], "simulated host failure")
+    assert llm.stats()["pages_used"] == 0 and llm.chain.state is None
+    again = llm.generate(prompts, jpaged.SamplingParams(max_tokens=20, **GREEDY))
+    assert [o.outputs[0].token_ids for o in again] == [dense_greedy(p, 20) for p in prompts]
 
 
-def test_a_failure_after_the_loop_took_the_pool_says_the_pool_is_lost(monkeypatch):
-    llm = threaded_llm()
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failure_after_the_loop_took_the_pool_replaces_the_pool(monkeypatch, threaded):
+    """The failed loop had taken (donated) the pool: its rows fail, a zero-filled pool
+    replaces the lost one, a running request that was not in the loop starts again from
+    its tokens, and the prefix cache (whose pages were lost) is emptied: later requests
+    get the tokens of a fresh engine."""
+    llm = make_llm(num_decode_steps=4, max_num_seqs=2)
+    llm.chain.threaded_dispatch = threaded
     loop = llm.runner.decode_loop
     calls = [0]
 
     def fails_after(*args, **kwargs):
         out = loop(*args, **kwargs)  # the pool is donated and gone
         calls[0] += 1
-        if calls[0] == 2:
+        if calls[0] == 1:
             raise RuntimeError("simulated device failure")
         return out
 
+    cached, solo, pair = random_prompts(19, (17, 3, 5))
+    greedy = jpaged.SamplingParams(max_tokens=6, **GREEDY)
+    assert llm.generate([cached], greedy)[0].outputs[0].token_ids == dense_greedy(cached, 6)
     monkeypatch.setattr(llm.runner, "decode_loop", fails_after)
-    for p in random_prompts(19, (3, 11)):
-        llm.add_request(p, jpaged.SamplingParams(max_tokens=20, **GREEDY))
-    with pytest.raises(RuntimeError, match="simulated device failure"):
-        for _ in range(20):
-            llm.step()
-    with pytest.raises(RuntimeError, match=r"K/V pool was lost.*build a new jpaged\.LLM"):
-        llm.step()
+    sampled = jpaged.SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=7)
+    a = llm.add_request(solo, jpaged.SamplingParams(max_tokens=20, **GREEDY))
+    # n=2 forks into two sequences: with max_num_seqs=2 it waits (running, unscheduled)
+    # while `a` decodes alone in a loop.
+    b = llm.add_request(pair, sampled)
+    restarted = []
+    restart = llm.scheduler.restart_running
+    monkeypatch.setattr(llm.scheduler, "restart_running",
+                        lambda: restarted.extend(restart()) or restarted)  # fmt: skip
+    outs = serve_through_failures(llm, llm.alloc.check_invariants)
+    assert [r.request_id for r in restarted] == [b]
+    assert_failed_by(outs[a], "simulated device failure")
+    alone = make_llm(num_decode_steps=4).generate([pair], sampled)[0]
+    assert outs[b].error is None
+    assert [c.token_ids for c in outs[b].outputs] == [c.token_ids for c in alone.outputs]
+    assert llm.stats()["pages_used"] == 0
+    out = llm.generate([cached], greedy)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == dense_greedy(cached, 6)
 
 
 def test_a_chain_of_loops_compiles_nothing_after_warmup():

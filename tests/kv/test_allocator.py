@@ -144,10 +144,10 @@ def test_stats():
     assert (s.total_pages, s.free_pages, s.used_pages, s.shared_pages) == (10, 7, 3, 1)
     assert s.live_tokens == (C + 1) + (C + 3) - C  # page 0 is shared
     assert s.allocated_slots == 3 * C
-    assert s.utilisation == pytest.approx(s.live_tokens / s.allocated_slots)
+    assert s.page_fill == pytest.approx(s.live_tokens / s.allocated_slots)
     assert s.num_seqs == 2 and s.cow_copies == 1
     empty = BlockAllocator(4, C).stats()
-    assert empty.utilisation == 1.0 and empty.used_pages == 0
+    assert empty.page_fill == 0.0 and empty.used_pages == 0
 
 
 def test_watermark_and_can_allocate():

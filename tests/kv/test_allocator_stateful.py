@@ -42,7 +42,7 @@ def _snapshot(alloc: BlockAllocator):
     seqs = {
         k: (list(s.pages), s.num_tokens, list(s.hashes), s.swapped) for k, s in alloc._seqs.items()
     }
-    stats = dataclasses.replace(alloc.stats(), utilisation=0.0)
+    stats = dataclasses.replace(alloc.stats(), page_fill=0.0)
     return (
         seqs,
         stats,
@@ -241,7 +241,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert pool[slots].tolist() == expected, f"sequence {seq_id} lost its tokens"
         s = self.alloc.stats()
         assert s.free_pages + s.used_pages + s.evictable_pages == P
-        assert 0.0 <= s.utilisation <= 1.0
+        assert 0.0 <= s.page_fill <= 1.0
 
 
 def test_allocator_machine():

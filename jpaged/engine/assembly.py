@@ -1,0 +1,173 @@
+"""The engine's parts, built from a model and `EngineOptions`: the model and tokenizer, the
+device pool and host allocator (`KVManager`), the `Scheduler`, the `Runner` of the step
+programs, and the parts that run a step (`TokenAppender`, `StepExecutor`, `DecodeChain`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jpaged.engine.appender import TokenAppender
+from jpaged.engine.chat import load_chat_template
+from jpaged.engine.counters import Counters
+from jpaged.engine.decode_chain import DecodeChain
+from jpaged.engine.kv_manager import KVManager
+from jpaged.engine.model_setup import default_kv_bytes, model_dtype, read_eos, with_params
+from jpaged.engine.options import EngineOptions
+from jpaged.engine.runner import Runner, default_compiler_options
+from jpaged.engine.scheduler import Scheduler
+from jpaged.engine.step import StepExecutor
+from jpaged.engine.tokenizer_adapter import as_engine_tokenizer
+from jpaged.kv.allocator import BlockAllocator
+from jpaged.kv.cache import PagedKVCache, pages_for_budget
+
+__all__ = ["EngineParts", "assemble"]
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """Everything `jpaged.LLM` drives; sizes resolved from the options and the model.
+
+    Attributes:
+      model: the model served.
+      tokenizer: the tokenizer (None: token ids only).
+      eos_token_ids: the end-of-sequence ids.
+      max_model_len: longest sequence, prompt and generated tokens.
+      width: W, block-table entries per sequence (``ceil(max_model_len / page_size)``).
+      max_num_batched_tokens: the token budget of one step.
+      chat_template: the `ChatTemplate` of the tokenizer or checkpoint, or None.
+    """
+
+    model: Any
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    width: int
+    max_num_batched_tokens: int
+    alloc: BlockAllocator
+    kv: KVManager
+    scheduler: Scheduler
+    runner: Runner
+    counters: Counters
+    appender: TokenAppender
+    executor: StepExecutor
+    chain: DecodeChain
+    chat_template: Any = None
+
+
+def load_model(model: Any, params: Any, tokenizer: Any, eos_token_id: Any, dtype: Any):
+    """``(model, tokenizer, eos_token_ids, chat_template)``: a checkpoint directory loaded
+    (its tokenizer and end-of-sequence ids unless given), or a model object with ``params``
+    applied; the tokenizer as the engine uses it (`as_engine_tokenizer`)."""
+    tokenizer = as_engine_tokenizer(tokenizer)
+    path = None
+    if isinstance(model, str | pathlib.Path):
+        from jpaged.models import from_pretrained, load_tokenizer
+
+        path = pathlib.Path(model)
+        model = from_pretrained(path, dtype=dtype)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        if eos_token_id is None:
+            eos_token_id = read_eos(path)
+    else:
+        model = with_params(model, params)
+    eos = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+    chat_template = load_chat_template(path, tokenizer)
+    return model, tokenizer, frozenset(int(e) for e in eos), chat_template
+
+
+def assemble(
+    model: Any,
+    opts: EngineOptions,
+    *,
+    params: Any = None,
+    tokenizer: Any = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> EngineParts:
+    """Builds the engine's parts (arguments as ``jpaged.LLM``'s).
+
+    Raises:
+      ValueError: ``max_model_len`` beyond the model's ``max_position_embeddings``.
+    """
+    model, tokenizer, eos_ids, chat_template = load_model(
+        model, params, tokenizer, eos_token_id, opts.dtype
+    )
+    cfg = getattr(model, "config", None)
+    max_model_len = opts.max_model_len
+    max_positions = getattr(cfg, "max_position_embeddings", None)
+    if max_model_len is None:
+        max_model_len = int(max_positions if max_positions is not None else 2048)
+    max_model_len = int(max_model_len)
+    if max_positions is not None and max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{max_positions} (the longest sequence it was built for)"
+        )
+    C = opts.page_size
+    W = math.ceil(max_model_len / C)
+    cache_dtype = opts.cache_dtype if opts.cache_dtype is not None else model_dtype(model)
+    L, K, H = model.num_layers, model.num_kv_heads, model.head_dim
+    num_pages = opts.num_pages
+    if num_pages is None:
+        budget = opts.kv_cache_memory if opts.kv_cache_memory is not None else default_kv_bytes()
+        num_pages = min(pages_for_budget(budget, L, K, C, H, cache_dtype), opts.max_num_seqs * W)
+    cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
+    bpp = cache.bytes_per_page
+    alloc = BlockAllocator(
+        int(num_pages), C, watermark=opts.watermark,
+        num_host_pages=int(opts.swap_space // bpp), bytes_per_page=bpp,
+    )  # fmt: skip
+    kv = KVManager(alloc, cache)
+    max_tokens = opts.max_num_batched_tokens
+    if max_tokens is None:
+        max_tokens = max(256, min(2048, max_model_len))
+    max_tokens = int(max_tokens)
+    k = opts.num_decode_steps
+    scheduler = Scheduler(
+        alloc,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=max_tokens,
+        preemption_mode=opts.preemption_mode,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        swap_bytes_per_s=opts.swap_bytes_per_s,
+        recompute_tokens_per_s=opts.recompute_tokens_per_s,
+        swap_space_bytes=opts.swap_space,
+        # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and the
+        # next one; `DecodeChain`); admission keeps the pages of one loop free.
+        lookahead_tokens=k if k > 1 else 0,
+    )
+    compiler_options = opts.compiler_options
+    if compiler_options is None:
+        compiler_options = default_compiler_options()
+    runner = Runner(model, compiler_options=compiler_options)
+    counters = Counters()
+    appender = TokenAppender(
+        alloc, scheduler, counters,
+        max_model_len=max_model_len, enable_prefix_caching=opts.enable_prefix_caching,
+        tokenizer=tokenizer,
+    )  # fmt: skip
+    executor = StepExecutor(
+        kv, runner, appender, counters, width=W,
+        max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=max_tokens,
+    )  # fmt: skip
+    chain = DecodeChain(
+        kv, runner, scheduler, appender, counters,
+        num_decode_steps=k, max_model_len=max_model_len, width=W,
+        seq_bucket=executor.seq_bucket,
+        # On GPU a loop's dispatching call can last until the loop has run: it is made from
+        # a worker thread (elsewhere dispatch is asynchronous already, and thread-local JAX
+        # settings would not follow the call).
+        threaded_dispatch=jax.default_backend() == "gpu",
+    )  # fmt: skip
+    return EngineParts(
+        model=model, tokenizer=tokenizer, eos_token_ids=eos_ids, max_model_len=max_model_len,
+        width=W, max_num_batched_tokens=max_tokens, alloc=alloc, kv=kv, scheduler=scheduler,
+        runner=runner, counters=counters, appender=appender, executor=executor, chain=chain,
+        chat_template=chat_template,
+    )  # fmt: skip

@@ -1,0 +1,118 @@
+"""Which kernel ``implementation=None`` tries per backend and GPU generation
+(``pallas_kernels._backend.auto_route``), and that a call records and logs its choice with the
+reason (``jpaged._attention.last_auto_choice``, the ``jpaged.dispatch`` logger)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import jpaged
+import jpaged._backend
+from jpaged import _attention
+from pallas_kernels import _backend
+from pallas_kernels.paged_attention import dispatch
+from pallas_kernels.ragged_paged_attention import dispatch as ragged_dispatch
+
+
+def _gpu(monkeypatch, cc, rocm=False):
+    monkeypatch.setattr(_backend, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(_backend, "gpu_compute_capability", lambda: cc)
+    monkeypatch.setattr(_backend, "_rocm", lambda: rocm)
+
+
+@pytest.mark.parametrize(
+    "cc,kernel,says",
+    [
+        ((8, 0), "pallas_triton", "sm80: Pallas-Triton"),
+        ((8, 6), "pallas_triton", "sm86"),
+        ((8, 9), "pallas_triton", "sm89"),
+        ((7, 5), None, "sm75: no kernel verified below sm80"),
+        ((9, 0), "pallas_gpu", "sm90: Mosaic GPU"),
+        ((10, 0), "pallas_gpu", "sm100"),
+    ],
+)
+def test_auto_route_per_generation(monkeypatch, cc, kernel, says):
+    _gpu(monkeypatch, cc)
+    route = jpaged._backend.auto_route()
+    assert route.kernel == kernel
+    assert says in route.reason
+
+
+def test_auto_route_other_backends(monkeypatch):
+    assert _backend.auto_route().kernel in (None, "pallas_gpu", "pallas_triton", "pallas_tpu")
+    monkeypatch.setattr(_backend, "default_platform", lambda: "cpu")
+    assert _backend.auto_route() == _backend.AutoRoute(
+        None, "cpu backend: no compiled kernel, the XLA path"
+    )
+    monkeypatch.setattr(_backend, "default_platform", lambda: "tpu")
+    assert _backend.auto_route().kernel == "pallas_tpu"
+    _gpu(monkeypatch, (8, 0), rocm=True)
+    assert _backend.auto_route().kernel is None
+    assert "ROCm" in _backend.auto_route().reason
+
+
+def test_auto_route_without_the_triton_backend(monkeypatch):
+    """A JAX that dropped Pallas's Triton backend: sm80-sm89 get the XLA path, and why."""
+    _gpu(monkeypatch, (8, 9))
+    monkeypatch.setattr(_backend, "triton_route_reason", lambda: "this JAX has none")
+    route = _backend.auto_route()
+    assert route.kernel is None and "this JAX has none" in route.reason
+
+
+def _args(B=2, N=8, K=2, P=6, C=4, H=16, W=3):
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((K, P, C, H)).astype(np.float32)
+    return (
+        rng.standard_normal((B, N, H)).astype(np.float32), kv, kv,
+        rng.integers(0, P, (B, W)).astype(np.int32), np.array([5, 1], np.int32),
+    )  # fmt: skip
+
+
+def test_a_call_records_and_logs_its_choice(monkeypatch, caplog):
+    _gpu(monkeypatch, (8, 0))
+    args = _args()
+    # On this CPU the kernel's own check says it needs a GPU: the XLA path runs, and says so.
+    monkeypatch.setattr(_backend, "default_platform", lambda: "gpu")
+    monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, "pallas_triton", lambda *a, **k: "no GPU")
+    with caplog.at_level(logging.DEBUG, logger="jpaged.dispatch"):
+        jpaged.paged_attention(*args)
+    impl, why = _attention.last_auto_choice("paged_attention")
+    assert impl == "xla"
+    assert "sm80" in why and "pallas_triton cannot run this call (no GPU)" in why
+    assert any("picked 'xla'" in r.getMessage() for r in caplog.records)
+
+    calls = []
+
+    def spy(*a, **k):
+        calls.append(k)
+        return dispatch.IMPLEMENTATIONS["xla"](
+            *a, **{x: y for x, y in k.items() if x != "interpret"}
+        )
+
+    monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, "pallas_triton", lambda *a, **k: None)
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", spy)
+    jpaged.paged_attention(*args)
+    assert len(calls) == 1 and calls[0]["interpret"] is False
+    assert _attention.last_auto_choice("paged_attention")[0] == "pallas_triton"
+
+
+def test_ragged_auto_choice_is_recorded(monkeypatch):
+    monkeypatch.setattr(_backend, "default_platform", lambda: "cpu")
+    q, kv, _, tables, _ = _args()
+    jpaged.ragged_paged_attention(
+        q[:2], kv, kv, tables, np.array([5, 1], np.int32), np.array([0, 1, 2], np.int32),
+        np.int32(2),
+    )  # fmt: skip
+    impl, why = _attention.last_auto_choice("ragged_paged_attention")
+    assert impl == "xla" and why.startswith("cpu backend")
+    assert set(ragged_dispatch.IMPLEMENTATIONS) == set(_attention.IMPLEMENTATIONS)
+
+
+def test_interpret_runs_the_triton_kernel_through_the_public_op():
+    args = _args()
+    out = jpaged.paged_attention(*args, implementation="pallas_triton", interpret=True)
+    ref = jpaged.paged_attention(*args, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
