@@ -6,7 +6,9 @@
 #                                             # beside the bf16 kernel; head dim 256 variants
 #                                             # (bf16 with cuDNN, and fp8); fp8 ring depths
 #   bash tools/gpu_quantized.sh int8 OUT      # the int8 quick table
-#   bash tools/gpu_quantized.sh tests OUT     # tests/kernels/test_quantized_gpu.py -m gpu
+#   bash tools/gpu_quantized.sh tests OUT     # -m gpu: tests/kernels/test_quantized_gpu.py
+#                                             # (Mosaic GPU) and test_quantized_triton.py
+#                                             # (Pallas-Triton, forced on any NVIDIA GPU)
 #
 # Benchmarks before tests in one call (tools/gpu_kernels.sh says why). OUT: where JSON goes
 # (default benchmarks/results); at most 8 files come back from a device call.
@@ -46,8 +48,9 @@ case "$PART" in
       --out "$OUT/decode_quantized_int8_h200.json"
     ;;
   tests)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.19 run "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q -rf \
-      -p no:cacheprovider -p no:benchmark -n 4 --durations=5 tests/kernels/test_quantized_gpu.py
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.19 run "${TEST_TIMEOUT:-420}" "$PY" -m pytest -m gpu -q -rf \
+      -p no:cacheprovider -p no:benchmark -n 4 --durations=5 tests/kernels/test_quantized_gpu.py \
+      tests/kernels/test_quantized_triton.py
     ;;
   *)
     echo "unknown part $PART: bench, int8 or tests" >&2
