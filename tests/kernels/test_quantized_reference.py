@@ -5,6 +5,8 @@ C, C+1 and 150, a 5-D pool, a hand-worked case, and the errors of bad scales."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from _quantized_cases import (
     ragged_case,
     ragged_oracle,
 )
+from jax.experimental import checkify
 
 import jpaged
 from pallas_kernels import _quant
@@ -170,3 +173,51 @@ def test_quant_doctests():
 
     result = doctest.testmod(_quant)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_triton"])
+def test_invalid_metadata_with_quantized_pages(impl):
+    # Quantized calls go through the same value checks and sanitizing as the others: eagerly a
+    # used page id out of range raises naming it; unchecked, that sequence gives zeros and the
+    # others their attention; under jit, check=True raises through checkify.
+    rng = np.random.default_rng(9)
+    q, kv = decode_case(rng, [C + 1, 40, 5], C=C, dtype="int8", granularity="token")
+    tables = kv.block_tables.copy()
+    bad_id = kv.k_pages.shape[1] + 7
+    tables[1, 0] = bad_id
+    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    if impl == "reference":
+        run = functools.partial(paged_attention_reference, **scales)
+    else:
+        kw = dict(interpret=True) if impl == "pallas_triton" else {}
+        run = functools.partial(jpaged.paged_attention, implementation=impl, **scales, **kw)
+        with pytest.raises(ValueError, match=rf"block_tables\[1, 0\] = {bad_id}"):
+            run(q, kv.k_pages, kv.v_pages, tables, kv.lengths)
+        run = functools.partial(run, check=False)
+    out = np.asarray(jnp.asarray(run(q, kv.k_pages, kv.v_pages, tables, kv.lengths)), np.float64)
+    ref = decode_oracle(q, kv)
+    assert np.all(out[1] == 0.0)
+    assert_matches(out[[0, 2]], ref[[0, 2]], impl)
+    if impl == "xla":
+        f = jax.jit(lambda t, n: jpaged.paged_attention(
+            q, kv.k_pages, kv.v_pages, t, n, check=True, implementation="xla", **scales
+        ))  # fmt: skip
+        err, _ = checkify.checkify(f)(kv.block_tables, kv.lengths)
+        err.throw()  # valid: nothing raised
+        err, _ = checkify.checkify(f)(tables, kv.lengths)
+        with pytest.raises(checkify.JaxRuntimeError, match=rf"block_tables\[1, 0\]={bad_id}"):
+            err.throw()
+
+
+def test_invalid_ragged_metadata_with_quantized_pages():
+    # A malformed cu_q_lens: eagerly an error naming it; unchecked every row is zeros.
+    rng = np.random.default_rng(10)
+    case, ks, vs = ragged_case(rng, [C + 1, 40], [3, 40], C=C, dtype="float8_e5m2")
+    q, kp, vp, tables, lens, cu, ns = case.args
+    bad_cu = cu.copy()
+    bad_cu[1], bad_cu[2] = 5, 3
+    scales = dict(k_scale=ks, v_scale=vs, implementation="xla")
+    with pytest.raises(ValueError, match=r"cu_q_lens\[1\]=5 > cu_q_lens\[2\]=3"):
+        jpaged.ragged_paged_attention(q, kp, vp, tables, lens, bad_cu, ns, **scales)
+    out = jpaged.ragged_paged_attention(q, kp, vp, tables, lens, bad_cu, ns, check=False, **scales)
+    assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
