@@ -14,6 +14,14 @@ and ``diagnostics/profile_launch_gaps.py``). Effective TB/s = live K/V bytes / t
     python benchmarks/decode_attention.py --quick            # the issue's 9-row table
     python benchmarks/decode_attention.py                    # the full sweep
     python benchmarks/decode_attention.py --quick --out r.json
+    python benchmarks/decode_attention.py --quick --kv-dtype fp8 --skip-triton  # quantized
+
+``--kv-dtype fp8|fp8_e5m2|int8`` times the kernel on quantized pages (the same random values,
+quantized on the device with ``--kv-scales`` granularity, ``jpaged.kv.quantize``) beside the
+bf16 kernel on the bf16 pages of the same draw (``pallas_gpu_bf16``: the tokens/s ratio
+``vs_bf16``); its effective bandwidth counts the bytes it reads (codes and scales),
+``--also-scales`` times other granularities too, and its outputs are checked against the XLA
+path on the same quantized pages.
 
 Prints a table and writes JSON (to ``--out``, default ``$OUT/decode_<tag>.json`` or
 ``benchmarks/results/``).
@@ -39,7 +47,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _decode_quantized
 import _timing
+from _decode_table import _fmt, print_table
 
 from pallas_kernels.paged_attention import kernel_gpu
 
@@ -62,6 +72,8 @@ class Case:
             s += f" C={self.C}"
         if self.H != 128:
             s += f" H={self.H}"
+        if self.N != N_HEADS:
+            s += f" N={self.N}"
         return s
 
 
@@ -111,6 +123,7 @@ class Inputs:
     lengths: jax.Array
     lengths_np: np.ndarray
     width: int
+    quantized: dict = dataclasses.field(default_factory=dict)  # granularity -> (k, v, ks, vs)
 
 
 def _draw(
@@ -320,22 +333,27 @@ def _parse_kwargs(spec: str) -> dict:
 
 
 def parse_case(spec: str) -> Case:
-    """``"B,ctx,K"`` or ``"B,ctx,K,C,H"`` -> a Case (C 16 and H 128 by default)."""
+    """``"B,ctx,K"`` or ``"B,ctx,K,C[,H[,N]]"`` -> a Case (C 16, H 128 and N 32 by default)."""
     try:
         nums = [int(x) for x in spec.split(",")]
     except ValueError:
         nums = []
-    if len(nums) not in (3, 4, 5):
-        raise SystemExit(f"--cases {spec!r}: expected B,ctx,K or B,ctx,K,C[,H] (integers)")
+    if len(nums) not in (3, 4, 5, 6):
+        raise SystemExit(f"--cases {spec!r}: expected B,ctx,K or B,ctx,K,C[,H[,N]] (integers)")
     return Case(*nums)
 
 
-def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
+def run_case(
+    case: Case, inp: Inputs, ns, roofline, roofline_loop=None, roofline_cupti=None
+) -> dict:
     nbytes = live_bytes(case, inp.lengths_np)
     res: dict = {}
     row = {"case": dataclasses.asdict(case), "label": case.label, "live_bytes": nbytes}
     ref = None
-    if not ns.skip_xla:
+    quantized = ns.kv_dtype != "bf16"
+    if quantized:
+        pass  # checked against XLA on the quantized pages (_run_quantized)
+    elif not ns.skip_xla:
         out = _measure("xla", lambda: _xla(inp, case), nbytes, ns, res)
         ref = None if out is None else np.asarray(out.astype(jnp.float32))
     else:  # not timed, but every output is still checked against it (one call)
@@ -345,28 +363,43 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
         except Exception:  # e.g. out of memory: the outputs go unchecked
             traceback.print_exc(limit=1)
     ours = _ours(inp, case)
-    _measure("pallas_gpu", lambda: ours, nbytes, ns, res, ref)
+    if quantized:
+        _decode_quantized.run(
+            case,
+            inp,
+            ns,
+            res,
+            row,
+            measure=_measure,
+            bf16=_ours,
+            bf16_bytes=live_bytes,
+            parse_kwargs=_parse_kwargs,
+        )
+        nbytes = row["live_bytes"]
+    else:
+        _measure("pallas_gpu", lambda: ours, nbytes, ns, res, ref)
     if ns.kernels and "wall_us" in res.get("pallas_gpu", {}):
         # What one call launches (order, kernel, merge) and what each costs, CUPTI.
         res["pallas_gpu"]["kernels_us"] = _timing.cupti_kernels_us(ours[0], *ours[1])
     for S in ns.splits:
         f = lambda S=S: _ours(inp, case, num_splits=S)  # noqa: E731
         _measure(f"pallas_gpu_S{S}", f, nbytes, ns, res, ref)
-    for spec in ns.variants:  # "num_stages=3,num_splits=4": checked against XLA too
+    for spec in [] if quantized else ns.variants:  # "num_stages=3": checked against XLA too
         kw = _parse_kwargs(spec)
         _measure(f"pallas_gpu_{spec}", lambda kw=kw: _ours(inp, case, **kw), nbytes, ns, res, ref)
     for spec in ns.ragged_variants:  # "default" or "paired=0,block_kv=64"
         kw = {} if spec == "default" else _parse_kwargs(spec)
         name = f"pallas_gpu_ragged_{spec}"
         _measure(name, lambda kw=kw: _ragged(inp, case, **kw), nbytes, ns, res, ref)
+    anchor_bytes = live_bytes(case, inp.lengths_np)  # the anchors read bf16
     if not ns.skip_pallas_triton:
-        _measure("pallas_triton", lambda: _pallas_triton(inp, case), nbytes, ns, res, ref)
+        _measure("pallas_triton", lambda: _pallas_triton(inp, case), anchor_bytes, ns, res, ref)
     if not ns.skip_cudnn:
         kd, vd = _dense_kv(inp, case)
-        _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), nbytes, ns, res, ref)
+        _measure("cudnn", lambda: _cudnn(inp, case, kd, vd), anchor_bytes, ns, res, ref)
         del kd, vd
     if not ns.skip_triton and case.H >= 64:
-        _measure("triton_deprecated", lambda: _triton(inp, case), nbytes, ns, res, ref)
+        _measure("triton_deprecated", lambda: _triton(inp, case), anchor_bytes, ns, res, ref)
     if ns.same_size_read:
         # A reduction over the live K/V bytes: what one streaming kernel of this size reaches,
         # its launch, ramp and tail included (the roofline's 4 GiB amortizes them). On the H200
@@ -409,6 +442,8 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
         row["pallas_triton_pct_roofline"] = 100 * trit["wall_tbs"] / roofline
     if "wall_tbs" in ours:
         row["pct_roofline"] = 100 * ours["wall_tbs"] / roofline
+    if ours.get("cupti_tbs") and roofline_cupti:
+        row["pct_roofline_cupti"] = 100 * ours["cupti_tbs"] / roofline_cupti
     if "loop_tbs" in ours and roofline_loop:
         row["pct_roofline_loop"] = 100 * ours["loop_tbs"] / roofline_loop
     same = res.get("same_size_read", {})
@@ -417,59 +452,6 @@ def run_case(case: Case, inp: Inputs, ns, roofline, roofline_loop=None) -> dict:
     T = kernel_gpu.default_block_kv(case.H)
     row["default_splits"] = kernel_gpu.default_num_splits(case.B, case.K, inp.width * case.C, T)
     return row
-
-
-def _fmt(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
-def print_table(rows, roofline, roofline_loop=None):
-    print(f"\nHBM read roofline: {roofline:.2f} TB/s wall, {_fmt(roofline_loop, '.2f')} TB/s loop")
-    hdr = (
-        f"{'case':<26} {'us':>7} {'cupti':>7} {'TB/s':>5} {'%roof':>5} "
-        f"{'cuDNN':>5} {'xla':>5} {'trit':>5} {'vsCuDNN':>7} {'vsTrit':>6} S"
-        f" | {'pl_trt':>6} {'vsCuDNN':>7} {'vsTrit':>6}"
-    )
-    print(hdr)
-    for r in rows:
-        res = r["results"]
-        o = res.get("pallas_gpu", {})
-
-        def tb(k, field="wall_tbs", res=res):
-            return _fmt(res.get(k, {}).get(field), ".2f")
-
-        print(
-            f"{r['label']:<26} {_fmt(o.get('wall_us'), '7.1f')} {_fmt(o.get('cupti_us'), '7.1f')} "
-            f"{tb('pallas_gpu'):>5} {_fmt(r.get('pct_roofline'), '5.0f')} {tb('cudnn'):>5} "
-            f"{tb('xla'):>5} {tb('triton_deprecated'):>5} {_fmt(r.get('vs_cudnn'), '7.2f')} "
-            f"{_fmt(r.get('vs_triton_deprecated'), '6.2f')} {r['default_splits']}"
-            f" | {tb('pallas_triton'):>6} {_fmt(r.get('pallas_triton_vs_cudnn'), '7.2f')} "
-            f"{_fmt(r.get('pallas_triton_vs_triton_deprecated'), '6.2f')}"
-        )
-        if "loop_us" in o:
-            print(
-                f"      loop {o['loop_us']:7.1f} us {o['loop_tbs']:5.2f} TB/s "
-                f"{_fmt(r.get('pct_roofline_loop'), '3.0f')}% roof; cuDNN "
-                f"{tb('cudnn', 'loop_tbs')} TB/s ({_fmt(r.get('vs_cudnn_loop'), '.2f')}x), "
-                f"Triton {_fmt(r.get('vs_triton_deprecated_loop'), '.2f')}x"
-            )
-        same = res.get("same_size_read", {})
-        if same.get("cupti_us"):
-            print(
-                f"      same-size read {same['wall_us']:7.1f} / {same['cupti_us']:7.1f} us "
-                f"(wall / CUPTI): ours at {_fmt(r.get('pct_same_size_read_cupti'), '.1f')}% of it"
-            )
-        for name, us in o.get("kernels_us") or []:
-            print(f"      kernel {us:7.1f} us  {name[:60]}")
-        for k, v in res.items():
-            if k.startswith("pallas_gpu_") and "wall_tbs" in v:
-                loop = f"  loop {v['loop_us']:7.1f}" if "loop_us" in v else ""
-                print(
-                    f"    {k:<22} {v['wall_us']:7.1f} {_fmt(v['cupti_us'], '7.1f')} "
-                    f"{v['wall_tbs']:5.2f}{loop}"
-                )
-            if "error" in v:
-                print(f"    {k}: {v['error'][:160]}")
 
 
 def main(argv=None):
@@ -510,6 +492,19 @@ def main(argv=None):
         "--same-size-read",
         action="store_true",
         help="also time a reduction over exactly each row's live K/V bytes (its own ramp and tail)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=("bf16", "fp8", "fp8_e5m2", "int8"),
+        help="time the kernel on quantized pages (beside the bf16 kernel on the same draw)",
+    )
+    p.add_argument(
+        "--kv-scales", default="token", choices=("token", "page", "head", "tensor"),
+        help="the quantized pages' scale granularity",
+    )  # fmt: skip
+    p.add_argument(
+        "--also-scales", nargs="*", default=[], help="other granularities timed too (quantized)"
     )
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--skip-cudnn", action="store_true")
@@ -554,9 +549,13 @@ def main(argv=None):
         "sequential_pages": ns.sequential_pages,
         "table_tokens": ns.table_tokens,
         "loop": ns.loop,
+        "kv_dtype": ns.kv_dtype,
+        "kv_scales": ns.kv_scales if ns.kv_dtype != "bf16" else None,
         "issue_anchors": {c.label: v for c, v in ISSUE_ANCHORS.items()},
     }
     tag = "cases" if ns.cases else "quick" if ns.quick else "sweep"
+    if ns.kv_dtype != "bf16":
+        tag += f"_{ns.kv_dtype}"
     out = ns.out or os.path.join(
         os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
         f"decode_{tag}.json",
@@ -570,7 +569,7 @@ def main(argv=None):
     )
     for _, c, inp in draws:
         print(f"-- {c.label}", flush=True)
-        rows.append(run_case(c, inp, ns, roof_wall, roof_loop))
+        rows.append(run_case(c, inp, ns, roof_wall, roof_loop, roof_cupti))
         del inp  # before the next row's arrays are drawn
         r = rows[-1]["results"].get("pallas_gpu", {})
         print(f"   ours {r.get('wall_tbs', r.get('error'))}", flush=True)

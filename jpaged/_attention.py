@@ -118,6 +118,14 @@ def _sm_scale(sm_scale: float | None, head_dim: int) -> float:
     return float(sm_scale)
 
 
+def _scales(k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    """The scale keywords of a quantized call; none for an unquantized one (so implementations
+    and their ``UNSUPPORTED_REASONS`` see exactly the arguments they had before scales)."""
+    if k_scale is None and v_scale is None:
+        return {}
+    return {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -129,6 +137,8 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
     check: bool | None = None,
@@ -138,7 +148,8 @@ def paged_attention(
 
     Args:
       q: [B, N, H] queries; the query of sequence b sits at position ``lengths[b] - 1``.
-      k_pages: [K, P, C, H] key pages, or [L, K, P, C, H] with ``layer``.
+      k_pages: [K, P, C, H] key pages, or [L, K, P, C, H] with ``layer``; floating, or quantized
+        (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) with ``k_scale`` and ``v_scale``.
       v_pages: like ``k_pages``.
       block_tables: i32[B, W]; entry (b, i) is the page holding tokens [i*C, (i+1)*C) of b.
       lengths: i32[B] tokens in the cache per sequence (the query's own included).
@@ -146,6 +157,11 @@ def paged_attention(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, only the last ``sliding_window`` keys are seen.
       layer: layer index (int or i32[]) into a 5-D pool.
+      k_scale: quantized pages only: f32 scales broadcastable to [K, P, C] (with a 5-D pool
+        [L or 1, K, P, C], ``layer`` picks the row): ``[]`` or ``[1, 1, 1]`` per tensor,
+        ``[K, 1, 1]`` per KV head, ``[K, P, 1]`` per page and head, ``[K, P, C]`` per token and
+        head. Attention reads ``k_pages.astype(f32) * k_scale`` (f32 accumulation).
+      v_scale: like ``k_scale``, for ``v_pages``.
       implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter (any backend).
       check: value checks (lengths in ``[0, W * C]``, used page ids in ``[0, P)``, ``layer``
@@ -175,6 +191,7 @@ def paged_attention(
     _paged_validate.validate_static(
         q, k_pages, v_pages, block_tables, lengths,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     eager, traced = _checks_values(check, block_tables, lengths, layer)
     if eager:  # valid values pass `sanitize` unchanged: it is skipped
@@ -191,6 +208,7 @@ def paged_attention(
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
         layer=layer,
+        **_scales(k_scale, v_scale),
     )
     _check_tuning(implementation, tuning)
     op = "paged_attention"
@@ -212,6 +230,8 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
     check: bool | None = None,
@@ -223,7 +243,8 @@ def ragged_paged_attention(
 
     Args:
       q: [T, N, H]; the tokens of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
-      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``; floating, or quantized
+        (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) with ``k_scale`` and ``v_scale``.
       v_pages: like ``k_pages``.
       block_tables: i32[B, W].
       kv_lens: i32[B] tokens in the cache per sequence, the new query tokens included.
@@ -236,6 +257,9 @@ def ragged_paged_attention(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, a query at position p sees keys j with ``p - j < sliding_window``.
       layer: layer index into a 5-D pool.
+      k_scale: quantized pages only: f32 scales broadcastable to [K, P, C] (as in
+        ``paged_attention``).
+      v_scale: like ``k_scale``, for ``v_pages``.
       implementation: None (auto), "xla", "pallas_gpu", "pallas_tpu" or "pallas_triton".
       interpret: run the Pallas kernel in its interpreter.
       check: value checks (``cu_q_lens`` from 0, non-decreasing, ending at most at T;
@@ -260,12 +284,14 @@ def ragged_paged_attention(
     _ragged_validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
-        causal=causal,
+        causal=causal, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     metadata = (block_tables, kv_lens, cu_q_lens, num_seqs)
     eager, traced = _checks_values(check, *metadata, layer)
     if eager:  # valid values pass `sanitize` unchanged: it is skipped
-        _ragged_validate.validate_dynamic(q, k_pages, v_pages, *metadata, layer=layer)
+        _ragged_validate.validate_dynamic(
+            q, k_pages, v_pages, *metadata, layer=layer, k_scale=k_scale, v_scale=v_scale
+        )
     else:
         shapes = dict(num_rows=q.shape[0], k_pages_shape=k_pages.shape)
         if traced:
@@ -279,6 +305,7 @@ def ragged_paged_attention(
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
         layer=layer,
+        **_scales(k_scale, v_scale),
     )
     _check_tuning(implementation, tuning)
     op = "ragged_paged_attention"

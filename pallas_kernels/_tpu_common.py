@@ -5,6 +5,11 @@ design notes of ``pallas_kernels/paged_attention/kernel_tpu.py``); ``attend_prog
 it for one program of their ``(programs, K)`` grid and ``paged_pallas_call`` builds that
 grid's ``pallas_call``. The rest are the shape/dtype limits, the ``interpret`` flag and the
 pool layout both wrappers share.
+
+Quantized pools (fp8 / int8 pages with f32 scales, ``pallas_kernels._quant``): each page's
+scales travel beside it, one more DMA a page into a VMEM block ``[2, pages, C', 1]`` (C' = C
+per token, else 1), and a block is dequantized in VMEM (``page.astype(f32) * scale``) before
+it feeds the MXU in the query's dtype; the copies move the pages' own (smaller) bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _quant
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -40,17 +47,21 @@ def sublane_multiple(dtype: Any) -> int:
 
 
 def compute_dtype(q_dtype: Any, kv_dtype: Any) -> Any:
-    """Dtype fed to the MXU: f32 if either side is f32, else the KV dtype."""
+    """Dtype fed to the MXU: f32 if either side is f32, else the KV dtype (the query's for a
+    quantized pool, whose pages are dequantized first)."""
     if jnp.dtype(jnp.float32) in (jnp.dtype(q_dtype), jnp.dtype(kv_dtype)):
         return jnp.float32
-    return jnp.dtype(kv_dtype)
+    return jnp.dtype(q_dtype) if _quant.is_quantized(kv_dtype) else jnp.dtype(kv_dtype)
 
 
 def kv_unsupported_reason(q: Any, k_pages: Any) -> str | None:
     """Shape/dtype limits shared by the decode and ragged TPU kernels (compiled mode)."""
     kv_dtype, q_dtype = jnp.dtype(k_pages.dtype), jnp.dtype(q.dtype)
-    if kv_dtype not in _SUPPORTED_DTYPES:
-        return f"k_pages.dtype={kv_dtype} must be float32 or bfloat16 on TPU"
+    if kv_dtype not in _SUPPORTED_DTYPES and not _quant.is_quantized(kv_dtype):
+        return (
+            f"k_pages.dtype={kv_dtype} must be float32 or bfloat16 on TPU (or quantized: "
+            "float8_e4m3fn, float8_e5m2, int8 with scales)"
+        )
     if q_dtype not in _SUPPORTED_DTYPES:
         return f"q.dtype={q_dtype} must be float32 or bfloat16 on TPU"
     C, H = k_pages.shape[-2], k_pages.shape[-1]
@@ -67,6 +78,57 @@ def as_layered(k_pages: jax.Array, v_pages: jax.Array, layer: Any):
     if k_pages.ndim == 4:
         return k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32)
     return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def scale_pools(k_pages: jax.Array, k_scale: Any, v_scale: Any) -> tuple[Any, Any]:
+    """A quantized pool's scales as f32[L', K', P', C', 1] (``_quant.layered_scale`` with a
+    trailing unit dim: one page's scales are a ``[C', 1]`` VMEM tile that broadcasts over the
+    head dim), or (None, None) for an unquantized pool."""
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
+    if k_scale is None:
+        return None, None
+    return k_scale[..., None], v_scale[..., None]
+
+
+class ScaleRefs(NamedTuple):
+    """A quantized pool's scales inside a kernel (``attend_items``).
+
+    Attributes:
+      k_hbm: f32[L', K', P', C', 1] key scales in HBM (``scale_pools``).
+      v_hbm: like ``k_hbm``, for the values.
+      k_buf: VMEM scratch f32[2, pages_per_block, C', 1].
+      v_buf: like ``k_buf``.
+      sems: DMA semaphores [2, 2] indexed (K or V, slot).
+    """
+
+    k_hbm: Any
+    v_hbm: Any
+    k_buf: Any
+    v_buf: Any
+    sems: Any
+
+    def copy(self, which: int, layer, head, page, slot, j):
+        """The DMA of one page's key (``which`` 0) or value (1) scales into block ``slot``."""
+        hbm, buf = (self.k_hbm, self.k_buf) if which == 0 else (self.v_hbm, self.v_buf)
+        L1, K1, P1 = hbm.shape[:3]
+        index = (layer if L1 > 1 else 0, head if K1 > 1 else 0, page if P1 > 1 else 0)
+        return pltpu.make_async_copy(hbm.at[index], buf.at[slot, j], self.sems.at[which, slot])
+
+    def dequantize(self, which: int, slot, pages_PCH: jax.Array) -> jax.Array:
+        """f32 ``pages * scale`` of block ``slot`` ([pages, C, H] as stored)."""
+        buf = self.k_buf if which == 0 else self.v_buf
+        return pages_PCH.astype(jnp.float32) * buf[slot]
+
+
+def unpack_refs(refs: tuple, quantized: bool) -> tuple[Any, Any, Any, Any, ScaleRefs | None]:
+    """A kernel's refs after q, K and V: (o_ref, k_buf, v_buf, sems, scales); with
+    ``quantized`` the two scale pools come first and three more scratch refs last
+    (``paged_pallas_call``'s order)."""
+    if not quantized:
+        o_ref, k_buf, v_buf, sems = refs
+        return o_ref, k_buf, v_buf, sems, None
+    ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, s_sems = refs
+    return o_ref, k_buf, v_buf, sems, ScaleRefs(ks_hbm, vs_hbm, ks_buf, vs_buf, s_sems)
 
 
 class Span(NamedTuple):
@@ -115,6 +177,7 @@ def attend_items(
     head: jax.Array,
     sm_scale: float,
     logits_soft_cap: float | None,
+    scales: ScaleRefs | None = None,
 ) -> None:
     """Attention of a program's work items over their pages, as one DMA pipeline (in a kernel).
 
@@ -140,6 +203,7 @@ def attend_items(
       head: KV head index.
       sm_scale: logit scale.
       logits_soft_cap: None or the cap.
+      scales: a quantized pool's scales (``ScaleRefs``), None otherwise.
     """
     _, ppcb, C, H = k_buf.shape
     bk = ppcb * C
@@ -147,12 +211,15 @@ def attend_items(
     def num_blocks(sp):
         return lax.div(sp.num_pages + ppcb - 1, ppcb)  # operands are >= 0
 
-    def copy(sp, blk, slot, j, which):  # which: 0 for K, 1 for V
+    def copy(sp, blk, slot, j, which):  # which: 0 for K, 1 for V; with scales, theirs too
         page = tables_ref[sp.table_base + sp.first_page + blk * ppcb + j]
         hbm, buf = (k_hbm, k_buf) if which == 0 else (v_hbm, v_buf)
-        return pltpu.make_async_copy(
-            hbm.at[layer, head, page], buf.at[slot, j], sems.at[which, slot]
-        )
+        copies = [
+            pltpu.make_async_copy(hbm.at[layer, head, page], buf.at[slot, j], sems.at[which, slot])
+        ]
+        if scales is not None:
+            copies.append(scales.copy(which, layer, head, page, slot, j))
+        return copies
 
     def pages_in(sp, blk):
         return jnp.minimum(ppcb, sp.num_pages - blk * ppcb)
@@ -160,15 +227,16 @@ def attend_items(
     def start(sp, blk, slot):
         # One page id per iteration: a block of any size costs one scalar register.
         def body(j, carry):
-            copy(sp, blk, slot, j, 0).start()
-            copy(sp, blk, slot, j, 1).start()
+            for c in copy(sp, blk, slot, j, 0) + copy(sp, blk, slot, j, 1):
+                c.start()
             return carry
 
         lax.fori_loop(0, pages_in(sp, blk), body, 0)
 
     def wait(sp, blk, slot, which):
         def body(j, carry):
-            copy(sp, blk, slot, j, which).wait()
+            for c in copy(sp, blk, slot, j, which):
+                c.wait()
             return carry
 
         lax.fori_loop(0, pages_in(sp, blk), body, 0)
@@ -209,7 +277,8 @@ def attend_items(
 
             key0 = (sp.first_page + blk * ppcb) * C
             wait(sp, blk, slot, 0)
-            k_SH = k_buf[slot].reshape(bk, H).astype(q_RH.dtype)
+            k_PCH = k_buf[slot] if scales is None else scales.dequantize(0, slot, k_buf[slot])
+            k_SH = k_PCH.reshape(bk, H).astype(q_RH.dtype)
             s_RS = lax.dot_general(
                 q_RH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
@@ -226,7 +295,8 @@ def attend_items(
             l_R1 = alpha * l_R1 + jnp.sum(p_RS, axis=1, keepdims=True)
 
             wait(sp, blk, slot, 1)
-            v_SH = v_buf[slot].reshape(bk, H)
+            v_PCH = v_buf[slot] if scales is None else scales.dequantize(1, slot, v_buf[slot])
+            v_SH = v_PCH.reshape(bk, H)
             key_SH = key0 + lax.broadcasted_iota(jnp.int32, (bk, H), 0)
             v_SH = jnp.where(key_SH <= mk.key_hi, v_SH, 0).astype(q_RH.dtype)
             pv_RH = jnp.dot(p_RS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
@@ -260,6 +330,7 @@ def attend_program(
     layer_ref: Any,
     sm_scale: float,
     logits_soft_cap: float | None,
+    scales: ScaleRefs | None = None,
 ) -> None:
     """``attend_items`` for one program of a ``(programs, K)`` grid (in a kernel).
 
@@ -281,6 +352,7 @@ def attend_program(
       layer_ref: SMEM i32[1] layer index.
       sm_scale: logit scale.
       logits_soft_cap: None or the cap.
+      scales: a quantized pool's scales (``ScaleRefs``), None otherwise.
     """
     cdt = compute_dtype(q_ref.dtype, k_buf.dtype)
 
@@ -303,6 +375,7 @@ def attend_program(
         head=pl.program_id(1),
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
+        scales=scales,
     )
 
 
@@ -318,6 +391,7 @@ def paged_pallas_call(
     out_shape: jax.ShapeDtypeStruct,
     interpret: Any,
     name: str,
+    scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> Callable[..., jax.Array]:
     """The ``pallas_call`` of a kernel that runs ``attend_program`` on a ``(programs, K)`` grid.
 
@@ -336,25 +410,33 @@ def paged_pallas_call(
       out_shape: shape and dtype of the output.
       interpret: ``pallas_call``'s ``interpret`` argument (``interpret_params``).
       name: the call's name (with its block sizes).
+      scales: a quantized pool's key and value scales (``scale_pools``; only the shapes are
+        read): the call then takes them after K and V (in HBM) and the kernel gets their VMEM
+        blocks and semaphores after its own scratch (``unpack_refs``).
     """
     _, K, _, C, H = k_pages_LKPCH.shape
     buf = (2, pages_per_compute_block, C, H)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [
+        pltpu.VMEM(buf, k_pages_LKPCH.dtype),
+        pltpu.VMEM(buf, v_pages_LKPCH.dtype),
+        pltpu.SemaphoreType.DMA((2, 2)),
+    ]
+    in_specs = [block_spec, any_spec, any_spec]
+    if scales is not None:
+        in_specs += [any_spec, any_spec]
+        scratch += [
+            pltpu.VMEM((2, pages_per_compute_block, s.shape[3], 1), jnp.float32) for s in scales
+        ]
+        scratch.append(pltpu.SemaphoreType.DMA((2, 2)))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalar_prefetch,
             grid=(num_programs, K),
-            in_specs=[
-                block_spec,
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
+            in_specs=in_specs,
             out_specs=block_spec,
-            scratch_shapes=[
-                pltpu.VMEM(buf, k_pages_LKPCH.dtype),
-                pltpu.VMEM(buf, v_pages_LKPCH.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=scratch,
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),

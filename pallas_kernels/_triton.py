@@ -20,7 +20,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _quant, _triton_quant
 
 LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -53,13 +53,13 @@ def quiet_deprecation():
         yield
 
 
-def platform_reason() -> str | None:
-    """None on a GPU backend, else why the compiled kernel cannot run (``interpret=True`` runs
-    it anywhere)."""
+def platform_reason(k_pages=None) -> str | None:
+    """None on a GPU backend whose Triton converts ``k_pages``' dtype, else why the compiled
+    kernel cannot run (``interpret=True`` runs it anywhere)."""
     if _backend.default_platform() != "gpu":
         return f"needs a GPU backend (this one is {_backend.default_platform()!r}; interpret=True "
         "runs the kernel in Pallas's interpreter)"
-    return None
+    return None if k_pages is None else _triton_quant.generation_reason(k_pages)
 
 
 # Shared memory a CTA may use on each generation, less room for Triton's own staging of the
@@ -84,14 +84,19 @@ def default_num_stages(block_kv: int, head_dim: int, dtype, most: int = 3) -> in
     return max(1, min(most, smem_budget() // stage))
 
 
-def common_reason(q, k_pages, v_pages, *, max_group: int | None = None) -> str | None:
+def common_reason(q, k_pages, v_pages, k_scale=None, v_scale=None) -> str | None:
     """Reasons shared by both kernels: this JAX lacks the backend, the dtypes or head dim are
-    not covered. Platform checks are the dispatcher's (``pallas_kernels._backend``)."""
+    not covered, quantized pages (``_triton_quant``) without fitting scales. Platform checks
+    are the dispatcher's (``pallas_kernels._backend``, ``platform_reason``)."""
     reason = backend_reason()
     if reason is not None:
         return reason
     dt = jnp.dtype(q.dtype)
-    if jnp.dtype(k_pages.dtype) != dt or jnp.dtype(v_pages.dtype) != dt:
+    if _quant.is_quantized(k_pages.dtype) or k_scale is not None or v_scale is not None:
+        reason = _triton_quant.scales_reason(k_pages, v_pages, k_scale, v_scale)
+        if reason is not None:
+            return reason
+    elif jnp.dtype(k_pages.dtype) != dt or jnp.dtype(v_pages.dtype) != dt:
         return f"q, k_pages and v_pages must share one dtype (got {q.dtype}, {k_pages.dtype})"
     if dt not in SUPPORTED_DTYPES:
         return f"dtype {dt} is not one of bfloat16, float16, float32"
@@ -116,15 +121,19 @@ def flat_rows(pages, layer):
     return pages.reshape(-1, H), jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def token_rows(tab_ref, b, pos_T, *, page_size, width, num_pages, head_base):
-    """Pool rows of the tokens at positions ``pos_T`` of sequence ``b``: the page of each
-    (block-table column ``pos // C``, clamped to the table and the pool) times C plus the
-    offset in the page; ``head_base``: ``(layer * K + kv_head) * P``. Positions past the
-    sequence are clamped too: their rows are never loaded (masked)."""
-    C = page_size
-    col_T = jnp.minimum(pos_T // C, width - 1)
-    page_T = jnp.clip(tab_ref[b, col_T], 0, num_pages - 1)
-    return (head_base + page_T) * C + pos_T % C
+def token_pages(tab_ref, b, pos_T, *, page_size, width, num_pages):
+    """Page ids of the tokens at positions ``pos_T`` of sequence ``b``: block-table column
+    ``pos // C``, clamped to the table and the pool. Positions past the sequence are clamped
+    too: their rows are never loaded (masked)."""
+    col_T = jnp.minimum(pos_T // page_size, width - 1)
+    return jnp.clip(tab_ref[b, col_T], 0, num_pages - 1)
+
+
+def token_rows(page_T, pos_T, *, page_size, head_base):
+    """Pool rows of the tokens at positions ``pos_T`` in pages ``page_T`` (``token_pages``):
+    the page times C plus the offset in the page; ``head_base``: ``(layer * K + kv_head) *
+    P``."""
+    return (head_base + page_T) * page_size + pos_T % page_size
 
 
 def load_rows(ref, rows, cols, valid):
@@ -148,19 +157,23 @@ def dot_nn(a, b):
     return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def scores(q, k, *, sm_scale, soft_cap):
-    """Base-2 logits of q [M, H] against k [T, H]: ``log2(e) * softcap(sm_scale * q.k)``."""
+def scores(q, k, *, sm_scale, soft_cap, k_factor=None):
+    """Base-2 logits of q [M, H] against k [T, H]: ``log2(e) * softcap(sm_scale * q.k)``;
+    ``k_factor``: None, or the keys' scales (a scalar or [T]) the dots are multiplied by."""
     s = dot_nt(q, k)
+    if k_factor is not None:
+        s = s * (k_factor[None, :] if getattr(k_factor, "ndim", 0) else k_factor)
     if soft_cap is None:
         return s * jnp.float32(sm_scale * LOG2E)
     cap = jnp.float32(soft_cap)
     return (cap * LOG2E) * jnp.tanh(s * jnp.float32(sm_scale / soft_cap))
 
 
-def softmax_step(carry, s, v, visible):
+def softmax_step(carry, s, v, visible, v_factor=None):
     """One online-softmax step over a tile: ``carry`` = (m [M], l [M], acc [M, H]) f32 in base
     2; ``s`` [M, T] base-2 logits; ``v`` [T, H] (zeros where invisible); ``visible`` [M, T]
-    or None (every key seen)."""
+    or None (every key seen); ``v_factor``: None or [T], the values' scales, which multiply
+    P's columns before ``P @ V`` (the denominators sum the unscaled P)."""
     m, l, acc = carry
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
@@ -170,7 +183,8 @@ def softmax_step(carry, s, v, visible):
     alpha = jnp.exp2(m - m_ref)
     p = jnp.exp2(s - m_ref[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
+    pv = p if v_factor is None else p * v_factor[None, :]
+    acc = acc * alpha[:, None] + dot_nn(pv.astype(v.dtype), v)
     return m_new, l, acc
 
 

@@ -168,8 +168,8 @@ BAD_INPUTS = [
     ),
     (_bad(q=lambda a: a["q"].astype(np.int32)), r"q\.dtype=int32 must be a floating dtype"),
     (
-        _bad(k_pages=lambda a: a["k_pages"].astype(np.int8), v_pages=lambda a: a["v_pages"]),
-        r"k_pages\.dtype=int8 must be a floating dtype",
+        _bad(k_pages=lambda a: a["k_pages"].astype(np.int16), v_pages=lambda a: a["v_pages"]),
+        r"k_pages\.dtype=int16 must be a floating dtype or int8",
     ),
     (
         _bad(block_tables=lambda a: a["block_tables"].astype(np.int16)),

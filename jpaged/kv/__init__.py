@@ -2,7 +2,9 @@
 
 Internal modules; the public names are re-exported from `jpaged`:
 
-- `cache`: `PagedKVCache` (the K/V pool, ``[L, K, P, C, H]``) and its donated updates.
+- `cache`: `PagedKVCache` (the K/V pool, ``[L, K, P, C, H]``, fp8 / int8 with per-token
+  scales or floating) and its donated updates; `cache_checks` their argument checks.
+- `quantize`: the quantizing of K/V for an fp8 / int8 pool (scales from the values).
 - `block_table`: `BlockTable` on device and its host mirror `HostBlockTable`.
 - `allocator`: `BlockAllocator`, the single authority over which page holds what; it is
   composed of a `page_pool.PagePool` (device page ids, refcounts, free list, prefix cache),

@@ -15,6 +15,14 @@ Updates:
 - `gather_pages` / `scatter_pages`: read pages out (to swap them to host memory) and write
   them back.
 
+A quantized pool (``dtype`` ``"fp8"`` / ``float8_e4m3fn``, ``float8_e5m2`` or ``"int8"``)
+holds f32 scales beside its pages, one per token and KV head: ``k_scale`` / ``v_scale``
+``[L, K, P, C]``, part of the pytree, passed to the attention ops as they are (with
+``layer``). The writes quantize on the fly (``jpaged.kv.quantize.quantize_tokens``: each
+token's scale from its own values, saturating casts, no NaN from all-zero tokens); copies and
+swaps move every page's scales with it. The same memory holds about twice the pages of bf16
+(``pages_for_budget`` counts the scales).
+
 Value checks (slot, page and layer ranges) run eagerly whenever the argument is concrete
 (NumPy, Python or a committed `jax.Array`); pass ``validate=False`` to skip them (a
 committed `jax.Array` is then not read back to the host). Under tracing only the static
@@ -31,6 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.kv import cache_checks as checks
+from jpaged.kv import quantize
+
 __all__ = [
     "PagedKVCache",
     "copy_pages",
@@ -43,24 +54,35 @@ __all__ = [
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages"], meta_fields=[]
+    jax.tree_util.register_dataclass,
+    data_fields=["k_pages", "v_pages", "k_scale", "v_scale"],
+    meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedKVCache:
     """The K/V page pool of every layer.
 
     Attributes:
-      k_pages: [L, K, P, C, H] keys (layers, KV heads, pool pages, tokens per page, head dim).
+      k_pages: [L, K, P, C, H] keys (layers, KV heads, pool pages, tokens per page, head dim):
+        floating, or quantized codes (fp8 e4m3 / e5m2, int8).
       v_pages: [L, K, P, C, H] values, same shape and dtype as ``k_pages``.
+      k_scale: quantized pools: f32[L, K, P, C], one scale per token and KV head (the keys
+        are ``k_pages * k_scale[..., None]``); None otherwise.
+      v_scale: like ``k_scale``, for ``v_pages``.
 
     >>> cache = PagedKVCache.create(num_layers=2, num_kv_heads=1, num_pages=4, page_size=8,
     ...                             head_dim=16, dtype=jnp.bfloat16)
     >>> cache.k_pages.shape, cache.num_slots, cache.bytes
     ((2, 1, 4, 8, 16), 32, 4096)
+    >>> fp8 = PagedKVCache.create(2, 1, 4, 8, 16, dtype="fp8")
+    >>> fp8.k_pages.dtype, fp8.k_scale.shape, fp8.bytes
+    (dtype(float8_e4m3fn), (2, 1, 4, 8), 2560)
     """
 
     k_pages: jax.Array
     v_pages: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @classmethod
     def create(
@@ -74,19 +96,27 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A zero-filled pool of ``num_pages`` pages of ``page_size`` tokens per layer.
 
+        ``dtype``: a floating dtype, or a quantized one (``"fp8"``, ``"fp8_e5m2"``, ``"int8"``
+        or the dtype itself; ``quantize.KV_DTYPES``), which adds scales of ones.
+
         Raises:
-          ValueError: a size is not a positive int, or ``dtype`` is not a float dtype.
+          ValueError: a size is not a positive int, or ``dtype`` is neither floating nor
+            quantized.
         """
-        _check_sizes(
+        checks.check_sizes(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             num_pages=num_pages,
             page_size=page_size,
             head_dim=head_dim,
         )
-        dtype = _float_dtype(dtype)
+        dtype = checks.pool_dtype(dtype)
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+        scales = {}
+        if quantize.is_quantized(dtype):
+            ones = jnp.ones(shape[:-1], quantize.SCALE_DTYPE)
+            scales = dict(k_scale=ones, v_scale=jnp.ones_like(ones))
+        return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype), **scales)
 
     @classmethod
     def create_from_budget(
@@ -98,7 +128,8 @@ class PagedKVCache:
         head_dim: int,
         dtype: Any = jnp.bfloat16,
     ) -> PagedKVCache:
-        """The largest pool (K and V together) that fits in ``budget_bytes``."""
+        """The largest pool (K and V together, with their scales) that fits in
+        ``budget_bytes``."""
         num_pages = pages_for_budget(
             budget_bytes, num_layers, num_kv_heads, page_size, head_dim, dtype
         )
@@ -113,6 +144,20 @@ class PagedKVCache:
                 f"k_pages and v_pages must have the same [L, K, P, C, H] shape and dtype, got "
                 f"k_pages={k.shape} {k.dtype}, v_pages={v.shape} {v.dtype}"
             )
+        scales = (self.k_scale, self.v_scale)
+        if quantize.is_quantized(k.dtype):
+            for name, sc in zip(("k_scale", "v_scale"), scales, strict=True):
+                if not hasattr(sc, "shape"):
+                    if sc is None:
+                        raise ValueError(f"{name} must be given with {k.dtype} pages")
+                    continue  # a pytree placeholder
+                if tuple(sc.shape) != tuple(k.shape[:-1]) or sc.dtype != quantize.SCALE_DTYPE:
+                    raise ValueError(
+                        f"{name} must be float32 of shape [L, K, P, C] = {k.shape[:-1]}, got "
+                        f"{sc.shape} {sc.dtype}"
+                    )
+        elif any(hasattr(sc, "shape") for sc in scales):
+            raise ValueError(f"k_scale / v_scale go with quantized pages, not {k.dtype} ones")
 
     @property
     def num_layers(self) -> int:
@@ -139,14 +184,29 @@ class PagedKVCache:
         return self.k_pages.dtype
 
     @property
+    def quantized(self) -> bool:
+        """Quantized pages (fp8 / int8) with per-token scales."""
+        return quantize.is_quantized(self.k_pages.dtype)
+
+    @property
+    def scales(self) -> dict[str, jax.Array]:
+        """``k_scale`` and ``v_scale`` as keyword arguments of the attention ops (empty for an
+        unquantized pool): ``jpaged.paged_attention(q, c.k_pages, c.v_pages, ..., layer=l,
+        **c.scales)``."""
+        if not self.quantized:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    @property
     def num_slots(self) -> int:
         """Token slots of the pool: ``P * C``."""
         return self.num_pages * self.page_size
 
     @property
     def bytes(self) -> int:
-        """Bytes of K and V together."""
-        return 2 * self.k_pages.size * self.k_pages.dtype.itemsize
+        """Bytes of K and V together, with their scales."""
+        scales = 2 * self.k_scale.size * 4 if self.quantized else 0
+        return 2 * self.k_pages.size * self.k_pages.dtype.itemsize + scales
 
     @property
     def bytes_per_page(self) -> int:
@@ -162,99 +222,32 @@ def pages_for_budget(
     head_dim: int,
     dtype: Any = jnp.bfloat16,
 ) -> int:
-    """How many pages (K and V, all layers) fit in ``budget_bytes``.
+    """How many pages (K and V, all layers, with their scales) fit in ``budget_bytes``.
 
     >>> pages_for_budget(1 << 20, num_layers=2, num_kv_heads=2, page_size=16, head_dim=64,
     ...                  dtype=jnp.bfloat16)
     64
+    >>> pages_for_budget(1 << 20, num_layers=2, num_kv_heads=2, page_size=16, head_dim=64,
+    ...                  dtype="fp8")
+    120
 
     Raises:
       ValueError: the budget is below one page, or a size is not a positive int.
     """
-    _check_sizes(
+    checks.check_sizes(
         num_layers=num_layers, num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim
     )
-    dtype = _float_dtype(dtype)
-    page_bytes = 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
+    dtype = checks.pool_dtype(dtype)
+    scale_bytes = quantize.SCALE_DTYPE.itemsize if quantize.is_quantized(dtype) else 0
+    token_bytes = head_dim * dtype.itemsize + scale_bytes
+    page_bytes = 2 * num_layers * num_kv_heads * page_size * token_bytes
     num_pages = int(budget_bytes) // page_bytes
     if num_pages < 1:
         raise ValueError(
             f"{budget_bytes=} must hold at least one page of {page_bytes} bytes "
-            f"(2 * L * K * C * H * itemsize)"
+            f"(2 * L * K * C * (H * itemsize + scale bytes))"
         )
     return num_pages
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_sizes(**sizes: int) -> None:
-    bad = [
-        f"{k}={v!r}"
-        for k, v in sizes.items()
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1
-    ]
-    if bad:
-        raise ValueError(f"{', '.join(bad)}: sizes must be positive ints")
-
-
-def _float_dtype(dtype: Any) -> np.dtype:
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{dtype=} must be a floating dtype")
-    return dtype
-
-
-def _concrete(x: Any) -> np.ndarray | None:
-    """``x`` as a NumPy array if its value is known now, else ``None`` (a tracer)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_int_vector(name: str, x: Any, ndim: int = 1) -> Any:
-    """Checks rank and integer dtype; returns ``x`` (a list or tuple as a NumPy array)."""
-    if not hasattr(x, "dtype"):
-        x = np.asarray(x)
-    if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of rank {ndim}, got {x.shape} {x.dtype}")
-    return x
-
-
-def _check_range(name: str, x: Any, hi: int, validate: bool) -> None:
-    """Eagerly checks that concrete ``x`` lies in ``[-1, hi)``."""
-    if not validate:
-        return
-    values = _concrete(x)
-    if values is None or values.size == 0:
-        return
-    lo_v, hi_v = int(values.min()), int(values.max())
-    if lo_v < -1 or hi_v >= hi:
-        raise ValueError(
-            f"{name} must lie in [-1, {hi}) (-1 = skip), got values in [{lo_v}, {hi_v}]"
-        )
-
-
-def _check_distinct_slots(x: Any, validate: bool) -> None:
-    """Eagerly checks that the written (non ``-1``) slots of concrete ``x`` are distinct."""
-    values = _concrete(x) if validate else None
-    if values is None:
-        return
-    written = values[values >= 0]
-    unique, counts = np.unique(written, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(
-            f"slots_T must be distinct (two tokens written to one slot leave either one), "
-            f"repeated: {unique[counts > 1][:8].tolist()}"
-        )
-
-
-def _check_kv(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
-    if tuple(np.shape(x)) != expected:
-        raise ValueError(f"{name} must have shape [{letters}] = {expected}, got {np.shape(x)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating array, got {x.dtype}")
 
 
 def _page_offset(cache: PagedKVCache, slots_T: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -275,16 +268,39 @@ def _drop_invalid_pages(page_ids: jax.Array, num_pages: int) -> jax.Array:
 # ----------------------------------------------------------------------------- jitted updates
 
 
+def _encode(cache: PagedKVCache, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """New K or V [..., K, H] as the pool stores it: (codes, f32 scales [..., K]) for a
+    quantized pool (``quantize.quantize_tokens``), else (x in the pool dtype, None)."""
+    if cache.quantized:
+        return quantize.quantize_tokens(x, cache.dtype)
+    return x.astype(cache.dtype), None
+
+
+def _updated(cache: PagedKVCache, index, k, v) -> PagedKVCache:
+    """``cache`` with the new K and V (``[..., K, H]``, encoded with ``_encode``) set at
+    ``index`` of the pages (and, quantized, of the scales); out-of-range rows dropped.
+    ``index`` maps ``[L, K, P, C, H]`` pages and ``[L, K, P, C]`` scales alike."""
+    kq, ks = _encode(cache, k)
+    vq, vs = _encode(cache, v)
+    scales = {}
+    if cache.quantized:
+        scales = dict(
+            k_scale=cache.k_scale.at[index].set(ks, mode="drop"),
+            v_scale=cache.v_scale.at[index].set(vs, mode="drop"),
+        )
+    return PagedKVCache(
+        k_pages=cache.k_pages.at[index].set(kq, mode="drop"),
+        v_pages=cache.v_pages.at[index].set(vq, mode="drop"),
+        **scales,
+    )
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_kv(cache: PagedKVCache, k_LTKH, v_LTKH, slots_T) -> PagedKVCache:
     page_T, offset_T = _page_offset(cache, slots_T)
-    # Advanced indices at dims 2, 3 (adjacent): the update is [L, K, T, H].
-    k_LKTH = k_LTKH.astype(cache.dtype).transpose(0, 2, 1, 3)
-    v_LKTH = v_LTKH.astype(cache.dtype).transpose(0, 2, 1, 3)
-    return PagedKVCache(
-        k_pages=cache.k_pages.at[:, :, page_T, offset_T].set(k_LKTH, mode="drop"),
-        v_pages=cache.v_pages.at[:, :, page_T, offset_T].set(v_LKTH, mode="drop"),
-    )
+    # Advanced indices at dims 2, 3 (adjacent): the update is [L, K, T, H] ([L, K, T] scales).
+    index = (slice(None), slice(None), page_T, offset_T)
+    return _updated(cache, index, k_LTKH.transpose(0, 2, 1, 3), v_LTKH.transpose(0, 2, 1, 3))
 
 
 def _write_kv_layer_impl(cache: PagedKVCache, layer, k_TKH, v_TKH, slots_T) -> PagedKVCache:
@@ -292,18 +308,17 @@ def _write_kv_layer_impl(cache: PagedKVCache, layer, k_TKH, v_TKH, slots_T) -> P
     layer = jnp.asarray(layer, jnp.int32)
     layer = jnp.where((layer >= 0) & (layer < cache.num_layers), layer, cache.num_layers)
     layer_T = jnp.broadcast_to(layer, page_T.shape)
-    # Advanced indices at dims 0, 2, 3 (split by a slice) go first: the update is [T, K, H].
-    return PagedKVCache(
-        k_pages=cache.k_pages.at[layer_T, :, page_T, offset_T].set(
-            k_TKH.astype(cache.dtype), mode="drop"
-        ),
-        v_pages=cache.v_pages.at[layer_T, :, page_T, offset_T].set(
-            v_TKH.astype(cache.dtype), mode="drop"
-        ),
-    )
+    # Advanced indices at dims 0, 2, 3 (split by a slice) go first: the update is [T, K, H]
+    # ([T, K] scales).
+    return _updated(cache, (layer_T, slice(None), page_T, offset_T), k_TKH, v_TKH)
 
 
 _write_kv_layer = jax.jit(_write_kv_layer_impl, donate_argnums=0)
+
+
+def _map_pages(cache: PagedKVCache, fn) -> PagedKVCache:
+    """``fn`` applied to the pages and (quantized) the scales, page axis 2 in each."""
+    return jax.tree.map(fn, cache)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -314,29 +329,36 @@ def _copy_pages(cache: PagedKVCache, pairs_M2) -> PagedKVCache:
     src_M = jnp.where(valid, pairs_M2[:, 0], 0)
     dst_M = jnp.where(valid, pairs_M2[:, 1], P)
 
-    def copy(pages):
+    def copy(pages):  # the scales move with their pages
         return pages.at[:, :, dst_M].set(pages[:, :, src_M], mode="drop")
 
-    return PagedKVCache(k_pages=copy(cache.k_pages), v_pages=copy(cache.v_pages))
+    return _map_pages(cache, copy)
 
 
 @jax.jit
-def _gather_pages(cache: PagedKVCache, page_ids_M) -> tuple[jax.Array, jax.Array]:
+def _gather_pages(cache: PagedKVCache, page_ids_M) -> tuple[jax.Array, ...]:
     ids = _drop_invalid_pages(page_ids_M, cache.num_pages)
 
     def take(pages):
         return jnp.take(pages, ids, axis=2, mode="fill", fill_value=0)
 
-    return take(cache.k_pages), take(cache.v_pages)
+    got = _map_pages(cache, take)
+    return (got.k_pages, got.v_pages, *got.scales.values())
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_pages(cache: PagedKVCache, page_ids_M, k_LKMCH, v_LKMCH) -> PagedKVCache:
+def _scatter_pages(
+    cache: PagedKVCache, page_ids_M, k_LKMCH, v_LKMCH, k_scale=None, v_scale=None
+) -> PagedKVCache:
     ids = _drop_invalid_pages(page_ids_M, cache.num_pages)
-    return PagedKVCache(
-        k_pages=cache.k_pages.at[:, :, ids].set(k_LKMCH.astype(cache.dtype), mode="drop"),
-        v_pages=cache.v_pages.at[:, :, ids].set(v_LKMCH.astype(cache.dtype), mode="drop"),
-    )
+    if cache.quantized and k_scale is None:  # floating pages into a quantized pool
+        k_LKMCH, k_scale = quantize.quantize_tokens(k_LKMCH, cache.dtype)
+        v_LKMCH, v_scale = quantize.quantize_tokens(v_LKMCH, cache.dtype)
+    pages = PagedKVCache(
+        k_pages=k_LKMCH.astype(cache.dtype), v_pages=v_LKMCH.astype(cache.dtype),
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    return jax.tree.map(lambda old, new: old.at[:, :, ids].set(new, mode="drop"), cache, pages)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -356,7 +378,8 @@ def write_kv(
 
     Args:
       cache: the pool, [L, K, P, C, H].
-      k_LTKH: [L, T, K, H] keys (cast to the cache dtype).
+      k_LTKH: [L, T, K, H] floating keys (cast to the cache dtype; a quantized pool
+        quantizes them, one scale a token and head: ``quantize.quantize_tokens``).
       v_LTKH: [L, T, K, H] values.
       slots_T: i32[T], ``page * C + offset`` per token; ``-1`` skips the token.
       validate: check concrete ``slots_T`` values eagerly (in range, distinct).
@@ -373,14 +396,17 @@ def write_kv(
     >>> cache = write_kv(cache, k, 2 * k, np.array([3, -1], np.int32))
     >>> cache.v_pages[0, 0, 1, 1].tolist()
     [2.0, 2.0, 2.0, 2.0]
+    >>> q8 = write_kv(PagedKVCache.create(1, 1, 2, 2, 4, "int8"), k, 2 * k, np.array([3, -1]))
+    >>> q8.v_pages[0, 0, 1, 1].tolist(), q8.v_scale[0, 0, 1, 1].tolist()
+    ([127, 127, 127, 127], 0.015748031437397003)
     """
     L, K, _, _, H = cache.k_pages.shape
-    slots_T = _check_int_vector("slots_T", slots_T)
+    slots_T = checks.check_int_vector("slots_T", slots_T)
     T = np.shape(slots_T)[0]
-    _check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H")
-    _check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H")
-    _check_range("slots_T", slots_T, cache.num_slots, validate)
-    _check_distinct_slots(slots_T, validate)
+    checks.check_kv("k_LTKH", k_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
+    checks.check_kv("v_LTKH", v_LTKH, (L, T, K, H), "L, T, K, H", pool=cache.dtype)
+    checks.check_range("slots_T", slots_T, cache.num_slots, validate)
+    checks.check_distinct_slots(slots_T, validate)
     return _write_kv(cache, k_LTKH, v_LTKH, slots_T)
 
 
@@ -402,7 +428,8 @@ def write_kv_layer(
     Args:
       cache: the pool, [L, K, P, C, H].
       layer: the layer index, an int or i32[].
-      k_TKH: [T, K, H] keys (cast to the cache dtype).
+      k_TKH: [T, K, H] floating keys (cast to the cache dtype; a quantized pool quantizes
+        them, one scale a token and head: ``quantize.quantize_tokens``).
       v_TKH: [T, K, H] values.
       slots_T: i32[T], ``page * C + offset``; ``-1`` skips the token.
       validate: check concrete ``layer`` and ``slots_T`` values eagerly (slots in range
@@ -416,16 +443,16 @@ def write_kv_layer(
         repeated, or a concrete layer outside ``[0, L)``.
     """
     L, K, _, _, H = cache.k_pages.shape
-    slots_T = _check_int_vector("slots_T", slots_T)
+    slots_T = checks.check_int_vector("slots_T", slots_T)
     if np.ndim(layer) != 0:
         raise ValueError(f"layer must be a scalar, got shape {np.shape(layer)}")
     T = np.shape(slots_T)[0]
-    _check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H")
-    _check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H")
-    _check_range("slots_T", slots_T, cache.num_slots, validate)
-    _check_distinct_slots(slots_T, validate)
+    checks.check_kv("k_TKH", k_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
+    checks.check_kv("v_TKH", v_TKH, (T, K, H), "T, K, H", pool=cache.dtype)
+    checks.check_range("slots_T", slots_T, cache.num_slots, validate)
+    checks.check_distinct_slots(slots_T, validate)
     if validate:
-        layer_value = _concrete(layer)
+        layer_value = checks.concrete(layer)
         if layer_value is not None and not 0 <= int(layer_value) < L:
             raise ValueError(f"layer={int(layer_value)} must lie in [0, {L})")
     return _write_kv_layer(cache, layer, k_TKH, v_TKH, slots_T)
@@ -438,7 +465,7 @@ def copy_pages(cache: PagedKVCache, pairs_M2: jax.Array, *, validate: bool = Tru
     skipped (pad ``pairs_M2`` to a bucketed M to avoid recompiles).
 
     Args:
-      cache: the pool, [L, K, P, C, H].
+      cache: the pool, [L, K, P, C, H] (a quantized pool's scales move with their pages).
       pairs_M2: i32[M, 2] ``(src, dst)`` page ids.
       validate: check concrete pairs eagerly (ids in ``[-1, P)``, destinations distinct).
 
@@ -455,12 +482,12 @@ def copy_pages(cache: PagedKVCache, pairs_M2: jax.Array, *, validate: bool = Tru
     >>> cache.k_pages[0, 0, 2, 0].tolist()
     [1.0, 1.0]
     """
-    pairs_M2 = _check_int_vector("pairs_M2", pairs_M2, ndim=2)
+    pairs_M2 = checks.check_int_vector("pairs_M2", pairs_M2, ndim=2)
     if np.shape(pairs_M2)[1] != 2:
         raise ValueError(f"pairs_M2 must have shape [M, 2], got {np.shape(pairs_M2)}")
-    _check_range("pairs_M2", pairs_M2, cache.num_pages, validate)
+    checks.check_range("pairs_M2", pairs_M2, cache.num_pages, validate)
     if validate:
-        pairs = _concrete(pairs_M2)
+        pairs = checks.concrete(pairs_M2)
         if pairs is not None:
             dst = pairs[np.all(pairs >= 0, axis=1), 1]
             if len(np.unique(dst)) != len(dst):
@@ -470,7 +497,7 @@ def copy_pages(cache: PagedKVCache, pairs_M2: jax.Array, *, validate: bool = Tru
 
 def gather_pages(
     cache: PagedKVCache, page_ids_M: jax.Array, *, validate: bool = True
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Reads M pages of every layer and head (to swap them out to host memory).
 
     Args:
@@ -479,15 +506,16 @@ def gather_pages(
       validate: check concrete ids eagerly.
 
     Returns:
-      ``(k, v)``, each [L, K, M, C, H]; move them to the host with ``np.asarray`` or
-      ``jax.device_put``.
+      ``(k, v)``, each [L, K, M, C, H]; a quantized pool's ``(k, v, k_scale, v_scale)``, the
+      codes as stored and the scales [L, K, M, C] (``scatter_pages(cache, ids, *parts)`` writes
+      them back). Move them to the host with ``np.asarray`` or ``jax.device_put``.
 
     Raises:
       ValueError: ``page_ids_M`` is not an integer vector, or a concrete id is outside
         ``[-1, P)``.
     """
-    page_ids_M = _check_int_vector("page_ids_M", page_ids_M)
-    _check_range("page_ids_M", page_ids_M, cache.num_pages, validate)
+    page_ids_M = checks.check_int_vector("page_ids_M", page_ids_M)
+    checks.check_range("page_ids_M", page_ids_M, cache.num_pages, validate)
     return _gather_pages(cache, page_ids_M)
 
 
@@ -496,6 +524,8 @@ def scatter_pages(
     page_ids_M: jax.Array,
     k_LKMCH: jax.Array,
     v_LKMCH: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     validate: bool = True,
 ) -> PagedKVCache:
@@ -504,26 +534,43 @@ def scatter_pages(
     Args:
       cache: the pool, [L, K, P, C, H].
       page_ids_M: i32[M] destination pages; ``-1`` rows are skipped.
-      k_LKMCH: [L, K, M, C, H] keys, e.g. from `gather_pages`.
-      v_LKMCH: [L, K, M, C, H] values.
+      k_LKMCH: [L, K, M, C, H] keys, e.g. from `gather_pages`: floating (a quantized pool
+        quantizes them), or a quantized pool's own codes with ``k_scale``.
+      v_LKMCH: [L, K, M, C, H] values, like ``k_LKMCH``.
+      k_scale: quantized pools: f32[L, K, M, C] scales of the codes ``k_LKMCH``, as
+        `gather_pages` returns them; None for floating pages.
+      v_scale: like ``k_scale``, for ``v_LKMCH``.
       validate: check concrete ids eagerly (in ``[-1, P)``, distinct).
 
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes, a concrete id outside ``[-1, P)``, or a repeated id.
+      ValueError: wrong shapes or dtypes, scales with an unquantized pool (or only one of
+        them), a concrete id outside ``[-1, P)``, or a repeated id.
     """
     L, K, _, C, H = cache.k_pages.shape
-    page_ids_M = _check_int_vector("page_ids_M", page_ids_M)
+    page_ids_M = checks.check_int_vector("page_ids_M", page_ids_M)
     M = np.shape(page_ids_M)[0]
-    _check_kv("k_LKMCH", k_LKMCH, (L, K, M, C, H), "L, K, M, C, H")
-    _check_kv("v_LKMCH", v_LKMCH, (L, K, M, C, H), "L, K, M, C, H")
-    _check_range("page_ids_M", page_ids_M, cache.num_pages, validate)
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None and not cache.quantized):
+        raise ValueError(
+            "k_scale and v_scale go together, and only with a quantized pool's codes (pool "
+            f"dtype {cache.dtype})"
+        )
+    codes = None if k_scale is None else cache.dtype
+    checks.check_kv("k_LKMCH", k_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes, pool=cache.dtype)
+    checks.check_kv("v_LKMCH", v_LKMCH, (L, K, M, C, H), "L, K, M, C, H", codes, pool=cache.dtype)
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None and (tuple(np.shape(sc)) != (L, K, M, C) or sc.dtype != np.float32):
+            raise ValueError(
+                f"{name} must be float32 [L, K, M, C] = {(L, K, M, C)}, got {np.shape(sc)} "
+                f"{sc.dtype}"
+            )
+    checks.check_range("page_ids_M", page_ids_M, cache.num_pages, validate)
     if validate:
-        ids = _concrete(page_ids_M)
+        ids = checks.concrete(page_ids_M)
         if ids is not None:
             ids = ids[ids >= 0]
             if len(np.unique(ids)) != len(ids):
                 raise ValueError(f"page_ids_M must be distinct, got {ids.tolist()}")
-    return _scatter_pages(cache, page_ids_M, k_LKMCH, v_LKMCH)
+    return _scatter_pages(cache, page_ids_M, k_LKMCH, v_LKMCH, k_scale, v_scale)

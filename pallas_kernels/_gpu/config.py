@@ -37,13 +37,17 @@ class AttentionConfig:
       num_pages: P, pages of one layer and KV head.
       page_size: C.
       head_dim: H.
-      dtype: q's (and the pools') dtype.
+      dtype: q's (and the pools') dtype; with quantized pools the products' (bf16: q is
+        converted, each tile dequantized).
       sm_scale: the logit scale.
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, a query sees only the last ``sliding_window`` keys.
       block_kv: T, keys per K/V tile.
       num_stages: depth of the K/V ring.
       interpret: False, or how to run in the Mosaic GPU interpreter.
+      kv_dtype: quantized pools: the pages' dtype (fp8 or int8); None otherwise.
+      k_scales: quantized pools: the key scales' mode (``_gpu.quant.MODES``); "" otherwise.
+      v_scales: like ``k_scales``, the value scales'.
     """
 
     num_q_heads: int
@@ -58,6 +62,14 @@ class AttentionConfig:
     block_kv: int
     num_stages: int
     interpret: Any
+    kv_dtype: Any = None
+    k_scales: str = ""
+    v_scales: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        """Quantized pages: 8-bit in the ring, dequantized a tile at a time (``_gpu.quant``)."""
+        return self.kv_dtype is not None
 
     @property
     def group(self) -> int:

@@ -9,6 +9,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import _gpu_quant
 from pallas_kernels.paged_attention._gpu_config import _Config
 from pallas_kernels.paged_attention._gpu_order import packed_key
 from pallas_kernels.paged_attention._gpu_tcgen05 import _tc_scratch
@@ -23,10 +24,12 @@ from pallas_kernels.paged_attention._gpu_tile import (
 
 
 def _split_rest(cfg: _Config, rest):
-    if cfg.xla_order:
-        order_ref, *outs = rest
-        return order_ref, outs
-    return None, list(rest)
+    """(order_ref, the scale refs (key, value, bases) or None, outputs) of the refs after the
+    base: the order with ``xla_order``, the scales with quantized pages."""
+    rest = list(rest)
+    order_ref = rest.pop(0) if cfg.xla_order else None
+    scales = (rest.pop(0), rest.pop(0), rest.pop(0)) if cfg.quantized else None
+    return order_ref, scales, rest
 
 
 def _kernel_order(cfg: _Config, len_ref, b_slot):
@@ -75,7 +78,7 @@ def _kernel_order(cfg: _Config, len_ref, b_slot):
 
 def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *rest):
     """Body of one CTA: (sequence slot b, split s, KV head h)."""
-    order_ref, outs = _split_rest(cfg, rest)
+    order_ref, scale_refs, outs = _split_rest(cfg, rest)
     stages, n_cp = cfg.num_stages, cfg.copies_per_tile
     b_slot = lax.axis_index("b")
     seq = None
@@ -86,23 +89,36 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     s = lax.axis_index("s")
     unit = _unit(cfg, len_ref, base_ref, order_ref, b_slot, h, s, seq=seq)
     refs = (q_ref, k_ref, v_ref, bt_ref)
+    qs = None if scale_refs is None else _gpu_quant.unit_scales(cfg, *scale_refs, h)
 
     q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
-    k_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages)
-    ring_barrier = plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages)
+    k_arrivals, v_arrivals = n_cp, n_cp
+    if cfg.quantized:  # per-token scales: one more copy a page copy
+        k_arrivals = _gpu_quant.copies_per_barrier(cfg, cfg.k_scales)
+        v_arrivals = _gpu_quant.copies_per_barrier(cfg, cfg.v_scales)
+    k_barrier = plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages)
+    ring_barrier = plgpu.Barrier(num_arrivals=v_arrivals, num_barriers=stages)
     tiles = _staged_tiles(cfg) if cfg.staged else ()
     tc = _tc_scratch(cfg)
+    quant = _gpu_quant.scratch(cfg)
 
     def attend(*scratch):
-        staged, tmem = scratch[7 : 7 + len(tiles)], scratch[7 + len(tiles) :]
-        return _attend(cfg, refs, unit, *scratch[:7], tiles=staged or None, tc=tmem or None)
+        staged, rest = scratch[7 : 7 + len(tiles)], scratch[7 + len(tiles) :]
+        tmem, qsmem = rest[: len(tc)], rest[len(tc) :]
+        q = None
+        if qsmem:  # the dequantized tile, then the per-token scale rings
+            q = (_gpu_quant.with_rings(cfg, qs, qsmem[1:]), qsmem[0])
+        return _attend(
+            cfg, refs, unit, *scratch[:7], tiles=staged or None, tc=tmem or None, quant=q
+        )
 
     acc, m, l = pl.run_scoped(
         attend, q_scratch, *ring_scratch, p_scratch, q_barrier, k_barrier, ring_barrier,
-        *tiles, *tc,
+        *tiles, *tc, *quant,
     )  # fmt: skip
     with jax.named_scope("store"):
-        out, lse = _finish(cfg, acc, m, l)
+        out_scale = None if qs is None else qs.v_head  # per-head value scales
+        out, lse = _finish(cfg, acc, m, l, out_scale=out_scale)
         # A second scope: stack-allocated, it reuses the ring's SMEM.
         pl.run_scoped(lambda *out_smem: _store(cfg, unit, outs, out_smem, out, lse), *out_scratch)

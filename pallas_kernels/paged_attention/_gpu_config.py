@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._gpu import checks
+from pallas_kernels._gpu import checks, quant
 from pallas_kernels._gpu.config import (
     ROWS,
     TILE_ROWS,
@@ -157,21 +157,25 @@ def unsupported_reason(
     logits_soft_cap=None,
     sliding_window=None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     block_kv: int | None = None,
     check_backend: bool = True,
 ) -> str | None:
     """Why this kernel cannot run these arguments, or None if it can.
 
     Args:
-      q: [B, N, H]; k_pages, v_pages: [K, P, C, H] or [L, K, P, C, H]; block_tables: i32[B, W];
-        lengths: i32[B]. Only shapes and dtypes are read.
-      sm_scale, logits_soft_cap, sliding_window, layer: accepted for signature parity.
+      q: [B, N, H]; k_pages, v_pages: [K, P, C, H] or [L, K, P, C, H] (bf16 / f16 like q, or
+        quantized: fp8 / int8 with scales of any granularity, pages of 8+ tokens, Hopper);
+        block_tables: i32[B, W]; lengths: i32[B]. Only shapes and dtypes are read.
+      sm_scale, logits_soft_cap, sliding_window, layer, k_scale, v_scale: accepted for
+        signature parity.
       block_kv: the token tile T the kernel would use (default ``default_block_kv(H)``, or
         ``TCGEN05_BLOCK_KV`` on Blackwell).
       check_backend: also require a Hopper (sm90) or Blackwell (sm100 / sm103 / sm110, head dims
         128 and 256: ``mma="tcgen05"``) GPU as the default backend.
     """
-    del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths
+    del sm_scale, logits_soft_cap, sliding_window, layer, block_tables, lengths, k_scale, v_scale
     reasons = checks.device_and_dtype_reasons(
         q, k_pages, v_pages, check_backend=check_backend, majors=(9, *tuning_gpu.TCGEN05_MAJORS)
     )
@@ -203,6 +207,8 @@ def make_config(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     block_kv: int | None = None,
     num_stages: int | None = None,
@@ -226,8 +232,9 @@ def make_config(
     Raises:
       ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
     """
+    quantized = quant.config_fields(q, k_pages, k_scale, v_scale)
     if mma is None:
-        mma = tuning_gpu.default_mma(bool(interpret))
+        mma = "wgmma" if quantized else tuning_gpu.default_mma(bool(interpret))
     if mma not in MMAS:
         raise ValueError(f"{mma=} must be one of {MMAS}")
     tcgen05 = mma == "tcgen05"
@@ -240,6 +247,8 @@ def make_config(
         raise ValueError(f"paged_attention_pallas_gpu cannot run this call: {reason}")
     if block_kv not in (64, 128):
         raise ValueError(f"{block_kv=} must be 64 or 128")
+    if tcgen05 and quantized:
+        raise ValueError('mma="tcgen05" does not take quantized pages: pass mma=None or "wgmma"')
     if tcgen05 and (block_kv != TCGEN05_BLOCK_KV or q.shape[-1] not in TCGEN05_HEAD_DIMS):
         raise ValueError(
             f'mma="tcgen05" needs block_kv={TCGEN05_BLOCK_KV} (got {block_kv}) and a head dim in '
@@ -264,6 +273,8 @@ def make_config(
             'page_copy="cp_async" runs only on a GPU: the Mosaic GPU interpreter cannot '
             'run its inline Mosaic GPU code (use page_copy="tma", the default there)'
         )
+    if quantized and page_copy == "cp_async":
+        raise ValueError('quantized pages are copied by TMA: pass page_copy=None or "tma"')
     staged = small and page_copy == "tma"  # land untiled, then re-laid (_relayout)
     splits = (
         tuning_gpu.default_num_splits(B, K, W * C, block_kv)
@@ -299,16 +310,23 @@ def make_config(
     if split_merge is None:
         split_merge = "xla" if tcgen05 else tuning_gpu.default_split_merge(splits, swap_ab)
     tile_cols = qcols if swap_ab else None  # SMEM and stage defaults of the swap_ab tiles
+    # Quantized: 1-byte pages in the ring, one bf16 tile on top, rings of per-token scales.
+    sizes = {}
+    if quantized:
+        tokens = [quantized["k_scales"], quantized["v_scales"]].count("token")
+        sizes = dict(kv_itemsize=1, token_scales=tokens)
     if num_stages is None:
-        stages = tuning_gpu.default_num_stages(H, block_kv, qcols=tile_cols, staged=staged)
+        stages = tuning_gpu.default_num_stages(
+            H, block_kv, qcols=tile_cols, staged=staged, quantized=bool(quantized)
+        )
     else:
         stages = int_knob("num_stages", num_stages)
     if stages < 1:
         raise ValueError(f"num_stages={stages} must be >= 1")
-    smem = _gpu_sizes.smem_bytes(H, block_kv, stages, qcols=tile_cols, staged=staged)
+    smem = _gpu_sizes.smem_bytes(H, block_kv, stages, qcols=tile_cols, staged=staged, **sizes)
     check_smem(smem, num_stages=stages, block_kv=block_kv, head_dim=H)
     if fixed_max is None:
-        fixed_max = tuning_gpu.default_fixed_max(q.dtype)
+        fixed_max = tuning_gpu.default_fixed_max(quantized.get("dtype", q.dtype))
     if min_split_tiles is None:
         min_split_tiles = tuning_gpu.default_min_split_tiles(B, K, splits)
     min_split_tiles = int_knob("min_split_tiles", min_split_tiles)
@@ -329,10 +347,13 @@ def make_config(
             "output tile (jax 0.11.2 lowers it); pass out_blocks=None or swap_ab=None"
         )
     cfg = _Config(
-        **common_fields(
-            q, k_pages, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-            sliding_window=sliding_window,
-        ),
+        **{
+            **common_fields(
+                q, k_pages, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                sliding_window=sliding_window,
+            ),
+            **quantized,
+        },
         block_kv=block_kv,
         num_stages=stages,
         interpret=(

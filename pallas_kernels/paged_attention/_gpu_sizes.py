@@ -25,12 +25,21 @@ def smem_bytes(
     itemsize: int = 2,
     qcols: int | None = None,
     staged: bool = False,
+    kv_itemsize: int | None = None,
+    token_scales: int = 0,
 ) -> int:
     """SMEM of one CTA; ``qcols`` set: the ``swap_ab`` kernel, whose Q and P tiles hold
     ``qcols`` query rows instead of 64; ``staged`` (pages below 8 tokens by TMA): the ring is
     the untiled staging ring and one tiled K and one V tile come on top. Output tiles reuse the
-    ring's SMEM (a later scope; the split path's partial and lse tiles are far below it)."""
-    kv = (2 * num_stages + 2 * staged) * block_kv * head_dim * itemsize
+    ring's SMEM (a later scope; the split path's partial and lse tiles are far below it).
+    Quantized pages (``kv_itemsize`` 1): the ring holds the 8-bit pages and one tile of
+    ``itemsize`` (the one K and V are dequantized into) comes on top, with ``token_scales``
+    (0, 1 or 2) rings of per-token f32 scales."""
+    if kv_itemsize is not None and kv_itemsize != itemsize:
+        ring = 2 * num_stages * block_kv * head_dim * kv_itemsize
+        kv = ring + block_kv * head_dim * itemsize + token_scales * num_stages * block_kv * 4
+    else:
+        kv = (2 * num_stages + 2 * staged) * block_kv * head_dim * itemsize
     if qcols is not None:
         return qcols * (head_dim + block_kv) * itemsize + kv + 1024
     q = ROWS * head_dim * itemsize

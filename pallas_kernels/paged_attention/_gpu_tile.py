@@ -14,9 +14,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._gpu import quant as gpu_quant
 from pallas_kernels._gpu.config import LOG2E, LSE_COLS, ROWS, TILE_ROWS, smem_transforms
 from pallas_kernels._gpu.pages import copy_pages
-from pallas_kernels.paged_attention import _cp_async, _gpu_tcgen05
+from pallas_kernels.paged_attention import _cp_async, _gpu_quant, _gpu_tcgen05
 from pallas_kernels.paged_attention._gpu_config import _Config
 from pallas_kernels.paged_attention._gpu_order import ORDER_BITS, packed_order
 from pallas_kernels.paged_attention._gpu_tcgen05 import (
@@ -230,14 +231,16 @@ def _relayout(cfg: _Config, src, dst):
     plgpu.commit_smem()
 
 
-def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=None):
+def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=None, quant=None):
     """Tile i of ``unit`` (K and V in ring slot ``slot``): Q K^T, online softmax, P @ V.
 
     ``smem`` is (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar). ``tiles`` (``staged``): the
     tiled K and V tiles [1, T, H] that the ring's untiled slots are re-laid into once they land;
     the products read those. ``tc`` (tcgen05): the scores' and P @ V's TMEM accumulators and
-    their two completion barriers. Returns the new (acc, m, l); P @ V has completed by then, so
-    the slot's V is free.
+    their two completion barriers. ``quant`` (quantized pages): (the unit's
+    ``_gpu_quant.UnitScales``, the bf16 tile K and then V are dequantized into, the tile's
+    per-page scales). Returns the new (acc, m, l); P @ V has completed by then, so the slot's V
+    is free.
     """
     T, H = cfg.block_kv, cfg.head_dim
     q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = smem
@@ -268,6 +271,10 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     swap = cfg.swap_ab
     keys = 0 if swap else 1  # the scores' key axis
     k_tile = landed(k_bar, k_smem, slot, k_tile, later)
+    if quant is not None:  # 8-bit K into the bf16 tile (every warp is past the last P @ V)
+        qs, deq, scalars = quant
+        _gpu_quant.dequantize(cfg, k_tile, deq)
+        k_tile = deq
 
     def qk(acc_ref):
         if swap:
@@ -282,6 +289,8 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
         sc = _gpu_tcgen05._tc_product(s_tmem, k_tile, q_smem.transpose((1, 0)), mma_bar.at[0])
     else:
         sc = pl.run_scoped(qk, plgpu.ACC(sc_shape, jnp.float32))
+    if quant is not None:  # the key rows' scales (stale rows past the end are masked below)
+        sc = _gpu_quant.scale_scores(cfg, qs, scalars, slot, sc, _layout(cfg))
     scale = cfg.sm_scale * LOG2E  # base-2 logits; m is in these units
     fold = _folds_scale(cfg)  # scale applied inside exp2, not per score
     if cfg.logits_soft_cap:
@@ -322,6 +331,10 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
         l = l * lax.broadcast_in_dim(alpha, sc.shape, queries) + p
     else:
         l = l * alpha + p.sum(axis=keys)
+    if quant is not None:  # the value rows' scales ride on P (l sums the unscaled P)
+        p = _gpu_quant.scale_probabilities(
+            cfg, qs, scalars, slot, p, _layout(cfg), unit.length - tile_tok
+        )
     if swap:
         p_smem.transpose((1, 0))[...] = p.astype(cfg.dtype)
     else:
@@ -333,12 +346,17 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     tmem_sync(cfg, plgpu.commit_smem)
     v_tile = landed(v_bar, v_smem, slot, v_tile, None if cfg.per_thread else later - 1)
 
-    @pl.when(tile_tok + T > unit.length)
-    def _zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
+    def zero_tail():  # stale/NaN rows past the end: 0 * NaN would poison P @ V
         rows = tile_tok + plgpu.broadcasted_iota(jnp.int32, (T, H), 0, layout=plgpu.Layout.WGMMA)
         vals = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
         v_tile[...] = jnp.where(rows < unit.length, vals, jnp.zeros_like(vals))
         plgpu.commit_smem()
+
+    if quant is None:
+        pl.when(tile_tok + T > unit.length)(zero_tail)
+    else:  # 8-bit V into the bf16 tile, zeros past the end (P's barrier: Q K^T has read it)
+        _gpu_quant.dequantize(cfg, v_tile, deq, tile_tok, unit.length)
+        v_tile = deq
 
     def pv(acc_ref):
         if swap:
@@ -359,12 +377,14 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     return (acc, m_new, l, *hi)
 
 
-def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None):
+def _finish(cfg: _Config, acc, m, l, with_lse: bool | None = None, out_scale=None):
     """The normalised output (rows that saw no key give zeros) and, split (or ``with_lse``),
-    its base-2 log-sum-exp."""
+    its base-2 log-sum-exp; ``out_scale``: a factor on the output (a per-head value scale)."""
     l = _sum_l(cfg, l)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    if out_scale is not None:
+        inv_l = inv_l * out_scale
     dims = [1] if cfg.swap_ab else [0]
     out = _acc_map(lambda a: a * lax.broadcast_in_dim(inv_l, a.shape, dims), acc)
     if not (cfg.num_splits > 1 if with_lse is None else with_lse):
@@ -441,11 +461,15 @@ def _scratch(cfg: _Config):
             plgpu.SMEM((ROWS, LSE_COLS), jnp.float32),
         )
     ring_tr = {} if cfg.staged else {"transforms": tr}  # staged: copies land untiled
+    ring_dtype = dtype
+    if cfg.quantized:  # the 8-bit pages as stored (``_gpu_quant.scratch``: the bf16 tile)
+        ring_dtype = cfg.kv_dtype
+        ring_tr = {"transforms": gpu_quant.ring_transforms(cfg.kv_dtype, H)}
     return (
         plgpu.SMEM((rows, H), dtype, transforms=tr),
         (
-            plgpu.SMEM((stages, T, H), dtype, **ring_tr),
-            plgpu.SMEM((stages, T, H), dtype, **ring_tr),
+            plgpu.SMEM((stages, T, H), ring_dtype, **ring_tr),
+            plgpu.SMEM((stages, T, H), ring_dtype, **ring_tr),
         ),
         plgpu.SMEM((rows, T), dtype, transforms=tr),
         out,
@@ -463,19 +487,26 @@ def _staged_tiles(cfg: _Config):
 
 def _attend(
     cfg: _Config, refs, unit: _Unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-    tiles=None, tc=None,
+    tiles=None, tc=None, quant=None,
 ):  # fmt: skip
     """The attention loop over ``unit``'s n tiles: (acc, m, l) in ``_layout(cfg)``. ``refs``:
     (q_ref, k_ref, v_ref, bt_ref); ``tiles``: ``staged``'s tiled K and V tiles, ``tc``:
-    tcgen05's TMEM accumulators and barriers (``_tile``, ``_tc_scratch``).
+    tcgen05's TMEM accumulators and barriers (``_tile``, ``_tc_scratch``); ``quant``
+    (quantized pages): the unit's ``_gpu_quant.UnitScales`` and the bf16 dequantized tile.
 
     The warpgroup issues every copy: the first ``num_stages`` tiles' K and V up front, then
-    tile i + num_stages's once tile i's P @ V has read its slot.
+    tile i + num_stages's once tile i's P @ V has read its slot. With per-page scales, tile
+    i + 1's are read during tile i and carried into the next step.
     """
     q_ref, k_ref, v_ref, bt_ref = refs
     stages, n = cfg.num_stages, unit.n
     k_stream, v_stream = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
     smem = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
+
+    def issue(i, slot, pages):
+        _issue(cfg, unit, i, slot, pages, [k_stream, v_stream])
+        if quant is not None:  # per-token scales: TMA copies beside the pages
+            _gpu_quant.issue(cfg, unit, quant[0], i, slot, pages, k_bar, v_bar)
 
     def per_thread_issue(i, slot, live):
         _cp_async.issue(
@@ -498,7 +529,9 @@ def _attend(
             # reads are in flight together rather than one tile's after the last one's issue.
             first = [_lookup(cfg, bt_ref, unit, i) for i in range(stages)]
             for i in range(stages):
-                pl.when(i < n)(lambda i=i: _issue(cfg, unit, i, i, first[i], [k_stream, v_stream]))
+                pl.when(i < n)(lambda i=i: issue(i, i, first[i]))
+            if quant is not None:
+                scalars = _gpu_quant.page_scales(cfg, quant[0], first[0])
         plgpu.barrier_wait(q_bar)
 
     def step(i, carry):
@@ -508,25 +541,36 @@ def _attend(
             per_thread_issue(i + stages, slot, i + stages < n)
             return carry
         next_pages = _lookup(cfg, bt_ref, unit, i + stages)  # in flight during the tile
-        carry = _tile(cfg, unit, i, slot, carry, smem, tiles=tiles, tc=tc)
+        if quant is None:
+            carry = _tile(cfg, unit, i, slot, carry, smem, tiles=tiles, tc=tc)
+        else:  # the carry's last item: this tile's per-page scales (read a tile ahead)
+            qs, scalars = quant[0], carry[-1]
+            ahead = _gpu_quant.page_scales(cfg, qs, _lookup(cfg, bt_ref, unit, i + 1))
+            carry = _tile(cfg, unit, i, slot, carry[:-1], smem, quant=(qs, quant[1], scalars))
+            carry = (*carry, ahead)
         # Every warp's part of P @ V (and Q K^T) has read the slot and P before any warp
-        # refills the slot or writes the next P.
+        # refills the slot or writes the next P (and, quantized, the dequantized tile).
         wg_barrier(cfg)
-        pl.when(i + stages < n)(
-            lambda: _issue(cfg, unit, i + stages, slot, next_pages, [k_stream, v_stream])
-        )
+        pl.when(i + stages < n)(lambda: issue(i + stages, slot, next_pages))
         return carry
 
     with jax.named_scope("loop"):
-        if not cfg.fixed_max:
+        if quant is not None:
+            init = (*_init_carry(cfg), *([_init_hi(cfg)] if cfg.fixed_max else []), scalars)
+            out = lax.fori_loop(0, n, step, init)[:-1]
+            if not cfg.fixed_max:
+                return out
+            acc, m, l, hi = out
+        elif not cfg.fixed_max:
             return lax.fori_loop(0, n, step, _init_carry(cfg))
-        acc, m, l, hi = lax.fori_loop(0, n, step, (*_init_carry(cfg), _init_hi(cfg)))
+        else:
+            acc, m, l, hi = lax.fori_loop(0, n, step, (*_init_carry(cfg), _init_hi(cfg)))
     # Every copy has landed and every product has read its slot (the loop's last barrier): the
     # exact loop may start over on the same ring.
     exact = dataclasses.replace(cfg, fixed_max=False)
     return lax.cond(
         _past_headroom(cfg, unit, hi, m),
         lambda: _attend(exact, refs, unit, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-                        tiles, tc),
+                        tiles, tc, quant),
         lambda: (acc, m, l),
     )  # fmt: skip

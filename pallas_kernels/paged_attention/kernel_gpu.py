@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._gpu import quant as gpu_quant
 from pallas_kernels._gpu.config import LSE_COLS, ROWS
 from pallas_kernels._gpu.merge import merge_splits
 from pallas_kernels.paged_attention import _merge_gpu
@@ -164,9 +165,14 @@ def _merge_splits(o_SRH, lse_SRL, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, lengths_B, layer):
+def _paged_attention(
+    cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, lengths_B, layer, k_scale, v_scale
+):
     B, N, H = q_BNH.shape
     K, P, C = cfg.num_kv_heads, cfg.num_pages, cfg.page_size
+    out_dtype = q_BNH.dtype
+    if cfg.quantized:  # the products run in bf16 (``_gpu.quant``); the output in q's dtype
+        q_BNH = q_BNH.astype(cfg.dtype)
     q_RH = q_BNH.reshape(B * N, H)
     if cfg.interpret:  # hardware TMA zero-fills rows past the end; the interpreter raises
         q_RH = jnp.pad(q_RH, ((0, ROWS), (0, 0)))
@@ -181,6 +187,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     if cfg.xla_order:
         order = longest_first_order(lengths_B, cfg.block_kv, packed_order(B), cfg.order_method)
         args.append(order)
+    if cfg.quantized:
+        args += gpu_quant.flat_scales(cfg, k_pages, layer, k_scale, v_scale)
     S = cfg.num_splits
     if S == 1:
         out_type = jax.ShapeDtypeStruct((_out_rows(cfg), H), cfg.dtype)
@@ -211,6 +219,8 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
         name += "_ob"  # whole qcols-row output blocks, gathered by XLA
     if cfg.tcgen05:
         name += "_tc05"  # Blackwell's tcgen05 MMAs
+    if cfg.quantized:  # 8-bit pages and the scales' modes (head, page, token)
+        name += f"_{cfg.kv_dtype.name}_k{cfg.k_scales[0]}v{cfg.v_scales[0]}"
     body = functools.partial(_kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     if cfg.heads_inner:
@@ -235,18 +245,18 @@ def _paged_attention(cfg: _Config, q_BNH, k_pages, v_pages, block_tables_BW, len
     )
     out = kernel(*args)
     if S == 1:
-        return _unblock(cfg, out).reshape(B, N, H)
+        return _unblock(cfg, out).reshape(B, N, H).astype(out_dtype)
     o_SRH, lse_SRL = out
     if cfg.mosaic_merge:  # one Mosaic GPU kernel for the XLA epilogue's three
         merged = _merge_gpu.merge_partials(
             o_SRH, lse_SRL, num_seqs=B, num_q_heads=N, out_blocks=cfg.out_blocks,
             dtype=cfg.dtype, interpret=cfg.interpret,
         )  # fmt: skip
-        return merged.reshape(B, N, H)
+        return merged.reshape(B, N, H).astype(out_dtype)
     o_SRH = _unblock(cfg, o_SRH)
     if cfg.swap_ab:
         lse_SRL = _swapped_lse(cfg, lse_SRL)
-    return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H)
+    return _merge_splits(o_SRH, lse_SRL, cfg.dtype).reshape(B, N, H).astype(out_dtype)
 
 
 def paged_attention_pallas_gpu(
@@ -260,6 +270,8 @@ def paged_attention_pallas_gpu(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     **knobs,
 ) -> jax.Array:
@@ -276,6 +288,11 @@ def paged_attention_pallas_gpu(
       sliding_window: if set, only the last ``sliding_window`` keys are seen; whole tiles
         before the window are never read.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      k_scale: quantized pages (fp8, int8; pages of 8+ tokens): f32 broadcastable to [K, P, C]
+        ([L or 1, K, P, C] with a 5-D pool). The 8-bit pages are copied as stored and each tile
+        is dequantized in registers into a bf16 tile; key scales multiply the scores, value
+        scales P (or, per head, the output): ``pallas_kernels._gpu.quant``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: run in the Mosaic GPU interpreter, any backend: True for the default
         ``plgpu.InterpretGPUParams()``, or the params to use (e.g. ``detect_races=True``).
       **knobs: tuning knobs, each defaulting (None) to ``tuning_gpu``'s rule:
@@ -299,10 +316,12 @@ def paged_attention_pallas_gpu(
     cfg, layer = make_config(
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
-        interpret=interpret, **knobs,
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret, **knobs,
     )  # fmt: skip
     if cfg is None:  # no sequence, or no page to read
         return jnp.zeros(q.shape, q.dtype)
     if cfg.profile_dir:
         os.makedirs(cfg.profile_dir, exist_ok=True)
-    return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
+    return _paged_attention(
+        cfg, q, k_pages, v_pages, block_tables, lengths, layer, k_scale, v_scale
+    )

@@ -24,6 +24,8 @@ Design (see ``docs/architecture.md`` for the contract):
   (unverified, no TPU here): XLA's default TPU tiling of an array whose minor dim is 64 may
   itself pad lanes to 128 in HBM; removing that needs a packed pool layout (two tokens per
   128-lane row, as RPA v3's hd64 kernel does), which the cache does not use today.
+* Quantized pools (fp8 / int8 pages, ``k_scale`` / ``v_scale``): each page's scales come in a
+  DMA of their own beside it and a block is dequantized in VMEM (``_tpu_common.ScaleRefs``).
 
 The pipeline itself (``attend_items``) lives in ``pallas_kernels/_tpu_common.py``: the ragged
 kernel (``pallas_kernels/ragged_paged_attention/kernel_tpu.py``) runs it with per-row masks.
@@ -48,6 +50,8 @@ from pallas_kernels._tpu_common import (
     interpret_params,
     kv_unsupported_reason,
     paged_pallas_call,
+    scale_pools,
+    unpack_refs,
 )
 from pallas_kernels.paged_attention import tuning_tpu
 
@@ -55,10 +59,10 @@ from pallas_kernels.paged_attention import tuning_tpu
 def _decode_kernel(
     tables_ref, lengths_ref, layer_ref,  # scalar prefetch (SMEM)
     q_ref, k_hbm, v_hbm,  # inputs: q [bb, G, H] block, K/V in HBM
-    o_ref,  # output [bb, G, H] block
-    k_buf, v_buf, sems,  # scratch
-    *, width, sm_scale, logits_soft_cap, sliding_window,
+    *refs,  # (quantized: K/V scales in HBM), output [bb, G, H] block, scratch (unpack_refs)
+    width, sm_scale, logits_soft_cap, sliding_window, quantized,
 ):  # fmt: skip
+    o_ref, k_buf, v_buf, sems, scales = unpack_refs(refs, quantized)
     c = pl.program_id(0)
     bb = q_ref.shape[0]
     C = k_buf.shape[2]
@@ -94,6 +98,7 @@ def _decode_kernel(
         layer_ref=layer_ref,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
+        scales=scales,
     )
 
 
@@ -105,7 +110,7 @@ def _decode_kernel(
     ),
 )  # fmt: skip
 def _paged_attention_tpu(
-    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer_1, *,
+    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer_1, k_scale, v_scale, *,
     sm_scale, logits_soft_cap, sliding_window, pages_per_compute_block, seqs_per_program,
     interpret,
 ):  # fmt: skip
@@ -125,7 +130,9 @@ def _paged_attention_tpu(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
+        quantized=k_scale is not None,
     )
+    scales = () if k_scale is None else (k_scale, v_scale)
     out = paged_pallas_call(
         kernel,
         num_scalar_prefetch=3,
@@ -137,7 +144,8 @@ def _paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
         interpret=interpret,
         name=f"jpaged_paged_attention_tpu_G{G}_C{C}_H{H}_ppcb{ppcb}_bb{bb}",
-    )(tables_BW.reshape(-1), lengths_B, layer_1, q_BKGH, k_pages_LKPCH, v_pages_LKPCH)
+        scales=None if k_scale is None else (k_scale, v_scale),
+    )(tables_BW.reshape(-1), lengths_B, layer_1, q_BKGH, k_pages_LKPCH, v_pages_LKPCH, *scales)
     return out[:B].reshape(B, N, H)
 
 
@@ -152,14 +160,18 @@ def unsupported_reason(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> str | None:
     """Why the compiled TPU kernel cannot run these arguments, or None if it can.
 
     Shapes and dtypes are assumed valid (``validate.validate_static`` ran). The kernel
-    supports f32 and bf16 pages and queries, head dims that are multiples of 64, and page
-    sizes that are a multiple of the VMEM sublane tile (8 rows for f32, 16 for bf16).
+    supports f32 and bf16 pages and queries (and fp8 / int8 pages with scales of any
+    granularity), head dims that are multiples of 64, and page sizes that are a multiple of
+    the VMEM sublane tile (8 rows for f32, 16 for bf16, 32 for 8-bit pages).
     """
     del v_pages, block_tables, lengths, sm_scale, logits_soft_cap, sliding_window, layer
+    del k_scale, v_scale
     return kv_unsupported_reason(q, k_pages)
 
 
@@ -174,6 +186,8 @@ def paged_attention_pallas_tpu(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: Any = False,
     pages_per_compute_block: int | None = None,
     seqs_per_program: int | None = None,
@@ -190,6 +204,9 @@ def paged_attention_pallas_tpu(
       logits_soft_cap: None or the cap.
       sliding_window: None or the window w (key j visible iff ``lengths[b] - 1 - j < w``).
       layer: layer index (int or i32[]) for a 5-D pool.
+      k_scale: quantized (fp8, int8) pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C]
+        with a 5-D pool); pages are dequantized in VMEM to ``page.astype(f32) * scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: True runs the strict TPU interpreter (``pltpu.InterpretParams()``); an
         ``InterpretParams`` is used as given.
       pages_per_compute_block: pages per KV block (DMA batch and compute tile); default
@@ -227,6 +244,7 @@ def paged_attention_pallas_tpu(
     bb = defaults["seqs_per_program"] if seqs_per_program is None else seqs_per_program
     check_block_sizes(("pages_per_compute_block", ppcb), ("seqs_per_program", bb))
     k5, v5, layer_1 = as_layered(k_pages, v_pages, layer)
+    ks5, vs5 = scale_pools(k_pages, k_scale, v_scale)
     # The flattened tables (+ lengths) must fit SMEM: a larger batch runs as several calls.
     rows = (tuning_tpu.max_scalar_prefetch_entries() - 2 - bb) // (W + 1)
     rows = max(1, min(B, rows))
@@ -242,9 +260,7 @@ def paged_attention_pallas_tpu(
         interpret=interpret_params(interpret),
     )
     if rows >= B:
-        return call(q, k5, v5, block_tables, lengths, layer_1)
-    outs = [
-        call(q[i : i + rows], k5, v5, block_tables[i : i + rows], lengths[i : i + rows], layer_1)
-        for i in range(0, B, rows)
-    ]
+        return call(q, k5, v5, block_tables, lengths, layer_1, ks5, vs5)
+    parts = [slice(i, i + rows) for i in range(0, B, rows)]
+    outs = [call(q[r], k5, v5, block_tables[r], lengths[r], layer_1, ks5, vs5) for r in parts]
     return jnp.concatenate(outs, axis=0)

@@ -14,7 +14,11 @@ are f32 in base 2 (``log2(e)`` folded into the scale); Triton pipelines the tile
 ``num_stages`` stages (cp.async on sm80+).
 
 A sliding window starts each sequence at the tile holding its first visible key: tiles before
-it are never read. Split-KV (``num_splits`` > 1, the default when (sequence, KV head) pairs
+it are never read. Quantized pages (fp8, int8 with f32 ``k_scale`` / ``v_scale``, ``pallas_kernels._triton_quant``)
+are loaded as stored, one byte an element, and converted in registers to the query's dtype;
+key scales multiply the scores' columns, value scales P's columns (per head: the output).
+
+Split-KV (``num_splits`` > 1, the default when (sequence, KV head) pairs
 are too few to fill the GPU: small batches at long context) cuts each sequence's tiles into
 that many contiguous ranges; each program writes its normalised partial and base-2
 log-sum-exp, merged by ``pallas_kernels._gpu.merge.merge_splits`` (XLA).
@@ -32,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, _triton
+from pallas_kernels import _backend, _triton, _triton_quant
 from pallas_kernels._gpu.merge import merge_splits
 from pallas_kernels._gpu.tuning import Measured
 
@@ -106,6 +110,8 @@ class TritonDecodeConfig:
       num_warps, num_stages: Triton's compile options.
       sm_scale, soft_cap, window: the attention options.
       interpret: run in Pallas's interpreter (any backend).
+      kv_dtype: the pages' dtype name when quantized (fp8, int8), else None.
+      k_scales, v_scales: the scales' modes (``_triton_quant.MODES``) when quantized.
     """
 
     num_seqs: int
@@ -125,6 +131,9 @@ class TritonDecodeConfig:
     soft_cap: float | None
     window: int | None
     interpret: bool
+    kv_dtype: str | None = None
+    k_scales: str | None = None
+    v_scales: str | None = None
 
     @property
     def group(self) -> int:
@@ -133,10 +142,12 @@ class TritonDecodeConfig:
 
 def unsupported_reason(q, k_pages, v_pages, block_tables, lengths, **kwargs) -> str | None:
     """Why the kernel cannot run these arguments (None if it can): no GPU backend, this JAX
-    has no Pallas Triton backend, dtypes differ or are not bf16/f16/f32, head dim not a power
-    of two in 16..256 (f32: up to 128). Any page size, group size and table width run."""
-    del block_tables, lengths, kwargs
-    return _triton.platform_reason() or _triton.common_reason(q, k_pages, v_pages)
+    has no Pallas Triton backend, dtypes differ or are not bf16/f16/f32 (or quantized pages
+    with their scales; float8_e4m3fn needs sm89+), head dim not a power of two in 16..256
+    (f32: up to 128). Any page size, group size and table width run."""
+    del block_tables, lengths
+    scales = (kwargs.get("k_scale"), kwargs.get("v_scale"))
+    return _triton.platform_reason(k_pages) or _triton.common_reason(q, k_pages, v_pages, *scales)
 
 
 def _int_knob(name, value, lo, hi=None):
@@ -150,6 +161,7 @@ def _int_knob(name, value, lo, hi=None):
 def make_config(
     q, k_pages, block_tables, *, sm_scale, logits_soft_cap=None, sliding_window=None,
     interpret=False, block_kv=None, num_splits=None, num_warps=None, num_stages=None,
+    k_scale=None, v_scale=None,
 ) -> TritonDecodeConfig:  # fmt: skip
     """Every option resolved (defaults from static shapes) and checked in one place.
 
@@ -175,7 +187,7 @@ def make_config(
         "num_warps", default_num_warps(rows, H) if num_warps is None else num_warps, 1, 16
     )
     if num_stages is None:
-        num_stages = _triton.default_num_stages(block_kv, H, q.dtype)
+        num_stages = _triton.default_num_stages(block_kv, H, k_pages.dtype)
     _int_knob("num_stages", num_stages, 1, 8)
     return TritonDecodeConfig(
         num_seqs=B, num_q_heads=N, num_kv_heads=K, head_dim=H, num_pages=P, page_size=C,
@@ -184,12 +196,16 @@ def make_config(
         sm_scale=float(sm_scale),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret),
+        interpret=bool(interpret), **_triton_quant.config_fields(k_pages, k_scale, v_scale),
     )  # fmt: skip
 
 
-def _kernel(cfg: TritonDecodeConfig, q_ref, k_ref, v_ref, tab_ref, len_ref, layer_ref, *outs):
-    """One (KV head x head block, split, sequence) program (module docstring)."""
+def _kernel(cfg: TritonDecodeConfig, q_ref, k_ref, v_ref, tab_ref, len_ref, layer_ref, *refs):
+    """One (KV head x head block, split, sequence) program (module docstring); ``refs``: the
+    flat key and value scales and their bases (quantized pages), then the outputs."""
+    quantized = cfg.kv_dtype is not None
+    ks_ref, vs_ref, sbase_ref = refs[:3] if quantized else (None, None, None)
+    outs = refs[3:] if quantized else refs
     hx, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, G, H, T = cfg.num_kv_heads, cfg.group, cfg.head_dim, cfg.block_kv
     kvh, hb = hx // cfg.head_blocks, hx % cfg.head_blocks
@@ -208,17 +224,30 @@ def _kernel(cfg: TritonDecodeConfig, q_ref, k_ref, v_ref, tab_ref, len_ref, laye
     head_base = (layer_ref[0] * K + kvh) * cfg.num_pages
     offs = jnp.arange(T, dtype=jnp.int32)
 
+    def factor(mode, ref, which, page_T, pos, visible):
+        return _triton_quant.factor(
+            mode, ref, sbase_ref[which], kvh, page_T, pos, num_pages=cfg.num_pages,
+            page_size=cfg.page_size, valid=visible,
+        )  # fmt: skip
+
     def body(t, carry):
         pos = t * T + offs
-        rows = _triton.token_rows(
-            tab_ref, b, pos, page_size=cfg.page_size, width=cfg.width,
-            num_pages=cfg.num_pages, head_base=head_base,
-        )  # fmt: skip
+        page_T = _triton.token_pages(
+            tab_ref, b, pos, page_size=cfg.page_size, width=cfg.width, num_pages=cfg.num_pages
+        )
+        rows = _triton.token_rows(page_T, pos, page_size=cfg.page_size, head_base=head_base)
         visible = (pos < n) & (pos >= lo)
         k = _triton.load_rows(k_ref, rows, cols, visible)
-        s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap)
         v = _triton.load_rows(v_ref, rows, cols, visible)
-        return _triton.softmax_step(carry, s, v, visible[None, :])
+        kf = vf = None
+        if quantized:  # codes -> q's dtype; scales on the scores and on P (module docstring)
+            k = _triton_quant.dequantize(k, cfg.kv_dtype, q.dtype)
+            v = _triton_quant.dequantize(v, cfg.kv_dtype, q.dtype)
+            kf = factor(cfg.k_scales, ks_ref, 0, page_T, pos, visible)
+            if cfg.v_scales != "head":
+                vf = factor(cfg.v_scales, vs_ref, 1, page_T, pos, visible)
+        s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, k_factor=kf)
+        return _triton.softmax_step(carry, s, v, visible[None, :], v_factor=vf)
 
     M = cfg.group_rows
     init = (
@@ -227,6 +256,8 @@ def _kernel(cfg: TritonDecodeConfig, q_ref, k_ref, v_ref, tab_ref, len_ref, laye
         jnp.zeros((M, H), jnp.float32),
     )
     o, lse = _triton.finish(jax.lax.fori_loop(t0, t1, body, init))
+    if quantized and cfg.v_scales == "head":  # one value scale for the whole KV head
+        o = o * factor("head", vs_ref, 1, None, None, None)
     plt = _triton.triton_module()
     R = cfg.num_seqs * cfg.num_q_heads
     if cfg.interpret:  # rows past G go to spare rows (module docstring: ``_spare_rows``)
@@ -252,9 +283,17 @@ def _spare_rows(cfg: TritonDecodeConfig) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _paged_attention(cfg: TritonDecodeConfig, q, k_pages, v_pages, block_tables, lengths, layer):
+def _paged_attention(
+    cfg: TritonDecodeConfig, q, k_pages, v_pages, block_tables, lengths, layer, k_scale=None,
+    v_scale=None,
+):  # fmt: skip
     B, N, H = q.shape
     S = cfg.num_splits
+    scales = []
+    if cfg.kv_dtype is not None:  # the flat scales and their bases; fp8 pools seen as uint8
+        modes = (cfg.k_scales, cfg.v_scales)
+        scales = _triton_quant.flat_scales(modes, k_pages, layer, k_scale, v_scale)
+        k_pages, v_pages = _triton_quant.pool_view(k_pages), _triton_quant.pool_view(v_pages)
     k_rows, layer = _triton.flat_rows(k_pages, layer)
     v_rows, _ = _triton.flat_rows(v_pages, None)
     R = B * N + _spare_rows(cfg)
@@ -270,6 +309,8 @@ def _paged_attention(cfg: TritonDecodeConfig, q, k_pages, v_pages, block_tables,
         f"paged_decode_triton_T{cfg.block_kv}_S{S}_C{cfg.page_size}_G{cfg.group}"
         f"_H{H}_w{cfg.num_warps}_st{cfg.num_stages}"
     )
+    if cfg.kv_dtype is not None:
+        name += f"_{cfg.kv_dtype}_k{cfg.k_scales[0]}v{cfg.v_scales[0]}"
     with _triton.quiet_deprecation():
         out = pl.pallas_call(
             functools.partial(_kernel, cfg),
@@ -282,7 +323,7 @@ def _paged_attention(cfg: TritonDecodeConfig, q, k_pages, v_pages, block_tables,
             name=name,
         )(
             q.reshape(B * N, H), k_rows, v_rows, block_tables.astype(jnp.int32),
-            lengths.astype(jnp.int32), layer,
+            lengths.astype(jnp.int32), layer, *scales,
         )  # fmt: skip
     if S == 1:
         return out[: B * N].reshape(B, N, H)
@@ -302,15 +343,18 @@ def paged_attention_pallas_triton(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     interpret: bool = False,
     **knobs,
 ) -> jax.Array:
     """Decode attention over a paged KV cache with the Pallas-Triton kernel.
 
     Args:
-      q: [B, N, H] bf16, f16 or f32 (the pages' dtype); the query of sequence b sits at
-        position ``lengths[b] - 1``.
-      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      q: [B, N, H] bf16, f16 or f32 (the pages' dtype, or any of them with quantized pages);
+        the query of sequence b sits at position ``lengths[b] - 1``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``; or quantized
+        (``float8_e4m3fn`` on sm89+, ``float8_e5m2``, ``int8``) with ``k_scale``/``v_scale``.
       v_pages: like ``k_pages``.
       block_tables: i32[B, W]; entry (b, i) is the page of tokens [i*C, (i+1)*C) of b.
       lengths: i32[B] tokens per sequence (the query's own included); 0 gives zeros.
@@ -319,6 +363,11 @@ def paged_attention_pallas_triton(
       sliding_window: if set, only the last ``sliding_window`` keys are seen; tiles before
         the window are never read.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      k_scale: quantized pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C] with a 5-D
+        pool): per tensor, KV head, page and head, or token and head (``_quant``). The tile
+        is converted to q's dtype after its load; key scales multiply the scores, value
+        scales P (per head: the output), f32 accumulation.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: run in Pallas's interpreter (any backend, tiny shapes).
       **knobs: ``block_kv`` (tokens per tile, a power of two 16..256), ``num_splits``,
         ``num_warps``, ``num_stages`` (pipeline depth; default ``_triton.default_num_stages``:
@@ -331,16 +380,19 @@ def paged_attention_pallas_triton(
       ValueError: if the kernel cannot run these arguments (``unsupported_reason``) or a knob
         is out of range.
     """
-    reason = _triton.common_reason(q, k_pages, v_pages)
+    reason = _triton.common_reason(q, k_pages, v_pages, k_scale, v_scale)
     if reason is None and not interpret:
-        reason = _triton.platform_reason()
+        reason = _triton.platform_reason(k_pages)
     if reason is not None:
         raise ValueError(f"pallas_triton cannot run this call: {reason}")
     cfg = make_config(
         q, k_pages, block_tables, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window, interpret=interpret, **knobs,
+        sliding_window=sliding_window, interpret=interpret, k_scale=k_scale, v_scale=v_scale,
+        **knobs,
     )  # fmt: skip
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     with _triton.quiet_deprecation():  # lowered here when called outside a jit
-        return _paged_attention(cfg, q, k_pages, v_pages, block_tables, lengths, layer)
+        return _paged_attention(
+            cfg, q, k_pages, v_pages, block_tables, lengths, layer, k_scale, v_scale
+        )

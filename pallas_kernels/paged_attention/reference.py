@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant
 from pallas_kernels.paged_attention.sanitize import sanitize
 from pallas_kernels.paged_attention.validate import validate_static
 
@@ -38,6 +39,8 @@ def paged_attention_reference(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention, one query token per sequence, in plain ``jnp`` with f32 math.
 
@@ -52,6 +55,9 @@ def paged_attention_reference(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set to w, key j is seen iff ``lengths[b] - 1 - j < w``.
       layer: layer index (int or i32[]) into a 5-D pool; None for a 4-D pool.
+      k_scale: for quantized pages (fp8, int8) f32 broadcastable to [K, P, C] (5-D pool:
+        [L or 1, K, P, C]); attention reads ``k_pages.astype(f32) * k_scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros for sequences of length 0, and for those with an
@@ -69,6 +75,7 @@ def paged_attention_reference(
     validate_static(
         q, k_pages, v_pages, block_tables, lengths,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     # Invalid values get the result every implementation gives (sanitize.py).
     block_tables, lengths, layer = sanitize(
@@ -76,6 +83,7 @@ def paged_attention_reference(
     )
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     return _reference(
@@ -85,6 +93,8 @@ def paged_attention_reference(
         block_tables,
         lengths,
         jnp.asarray(layer, jnp.int32),
+        k_scale,
+        v_scale,
         sm_scale=float(sm_scale),
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
@@ -93,7 +103,7 @@ def paged_attention_reference(
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "sliding_window"))
 def _reference(
-    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, *,
+    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, k_scale, v_scale, *,
     sm_scale, logits_soft_cap, sliding_window,
 ):  # fmt: skip
     B, N, H = q_BNH.shape
@@ -107,11 +117,13 @@ def _reference(
     used_BW = jnp.arange(W)[None, :] < pages_used_B[:, None]
     tables_BW = jnp.where(used_BW, tables_BW, 0)
 
-    k_KPCH = k_pages_LKPCH[layer]
-    v_KPCH = v_pages_LKPCH[layer]
-    # [K, B, W, C, H] -> [B, K, S, H]
-    k_BKSH = k_KPCH[:, tables_BW].transpose(1, 0, 2, 3, 4).reshape(B, K, S, H)
-    v_BKSH = v_KPCH[:, tables_BW].transpose(1, 0, 2, 3, 4).reshape(B, K, S, H)
+    def gather(pages_LKPCH, scale):  # [K, B, W, C, H] -> [B, K, S, H]; quantized: * scale in f32
+        x_BWKCH = pages_LKPCH[layer][:, tables_BW].transpose(1, 2, 0, 3, 4)
+        x_BWKCH = _quant.dequantize_gathered(x_BWKCH, scale, layer, tables_BW)
+        return x_BWKCH.transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+
+    k_BKSH = gather(k_pages_LKPCH, k_scale)
+    v_BKSH = gather(v_pages_LKPCH, v_scale)
 
     pos_S = jnp.arange(S)
     visible_BS = pos_S[None, :] < lengths_B[:, None]

@@ -27,8 +27,10 @@ TUNING: dict[str, Measured] = {
     "default_num_stages": Measured(
         knob="num_stages",
         rule="swap_ab: 2 (three CTAs per SM by SMEM at H=128); 64-row tile: the deepest ring "
-        "that keeps two CTAs per SM; small pages staged by TMA: 2 (1 where 2 do not fit)",
-        evidence="swap_ab: 2 stages beat 3 in 8 of 9 quick rows",
+        "that keeps two CTAs per SM; small pages staged by TMA: 2 (1 where 2 do not fit); "
+        "quantized pages: the deepest ring up to 4 that keeps three CTAs per SM, else two, else one",
+        evidence="swap_ab: 2 stages beat 3 in 8 of 9 quick rows; the quantized rule is not timed "
+        "(chosen from SMEM sizes; tools/gpu_quantized.sh times 2, 3 and 4 stages)",
         date="2026-11-30",
         commit="19f6d89",
     ),
@@ -144,10 +146,24 @@ def default_block_kv(head_dim: int) -> int:
 
 
 def default_num_stages(
-    head_dim: int, block_kv: int = 64, qcols: int | None = None, staged: bool = False
+    head_dim: int,
+    block_kv: int = 64,
+    qcols: int | None = None,
+    staged: bool = False,
+    quantized: bool = False,
 ) -> int:
     """Depth of the K/V ring (``TUNING["default_num_stages"]``); ``qcols``: the ``swap_ab``
-    tiles' query columns; ``staged``: pages below 8 tokens by TMA."""
+    tiles' query columns; ``staged``: pages below 8 tokens by TMA; ``quantized``: 8-bit pages
+    (the deepest ring, up to 4, that keeps three CTAs per SM, else two, else one)."""
+    if quantized:
+        for ctas in (3, 2, 1):
+            for stages in (4, 3, 2):
+                need = _gpu_sizes.smem_bytes(
+                    head_dim, block_kv, stages, qcols=qcols, kv_itemsize=1, token_scales=2
+                )
+                if need <= SMEM_BYTES // ctas - 1024:
+                    return stages
+        return 1
     if staged:
         fits = _gpu_sizes.smem_bytes(head_dim, block_kv, 2, qcols=qcols, staged=True)
         return 2 if fits <= SMEM_BYTES else 1

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import _quant
+
 
 def _shape_dtype(x: Any, name: str, errors: list[str]) -> tuple[tuple[int, ...], Any] | None:
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
@@ -67,18 +69,24 @@ def validate_static(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> None:
     """Checks shapes, dtypes and knobs of a decode-attention call (trace-time safe).
 
     Args:
       q: [B, N, H] floating queries.
-      k_pages: [K, P, C, H] floating key pages, or [L, K, P, C, H] with ``layer``.
+      k_pages: [K, P, C, H] key pages, or [L, K, P, C, H] with ``layer``: floating, or
+        quantized (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) with ``k_scale``/``v_scale``.
       v_pages: same shape and dtype as ``k_pages``.
       block_tables: i32[B, W].
       lengths: i32[B].
       logits_soft_cap: None or a Python number > 0.
       sliding_window: None or a Python int >= 1.
       layer: None for a 4-D pool; an int in [0, L) or an integer scalar array for a 5-D pool.
+      k_scale: None, or for quantized pages float32 broadcastable to [K, P, C] (a 5-D pool:
+        [L or 1, K, P, C]; ``pallas_kernels._quant.GRANULARITIES``).
+      v_scale: like ``k_scale``.
 
     Raises:
       ValueError: listing every mismatch found, one per line.
@@ -117,8 +125,10 @@ def validate_static(
                 f" got k_pages.shape={k_sd[0]}"
             )
             k_sd = None
-        elif not jnp.issubdtype(k_sd[1], jnp.floating):
-            errors.append(f"k_pages.dtype={k_sd[1]} must be a floating dtype")
+        elif not (jnp.issubdtype(k_sd[1], jnp.floating) or _quant.is_quantized(k_sd[1])):
+            errors.append(
+                f"k_pages.dtype={k_sd[1]} must be a floating dtype or int8 (quantized, with scales)"
+            )
     if k_sd is not None and v_sd is not None:
         if v_sd[0] != k_sd[0]:
             errors.append(f"v_pages.shape={v_sd[0]} must equal k_pages.shape={k_sd[0]}")
@@ -153,6 +163,7 @@ def validate_static(
         if 0 in k_sd[0][-3:]:
             errors.append(f"k_pages.shape={k_sd[0]} must have P, C, H >= 1")
         _check_layer(layer, len(k_sd[0]), k_sd[0][0], errors)
+        errors += _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
 
     if logits_soft_cap is not None and not (
         _is_static_number(logits_soft_cap) and logits_soft_cap > 0

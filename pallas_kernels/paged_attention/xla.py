@@ -34,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant
+
 # Tokens gathered per loop step: at B=128 / 2k on the H200 1024 (pages_per_chunk 64 at C=16)
 # took 1517 us, 512 1592, 256 1728 (benchmarks/results/triton_sweep_h200.json).
 DEFAULT_CHUNK_TOKENS = 1024
@@ -64,6 +66,8 @@ def paged_attention_xla(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: bool = False,
     pages_per_chunk: int | None = None,
 ) -> jax.Array:
@@ -83,6 +87,9 @@ def paged_attention_xla(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set to w, key j is seen iff ``lengths[b] - 1 - j < w``.
       layer: layer index (int or i32[]) into a 5-D pool; None for a 4-D pool.
+      k_scale: quantized (fp8, int8) pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C]
+        with a 5-D pool); each gathered page is dequantized to ``page.astype(f32) * scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: must be False (there is no Pallas kernel to interpret here).
       pages_per_chunk: pages gathered per loop step (static); default about 256
         tokens' worth (``default_pages_per_chunk``).
@@ -109,6 +116,7 @@ def paged_attention_xla(
         isinstance(pages_per_chunk, int) and pages_per_chunk >= 1
     ):
         raise ValueError(f"{pages_per_chunk=} must be an int >= 1")
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     if k_pages.ndim == 4:
         # A leading unit axis is a free reshape; one code path serves both layouts.
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
@@ -119,6 +127,8 @@ def paged_attention_xla(
         block_tables,
         lengths,
         jnp.asarray(layer, jnp.int32),
+        k_scale,
+        v_scale,
         sm_scale=float(sm_scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         sliding_window=sliding_window,
@@ -170,7 +180,7 @@ def chunk_schedule(
     static_argnames=("sm_scale", "logits_soft_cap", "sliding_window", "pages_per_chunk"),
 )
 def _paged_attention_xla(
-    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, *,
+    q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, k_scale, v_scale, *,
     sm_scale, logits_soft_cap, sliding_window, pages_per_chunk,
 ):  # fmt: skip
     B, N, H = q_BNH.shape
@@ -178,7 +188,7 @@ def _paged_attention_xla(
     W = tables_BW.shape[1]
     G = N // K
     R = pages_per_chunk
-    kv_dtype = k_pages_LKPCH.dtype
+    kv_dtype = k_pages_LKPCH.dtype if k_scale is None else jnp.dtype(jnp.float32)  # dequantized
     # Dots run in the storage dtype with f32 accumulation (f32 if q and pages differ).
     dot_dtype = kv_dtype if q_BNH.dtype == kv_dtype else jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
@@ -209,9 +219,12 @@ def _paged_attention_xla(
         # dot transposes the chunk), straight from the (layer of the) pool: the layer is an
         # index of the gather, never a slice (which would copy the layer).
         at = (layer, head_K[:, None, None], ids_BR[None])
-        k_KBRCH = k_pages_LKPCH[at].astype(dot_dtype)
+        # Quantized pools: page.astype(f32) * scale, the scales gathered with their pages.
+        k_KBRCH = _quant.dequantize_gathered_heads_first(k_pages_LKPCH[at], k_scale, layer, ids_BR)
+        v_KBRCH = _quant.dequantize_gathered_heads_first(v_pages_LKPCH[at], v_scale, layer, ids_BR)
+        k_KBRCH = k_KBRCH.astype(dot_dtype)
         vis_1BRC1 = visible_BRC[None, :, :, :, None]
-        v_KBRCH = jnp.where(vis_1BRC1, v_pages_LKPCH[at], jnp.zeros((), kv_dtype)).astype(dot_dtype)
+        v_KBRCH = jnp.where(vis_1BRC1, v_KBRCH, jnp.zeros((), kv_dtype)).astype(dot_dtype)
 
         s_KBGRC = jnp.einsum(
             "kbgh,kbrch->kbgrc", q_KBGH, k_KBRCH,

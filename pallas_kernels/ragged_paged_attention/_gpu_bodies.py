@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._gpu.config import LOG2E, LSE_COLS, PRODUCER_REGISTERS, ROWS, smem_transforms
+from pallas_kernels.ragged_paged_attention import _gpu_quant
 from pallas_kernels.ragged_paged_attention._gpu_config import _Config
 from pallas_kernels.ragged_paged_attention._gpu_tile import (
     _compute_registers,
@@ -29,15 +30,19 @@ from pallas_kernels.ragged_paged_attention._gpu_tile import (
 
 def _kernel_body(
     cfg: _Config, q_ref, k_ref, v_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref,
-    order_ref, qs_ref, store_ref, o_ref, lse_ref=None,
+    order_ref, qs_ref, store_ref, *rest,
 ):  # fmt: skip
     """One CTA: work unit ``i`` (query tile ``order[i // S]``, split ``i % S``) x KV head ``h``,
-    ``num_wgs`` warpgroups.
+    ``num_wgs`` warpgroups. ``rest``: with quantized pages the key and value scales and their
+    bases (``_gpu_quant``), then the output (and the split LSE).
 
     Warpgroup ``w`` owns rows ``[64 w, 64 (w + 1))`` of the tile (tokens ``[w Tw, (w+1) Tw)``);
     all warpgroups share the K/V ring, which warpgroup 0 refills once every warpgroup has
-    consumed a slot (``c_bar``).
+    consumed a slot (``c_bar``). Quantized, each warpgroup dequantizes a slot's K, then its V,
+    into a bf16 tile of its own.
     """
+    scale_refs, (o_ref, *lse) = (rest[:3], rest[3:]) if cfg.quantized else (None, rest)
+    lse_ref = lse[0] if lse else None
     H, W = cfg.head_dim, cfg.num_wgs
     stages, dtype = cfg.num_stages, cfg.dtype
     t = _tile(
@@ -47,8 +52,14 @@ def _kernel_body(
     wg, cwg, n, n_full, t_lo = t.wg, t.cwg, t.n, t.n_full, t.t_lo
     T = cfg.block_kv
 
-    def scoped(q_smem2, k_smem, v_smem, p_smem2, o_smem2, lse_smem2, q_bar, k_bar, v_bar, c_bar):
+    def scoped(
+        q_smem2, k_smem, v_smem, p_smem2, o_smem2, lse_smem2, q_bar, k_bar, v_bar, c_bar, *quant
+    ):  # fmt: skip
         q_smem, p_smem = q_smem2.at[cwg], p_smem2.at[cwg]
+        ts = deq = None
+        if cfg.quantized:  # the scales, this warpgroup's bf16 tile, the token-scale rings
+            ts = _gpu_quant.tile_scales(cfg, scale_refs, lax.axis_index("h"), quant[1:])
+            deq = quant[0].at[cwg]
         o_smem = None if o_smem2 is None else o_smem2.at[cwg]
         lse_smem = None if lse_smem2 is None else lse_smem2.at[cwg]
 
@@ -60,6 +71,9 @@ def _kernel_body(
         def issue(rows, slot):
             _issue(cfg, k_ref, k_smem, k_bar, rows, slot)
             _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
+            if ts is not None:  # per-token scales beside the pages
+                _gpu_quant.issue(cfg, ts, t.head_base, rows, slot, 0, k_bar)
+                _gpu_quant.issue(cfg, ts, t.head_base, rows, slot, 1, v_bar)
 
         def drain_consumed():
             """Observes each slot's last 'consumed' completion (the refills skipped them).
@@ -85,13 +99,21 @@ def _kernel_body(
                 slot = lax.rem(st, jnp.int32(stages))
                 tile_tok = (t_lo + st) * T
                 next_rows = None if cfg.producer else tile_rows(st + stages)
+                if ts is not None:  # per-page scales: their loads in flight during the wait
+                    scalars = _gpu_quant.page_scalars(cfg, ts, t, bt_ref, st)
                 plgpu.barrier_wait(k_bar.at[slot])
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if ts is not None:
+                    _gpu_quant.dequantize(cfg, k_tile, deq)
+                    k_tile = v_tile = deq
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                     return acc_ref[...]
 
                 sc = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                if ts is not None:  # keys' scales (stale keys past the end are masked below)
+                    sc = _gpu_quant.scale_scores(cfg, ts, scalars, slot, sc)
                 if cfg.logits_soft_cap:
                     cap = cfg.logits_soft_cap
                     sc = (cap * LOG2E) * jnp.tanh(sc * (cfg.sm_scale / cap))
@@ -108,14 +130,21 @@ def _kernel_body(
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_use, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
+                if ts is not None:  # values' scales ride on P (l sums the unscaled P)
+                    p = _gpu_quant.scale_probabilities(
+                        cfg, ts, scalars, slot, p, t.kv_len - tile_tok
+                    )
                 p_smem[...] = p.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_wait(v_bar.at[slot])
-                if masked:
+                if ts is not None:  # zeros past the end on the masked tiles
+                    valid = t.kv_len - tile_tok if masked else None
+                    _gpu_quant.dequantize(cfg, v_smem.at[slot], deq, valid)
+                elif masked:
                     _zero_v_tail(cfg, t, v_smem.at[slot], tile_tok)
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
                     return acc_ref[...]
 
                 o = pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
@@ -137,7 +166,10 @@ def _kernel_body(
             acc, m, l = lax.fori_loop(n_full, n, functools.partial(step, True), carry)
             if W > 1 and not cfg.producer:
                 pl.when(wg == 0)(drain_consumed)
-            _finish(cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref)
+            _finish(
+                cfg, t, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref,
+                out_scale=_gpu_quant.output_scale(cfg, ts),
+            )  # fmt: skip
 
         if not cfg.producer:
             compute()
@@ -168,18 +200,22 @@ def _kernel_body(
     threads = W + int(cfg.producer)
     n_cp = cfg.copies_per_tile
     q_arrivals = cfg.group if cfg.direct_io else 1
+    ring_tr, ring_dtype = _gpu_quant.ring_transforms(cfg), cfg.kv_dtype or dtype
+    k_arrivals = _gpu_quant.arrivals(cfg, cfg.k_scales) if cfg.quantized else n_cp
+    v_arrivals = _gpu_quant.arrivals(cfg, cfg.v_scales) if cfg.quantized else n_cp
     pl.run_scoped(
         scoped,
         plgpu.SMEM((W, ROWS, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
-        plgpu.SMEM((stages, T, H), dtype, transforms=tr),
+        plgpu.SMEM((stages, T, H), ring_dtype, transforms=ring_tr),
+        plgpu.SMEM((stages, T, H), ring_dtype, transforms=ring_tr),
         plgpu.SMEM((W, ROWS, T), dtype, transforms=tr),
         plgpu.SMEM((W, ROWS, H), dtype) if cfg.direct_io else None,
         plgpu.SMEM((W, ROWS, LSE_COLS), jnp.float32) if cfg.kv_splits > 1 else None,
         plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=W),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_cp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=v_arrivals, num_barriers=stages),
         plgpu.Barrier(num_arrivals=W, num_barriers=stages) if threads > 1 else None,
+        *_gpu_quant.scratch(cfg, W),
         **({"collective_axes": "wg"} if threads > 1 else {}),
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pallas_kernels._gpu import checks
+from pallas_kernels._gpu import checks, quant
 from pallas_kernels._gpu.config import (
     ROWS,
     SMEM_BYTES,
@@ -62,6 +62,8 @@ def unsupported_reason(
     logits_soft_cap=None,
     sliding_window=None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     block_kv: int | None = None,
     check_backend: bool = True,
 ) -> str | None:
@@ -69,20 +71,19 @@ def unsupported_reason(
 
     Args:
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs: as in
-        ``ragged_paged_attention_pallas_gpu``; only shapes and dtypes are read.
-      sm_scale, causal, logits_soft_cap, sliding_window, layer: accepted for signature parity.
+        ``ragged_paged_attention_pallas_gpu``; only shapes and dtypes are read (pages bf16 /
+        f16 like q, or quantized: fp8 / int8 with scales, on Hopper).
+      sm_scale, causal, logits_soft_cap, sliding_window, layer, k_scale, v_scale: accepted for
+        signature parity.
       block_kv: the K/V tile the kernel would use (default ``tuning_gpu.default_block_kv``).
       check_backend: also require a Hopper (sm90) GPU as the default backend.
     """
-    del sm_scale, causal, logits_soft_cap, sliding_window, layer
+    del sm_scale, causal, logits_soft_cap, sliding_window, layer, k_scale, v_scale
     del block_tables, kv_lens, cu_q_lens, num_seqs
     reasons = checks.device_and_dtype_reasons(q, k_pages, v_pages, check_backend=check_backend)
     *_, C, H = k_pages.shape
-    T = (
-        tuning_gpu.default_block_kv(H, tuning_gpu.default_fa3(False), page_size=C)
-        if block_kv is None
-        else block_kv
-    )
+    fa3 = tuning_gpu.default_fa3(False) and not quant.is_quantized_pool(k_pages)
+    T = tuning_gpu.default_block_kv(H, fa3, page_size=C) if block_kv is None else block_kv
     if C % 8 or (T % C and C % T):
         reasons.append(
             f"page_size={C} must be a multiple of 8 that divides or is a multiple of the "
@@ -111,6 +112,8 @@ def make_config(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer=None,
+    k_scale=None,
+    v_scale=None,
     interpret: bool = False,
     block_kv: int | None = None,
     num_stages: int | None = None,
@@ -133,6 +136,8 @@ def make_config(
       sm_scale: logit scale (already resolved).
       causal, logits_soft_cap, sliding_window: as in ``reference``.
       layer: int or i32[] layer index into a 5-D pool (a row offset; nothing is sliced).
+      k_scale, v_scale: quantized pages' scales (``pallas_kernels._gpu.quant``): the
+        SMEM-operand body dequantizes each tile (``fa3`` does not take quantized pages).
       interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``), any backend.
       block_kv: keys per K/V tile (64 or 128; default ``tuning_gpu.default_block_kv``, which
         depends on ``fa3``).
@@ -170,7 +175,15 @@ def make_config(
       ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
     """
     T, N, H = q.shape
-    fa3 = tuning_gpu.default_fa3(interpret) if fa3 is None else bool(fa3)
+    quantized = quant.config_fields(q, k_pages, k_scale, v_scale)
+    if fa3 is None:
+        fa3 = tuning_gpu.default_fa3(interpret) and not quantized
+    fa3 = bool(fa3)
+    if fa3 and quantized:
+        raise ValueError(
+            "fa3=True does not take quantized pages (the SMEM-operand body dequantizes them): "
+            "pass fa3=False or None"
+        )
     if fa3 and interpret:
         raise ValueError(
             "fa3=True cannot run in the Mosaic GPU interpreter (it has no register wgmma "
@@ -210,6 +223,10 @@ def make_config(
     )  # fmt: skip
     if reason is not None:
         raise ValueError(f"ragged_paged_attention_pallas_gpu cannot run this call: {reason}")
+    sizes = {}
+    if quantized:
+        tokens = [quantized["k_scales"], quantized["v_scales"]].count("token")
+        sizes = dict(quantized=True, token_scales=tokens)
     if block_kv not in tuning_gpu.BLOCK_KV_CHOICES:
         raise ValueError(f"{block_kv=} must be one of {tuning_gpu.BLOCK_KV_CHOICES}")
     K, _, C, layer = pool_dims(k_pages, layer)
@@ -230,7 +247,7 @@ def make_config(
         stages = (
             tuning_gpu.PAIRED_STAGES
             if paired
-            else tuning_gpu.default_num_stages(H, block_kv, wgs, fa3)
+            else tuning_gpu.default_num_stages(H, block_kv, wgs, fa3, **sizes)
         )
     else:
         stages = int(num_stages)
@@ -277,16 +294,19 @@ def make_config(
         )
     if stages < 1 or (fa3 and stages < 2):
         raise ValueError(f"num_stages={stages} must be >= {2 if fa3 else 1}")
-    smem = tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits)
+    smem = tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits, **sizes)
     check_smem(
         smem, num_stages=stages, block_kv=block_kv, num_wgs=wgs, paired=paired,
         kv_splits=splits, direct_io=direct_io,
     )  # fmt: skip
     cfg = _Config(
-        **common_fields(
-            q, k_pages, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-            sliding_window=sliding_window,
-        ),
+        **{
+            **common_fields(
+                q, k_pages, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                sliding_window=sliding_window,
+            ),
+            **quantized,
+        },
         block_kv=block_kv,
         num_stages=stages,
         interpret=bool(interpret),

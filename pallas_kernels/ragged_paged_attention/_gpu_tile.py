@@ -195,8 +195,11 @@ def _wait_q(cfg: _Config, q_smem, o_smem, bar):
         plgpu.commit_smem()
 
 
-def _finish(cfg: _Config, t: _Tile, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref):
-    """Normalises the accumulator (rows that saw no key give zeros) and stores the O tile.
+def _finish(
+    cfg: _Config, t: _Tile, acc, m, l, q_smem, o_smem, o_ref, lse_smem, lse_ref, out_scale=None
+):  # fmt: skip
+    """Normalises the accumulator (rows that saw no key give zeros) and stores the O tile;
+    ``out_scale``: a factor on the output (quantized pages' per-head value scale).
 
     With ``direct_io`` the tile goes through an untiled SMEM staging tile straight into
     o[T, N, H]: a whole warpgroup tile as one [Tw, H] box per head, a partial one (a
@@ -211,6 +214,8 @@ def _finish(cfg: _Config, t: _Tile, acc, m, l, q_smem, o_smem, o_ref, lse_smem, 
     """
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    if out_scale is not None:
+        inv_l = inv_l * out_scale
     out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(cfg.dtype)
     split = cfg.kv_splits > 1
     if split:

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._gpu import quant as gpu_quant
 from pallas_kernels._gpu.config import LSE_COLS, ROWS
 from pallas_kernels._gpu.merge import merge_splits
 from pallas_kernels.ragged_paged_attention import schedule
@@ -92,8 +93,14 @@ def _merge_splits(o_STNH, lse_STNL, num_rows, dtype):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _ragged_attention(
-    cfg: _Config, q_TNH, k_pages, v_pages, block_tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer
-):
+    cfg: _Config, q_TNH, k_pages, v_pages, block_tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
+    out_dtype = q_TNH.dtype
+    scales = []
+    if cfg.quantized:  # bf16 products (``_gpu.quant``); the output in q's dtype
+        q_TNH = q_TNH.astype(cfg.dtype)
+        scales = gpu_quant.flat_scales(cfg, k_pages, layer, k_scale, v_scale)
     T, N, H = q_TNH.shape
     K, P, C, G, W = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.group, cfg.num_wgs
     threads = W + int(cfg.producer)
@@ -156,6 +163,8 @@ def _ragged_attention(
         f"{f'_S{cfg.kv_splits}' if cfg.kv_splits > 1 else ''}"
         f"_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}{'_causal' if cfg.causal else ''}"
     )
+    if cfg.quantized:  # 8-bit pages and the scales' modes (head, page, token)
+        name += f"_{cfg.kv_dtype.name}_k{cfg.k_scales[0]}v{cfg.v_scales[0]}"
     body = functools.partial(_kernel_body_fa3 if cfg.fa3 else _kernel_body, cfg)
     body.__name__ = name  # type: ignore[attr-defined]  (names the kernel in profiles)
     kernel = plgpu.kernel(
@@ -171,18 +180,18 @@ def _ragged_attention(
     seq, q_rows, pos0, kv_len, q_start, store = tile_arrays
     o = kernel(
         q_in, k_RH, v_RH, block_tables_BW.astype(jnp.int32), seq, q_rows, pos0, kv_len, base,
-        order, q_start, store,
+        order, q_start, store, *scales,
     )  # fmt: skip
     if cfg.direct_io and S > 1:
         ns = schedule.num_seqs_scalar(num_seqs, cu_q_lens.shape[0] - 1)
-        return _merge_splits(*o, cu_q_lens[ns], cfg.dtype)
+        return _merge_splits(*o, cu_q_lens[ns], cfg.dtype).astype(out_dtype)
     if cfg.direct_io:
-        return o
+        return o.astype(out_dtype)
     # [K, NT, W, 64, H] -> rows of [NT * Tq, N, H] -> back to the order of q.
     o_KIWRH = o.reshape(K, NT, W, ROWS, H)[:, :, :, : Tw * G]
     o_rows = o_KIWRH.reshape(K, NT, W, Tw, G, H).transpose(1, 2, 3, 0, 4, 5)
     o_TNH = o_rows.reshape(NT * Tq, N, H)[ts.tile_T * Tq + ts.row_T]
-    return jnp.where(tm.valid_T[:, None, None], o_TNH, jnp.zeros((), cfg.dtype))
+    return jnp.where(tm.valid_T[:, None, None], o_TNH, jnp.zeros((), cfg.dtype)).astype(out_dtype)
 
 
 def ragged_paged_attention_pallas_gpu(
@@ -198,8 +207,9 @@ def ragged_paged_attention_pallas_gpu(
       kv_lens: i32[B] keys per sequence, the new query tokens included.
       cu_q_lens: i32[B + 1].
       num_seqs: i32[] or i32[1]; rows from ``cu_q_lens[num_seqs]`` on are zeros.
-      **options: ``sm_scale`` (required) and the knobs of ``make_config``, which documents
-        them and resolves their defaults.
+      **options: ``sm_scale`` (required), ``k_scale`` / ``v_scale`` for quantized pages (fp8,
+        int8: each tile is dequantized into bf16, ``pallas_kernels._gpu.quant``) and the knobs
+        of ``make_config``, which documents them and resolves their defaults.
 
     Returns:
       [T, N, H] in ``q.dtype``.
@@ -211,5 +221,6 @@ def ragged_paged_attention_pallas_gpu(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **options
     )
     return _ragged_attention(
-        cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer
-    )
+        cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer,
+        options.get("k_scale"), options.get("v_scale"),
+    )  # fmt: skip

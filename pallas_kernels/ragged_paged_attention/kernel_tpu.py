@@ -14,7 +14,8 @@ Design (the decode kernel's techniques, see ``pallas_kernels/paged_attention/ker
   row's position, with a sliding window the keys from its first row's window start. KV
   blocks outside that range, empty tiles and padding tiles issue no DMA at all. Pages come
   in blocks of ``pages_per_compute_block`` through the decode kernel's double-buffered,
-  one-DMA-per-page loop; per-row causal/window masks apply inside.
+  one-DMA-per-page loop; per-row causal/window masks apply inside. Quantized pools (fp8 /
+  int8 pages) bring each page's scales in a DMA of their own and dequantize in VMEM.
 * Rows past a tile's real rows and rows from ``cu_q_lens[num_seqs]`` on come back as zeros.
 
 Cost to know: q and the output are rearranged into tiles by one XLA gather each (about
@@ -39,10 +40,10 @@ from pallas_kernels.ragged_paged_attention import schedule, tuning_tpu, validate
 def _ragged_kernel(
     tables_ref, layer_ref, seq_ref, rows_ref, pos0_ref, kv_len_ref,  # scalar prefetch
     q_ref, k_hbm, v_hbm,  # inputs: q [tb, R, H] block, K/V in HBM
-    o_ref,  # output [tb, R, H] block
-    k_buf, v_buf, sems,  # scratch
-    *, width, group, causal, sm_scale, logits_soft_cap, sliding_window,
+    *refs,  # (quantized: K/V scales in HBM), output [tb, R, H] block, scratch
+    width, group, causal, sm_scale, logits_soft_cap, sliding_window, quantized,
 ):  # fmt: skip
+    o_ref, k_buf, v_buf, sems, scales = common.unpack_refs(refs, quantized)
     c = pl.program_id(0)
     tb, R, _ = q_ref.shape
     C = k_buf.shape[2]
@@ -90,6 +91,7 @@ def _ragged_kernel(
         layer_ref=layer_ref,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
+        scales=scales,
     )
 
 
@@ -101,7 +103,8 @@ def _ragged_kernel(
     ),
 )  # fmt: skip
 def _ragged_tpu(
-    q_TNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer_1, *,
+    q_TNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer_1,
+    k_scale, v_scale, *,
     sm_scale, causal, logits_soft_cap, sliding_window, block_q, pages_per_compute_block,
     tiles_per_program, interpret,
 ):  # fmt: skip
@@ -138,6 +141,7 @@ def _ragged_tpu(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
+        quantized=k_scale is not None,
     )
     o_NKRH = common.paged_pallas_call(
         kernel,
@@ -150,6 +154,7 @@ def _ragged_tpu(
         out_shape=jax.ShapeDtypeStruct(q_NKRH.shape, q_TNH.dtype),
         interpret=interpret,
         name=f"jpaged_ragged_paged_attention_tpu_G{G}_C{C}_H{H}_bq{bq}_ppcb{ppcb}_tb{tb}",
+        scales=None if k_scale is None else (k_scale, v_scale),
     )(
         tables_BW.reshape(-1),
         layer_1,
@@ -160,6 +165,7 @@ def _ragged_tpu(
         q_NKRH,
         k_pages_LKPCH,
         v_pages_LKPCH,
+        *(() if k_scale is None else (k_scale, v_scale)),
     )
     # [NT, K, bq, G, H] -> [NT * bq, N, H], then back to the rows of q.
     o_NKRH = o_NKRH[:NT]
@@ -192,6 +198,8 @@ def unsupported_reason(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> str | None:
     """Why the compiled TPU kernel cannot run these arguments, or None if it can.
 
@@ -200,7 +208,7 @@ def unsupported_reason(
     block tables plus tile metadata must fit SMEM.
     """
     del v_pages, kv_lens, cu_q_lens, num_seqs, sm_scale, causal
-    del logits_soft_cap, sliding_window, layer
+    del logits_soft_cap, sliding_window, layer, k_scale, v_scale
     reason = common.kv_unsupported_reason(q, k_pages)
     if reason is not None:
         return reason
@@ -227,6 +235,8 @@ def ragged_paged_attention_pallas_tpu(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: Any = False,
     block_q: int | None = None,
     pages_per_compute_block: int | None = None,
@@ -248,6 +258,9 @@ def ragged_paged_attention_pallas_tpu(
       logits_soft_cap: None or the cap.
       sliding_window: None or w: a row at position p sees keys j with ``p - j < w``.
       layer: layer index (int or i32[]) into a 5-D pool.
+      k_scale: quantized (fp8, int8) pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C]
+        with a 5-D pool); pages are dequantized in VMEM to ``page.astype(f32) * scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: True runs the strict TPU interpreter (``pltpu.InterpretParams()``); an
         ``InterpretParams`` is used as given.
       block_q: query tokens per tile (the tile has ``block_q * G`` rows); default from
@@ -283,6 +296,7 @@ def ragged_paged_attention_pallas_tpu(
         ("block_q", block_q), ("pages_per_compute_block", ppcb), ("tiles_per_program", tb)
     )
     k5, v5, layer_1 = common.as_layered(k_pages, v_pages, layer)
+    ks5, vs5 = common.scale_pools(k_pages, k_scale, v_scale)
     return _ragged_tpu(
         q,
         k5,
@@ -292,6 +306,8 @@ def ragged_paged_attention_pallas_tpu(
         cu_q_lens,
         num_seqs,
         layer_1,
+        ks5,
+        vs5,
         **validate.static_options(
             sm_scale=sm_scale,
             causal=causal,

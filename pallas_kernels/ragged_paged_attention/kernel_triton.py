@@ -15,6 +15,10 @@ keys past ``kv_len`` (NaN or stale tails, free pages) are never fetched. Online 
 base 2. The schedule's spare tiles (``extra_tiles=2``) write the zero padding rows past
 ``cu_q_lens[num_seqs]``.
 
+Quantized pages (fp8, int8 with f32 ``k_scale`` / ``v_scale``, ``pallas_kernels._triton_quant``)
+are loaded as stored, one byte an element, and converted in registers to the query's dtype;
+key scales multiply the scores' columns, value scales P's columns (per head: the output).
+
 Split-KV (``num_splits`` > 1, the default when (tile, KV head) programs are too few to fill
 the GPU: a few long chunks, decode batches at long context) cuts each tile's key range into
 contiguous parts; each stores its normalised partial and base-2 log-sum-exp per tile row, and
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, _triton
+from pallas_kernels import _backend, _triton, _triton_quant
 from pallas_kernels._gpu.merge import merge_splits
 from pallas_kernels.ragged_paged_attention import schedule, validate
 
@@ -80,6 +84,8 @@ class TritonRaggedConfig:
       num_warps, num_stages: Triton's compile options.
       sm_scale, causal, soft_cap, window: the attention options.
       interpret: Pallas's interpreter.
+      kv_dtype: the pages' dtype name when quantized (fp8, int8), else None.
+      k_scales, v_scales: the scales' modes (``_triton_quant.MODES``) when quantized.
     """
 
     num_tokens: int
@@ -101,6 +107,9 @@ class TritonRaggedConfig:
     soft_cap: float | None
     window: int | None
     interpret: bool
+    kv_dtype: str | None = None
+    k_scales: str | None = None
+    v_scales: str | None = None
 
     @property
     def group(self) -> int:
@@ -115,14 +124,16 @@ def unsupported_reason(
     q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kwargs
 ) -> str | None:
     """Why the kernel cannot run these arguments (None if it can): no GPU backend, no Pallas
-    Triton backend in this JAX, dtypes differ or are not bf16/f16/f32, head dim not a power of
-    two in 16..256 (f32: up to 128), a group of more than 128 query heads."""
-    del block_tables, kv_lens, cu_q_lens, num_seqs, kwargs
-    return _triton.platform_reason() or _reason(q, k_pages, v_pages)
+    Triton backend in this JAX, dtypes differ or are not bf16/f16/f32 (or quantized pages with
+    their scales; float8_e4m3fn needs sm89+), head dim not a power of two in 16..256 (f32: up
+    to 128), a group of more than 128 query heads."""
+    del block_tables, kv_lens, cu_q_lens, num_seqs
+    scales = (kwargs.get("k_scale"), kwargs.get("v_scale"))
+    return _triton.platform_reason(k_pages) or _reason(q, k_pages, v_pages, *scales)
 
 
-def _reason(q, k_pages, v_pages) -> str | None:
-    reason = _triton.common_reason(q, k_pages, v_pages)
+def _reason(q, k_pages, v_pages, k_scale=None, v_scale=None) -> str | None:
+    reason = _triton.common_reason(q, k_pages, v_pages, k_scale, v_scale)
     if reason is None and q.shape[1] // k_pages.shape[-4] > 128:
         reason = f"group {q.shape[1] // k_pages.shape[-4]} > 128 query heads per KV head"
     return reason
@@ -144,7 +155,7 @@ def _pow2_knob(name, value, lo, hi):
 def make_config(
     q, k_pages, block_tables, *, sm_scale, causal=True, logits_soft_cap=None,
     sliding_window=None, interpret=False, block_m=None, block_kv=None, num_splits=None,
-    num_warps=None, num_stages=None,
+    num_warps=None, num_stages=None, k_scale=None, v_scale=None,
 ) -> TritonRaggedConfig:  # fmt: skip
     """Every option resolved from static shapes and checked, in one place.
 
@@ -168,7 +179,7 @@ def make_config(
         num_warps = 4
     _int_knob("num_warps", num_warps, 1, 16)
     if num_stages is None:
-        num_stages = _triton.default_num_stages(block_kv, H, dt)
+        num_stages = _triton.default_num_stages(block_kv, H, k_pages.dtype)
     _int_knob("num_stages", num_stages, 1, 8)
     opts = validate.static_options(
         sm_scale=sm_scale, causal=causal, logits_soft_cap=logits_soft_cap,
@@ -180,6 +191,7 @@ def make_config(
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         sm_scale=opts["sm_scale"], causal=opts["causal"], soft_cap=opts["logits_soft_cap"],
         window=opts["sliding_window"], interpret=bool(interpret),
+        **_triton_quant.config_fields(k_pages, k_scale, v_scale),
     )  # fmt: skip
 
 
@@ -205,8 +217,12 @@ def _key_ranges(cfg: TritonRaggedConfig, pos0, q_rows, kv_len):
 
 
 def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, order_ref,
-            seq_ref, qstart_ref, qrows_ref, pos0_ref, kvlen_ref, pad_ref, *outs):  # fmt: skip
-    """One (KV head, split, query tile) program (module docstring)."""
+            seq_ref, qstart_ref, qrows_ref, pos0_ref, kvlen_ref, pad_ref, *refs):  # fmt: skip
+    """One (KV head, split, query tile) program (module docstring); ``refs``: the flat key and
+    value scales and their bases (quantized pages), then the outputs."""
+    quantized = cfg.kv_dtype is not None
+    ks_ref, vs_ref, sbase_ref = refs[:3] if quantized else (None, None, None)
+    outs = refs[3:] if quantized else refs
     h, split = pl.program_id(0), pl.program_id(1)
     i = order_ref[pl.program_id(2)]
     K, G, H, T, M = cfg.num_kv_heads, cfg.group, cfg.head_dim, cfg.block_kv, cfg.block_m
@@ -222,28 +238,48 @@ def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, or
     head_base = (layer_ref[0] * K + h) * cfg.num_pages
     offs = jnp.arange(T, dtype=jnp.int32)
 
+    def factor(mode, ref, which, page_T, pos, valid):
+        return _triton_quant.factor(
+            mode, ref, sbase_ref[which], h, page_T, pos, num_pages=cfg.num_pages,
+            page_size=cfg.page_size, valid=valid,
+        )  # fmt: skip
+
+    def load(page_T, pos, valid):
+        """The tile's K and V (in q's dtype) and the per-key factors (quantized pages)."""
+        rows = _triton.token_rows(page_T, pos, page_size=cfg.page_size, head_base=head_base)
+        if valid is None:
+            k, v = k_ref[rows[:, None], cols[None, :]], v_ref[rows[:, None], cols[None, :]]
+        else:
+            k = _triton.load_rows(k_ref, rows, cols, valid)
+            v = _triton.load_rows(v_ref, rows, cols, valid)
+        if not quantized:
+            return k, v, None, None
+        k = _triton_quant.dequantize(k, cfg.kv_dtype, q.dtype)
+        v = _triton_quant.dequantize(v, cfg.kv_dtype, q.dtype)
+        kf = factor(cfg.k_scales, ks_ref, 0, page_T, pos, valid)
+        vf = None if cfg.v_scales == "head" else factor(cfg.v_scales, vs_ref, 1, page_T, pos, valid)
+        return k, v, kf, vf
+
     def step(masked):
         def body(t, carry):
             pos = t * T + offs
-            rows = _triton.token_rows(
+            page_T = _triton.token_pages(
                 tab_ref, seq, pos, page_size=cfg.page_size, width=cfg.width,
-                num_pages=cfg.num_pages, head_base=head_base,
+                num_pages=cfg.num_pages,
             )  # fmt: skip
             if not masked:
-                k = k_ref[rows[:, None], cols[None, :]]
-                s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap)
-                v = v_ref[rows[:, None], cols[None, :]]
-                return _triton.softmax_step(carry, s, v, None)
+                k, v, kf, vf = load(page_T, pos, None)
+                s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, k_factor=kf)
+                return _triton.softmax_step(carry, s, v, None, v_factor=vf)
             in_len = pos < kv_len
-            k = _triton.load_rows(k_ref, rows, cols, in_len)
-            s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap)
-            v = _triton.load_rows(v_ref, rows, cols, in_len)
+            k, v, kf, vf = load(page_T, pos, in_len)
+            s = _triton.scores(q, k, sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, k_factor=kf)
             visible = in_len[None, :]
             if cfg.causal:
                 visible = visible & (pos[None, :] <= pos_m[:, None])
             if cfg.window is not None:
                 visible = visible & (pos_m[:, None] - pos[None, :] < cfg.window)
-            return _triton.softmax_step(carry, s, v, visible)
+            return _triton.softmax_step(carry, s, v, visible, v_factor=vf)
 
         return body
 
@@ -261,6 +297,8 @@ def _kernel(cfg: TritonRaggedConfig, q_ref, k_ref, v_ref, tab_ref, layer_ref, or
     carry = jax.lax.fori_loop(a_, b_, step(False), carry)
     carry = jax.lax.fori_loop(b_, u1, step(True), carry)
     o, lse = _triton.finish(carry)
+    if quantized and cfg.v_scales == "head":  # one value scale for the whole KV head
+        o = o * factor("head", vs_ref, 1, None, None, None)
     plt = _triton.triton_module()
     if cfg.num_splits > 1:  # [S, NT, K, M] partials, merged and gathered by XLA
         o_ref, lse_ref = outs
@@ -294,13 +332,18 @@ def _tile_order(cfg: TritonRaggedConfig, ts: schedule.TileSchedule) -> jax.Array
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_lens, num_seqs,
-            layer):  # fmt: skip
+            layer, k_scale=None, v_scale=None):  # fmt: skip
     Tn, N, H = q.shape
     K, M, S, NT = cfg.num_kv_heads, cfg.block_m, cfg.num_splits, cfg.num_tiles
     ts = schedule.tile_schedule(
         kv_lens, cu_q_lens, num_seqs, num_tokens=Tn, block_q=cfg.block_q, extra_tiles=2,
         token_rows=S > 1,
     )  # fmt: skip
+    scales = []
+    if cfg.kv_dtype is not None:  # the flat scales and their bases; fp8 pools seen as uint8
+        modes = (cfg.k_scales, cfg.v_scales)
+        scales = _triton_quant.flat_scales(modes, k_pages, layer, k_scale, v_scale)
+        k_pages, v_pages = _triton_quant.pool_view(k_pages), _triton_quant.pool_view(v_pages)
     k_rows, layer = _triton.flat_rows(k_pages, layer)
     v_rows, _ = _triton.flat_rows(v_pages, None)
     order = _tile_order(cfg, ts)
@@ -317,6 +360,8 @@ def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_
         f"ragged_paged_triton_M{M}_T{cfg.block_kv}_S{S}_C{cfg.page_size}_G{cfg.group}_H{H}"
         f"_w{cfg.num_warps}_st{cfg.num_stages}" + ("_causal" if cfg.causal else "")
     )
+    if cfg.kv_dtype is not None:
+        name += f"_{cfg.kv_dtype}_k{cfg.k_scales[0]}v{cfg.v_scales[0]}"
     with _triton.quiet_deprecation():
         out = pl.pallas_call(
             functools.partial(_kernel, cfg),
@@ -329,7 +374,7 @@ def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_
             name=name,
         )(
             q.reshape(Tn * N, H), k_rows, v_rows, tables.astype(jnp.int32), layer, order, ts.seq,
-            ts.q_start, ts.q_rows, ts.pos0, ts.kv_len, ts.pad_start,
+            ts.q_start, ts.q_rows, ts.pos0, ts.kv_len, ts.pad_start, *scales,
         )  # fmt: skip
     if S == 1:
         return out[: Tn * N].reshape(Tn, N, H)
@@ -346,14 +391,16 @@ def _ragged(cfg: TritonRaggedConfig, q, k_pages, v_pages, tables, kv_lens, cu_q_
 def ragged_paged_attention_pallas_triton(
     q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale: float,
     causal: bool = True, logits_soft_cap: float | None = None,
-    sliding_window: int | None = None, layer=None, interpret: bool = False, **knobs,
+    sliding_window: int | None = None, layer=None, k_scale=None, v_scale=None,
+    interpret: bool = False, **knobs,
 ) -> jax.Array:  # fmt: skip
     """Ragged paged attention with the Pallas-Triton kernel; semantics of ``reference``.
 
     Args:
-      q: [T, N, H] bf16, f16 or f32 (the pages' dtype); the rows of sequence b are
-        ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
-      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``.
+      q: [T, N, H] bf16, f16 or f32 (the pages' dtype, or any of them with quantized pages);
+        the rows of sequence b are ``q[cu_q_lens[b]:cu_q_lens[b+1]]``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] with ``layer``; or quantized
+        (``float8_e4m3fn`` on sm89+, ``float8_e5m2``, ``int8``) with ``k_scale``/``v_scale``.
       v_pages: like ``k_pages``.
       block_tables: i32[B, W].
       kv_lens: i32[B] keys per sequence, the new query tokens included.
@@ -361,6 +408,9 @@ def ragged_paged_attention_pallas_triton(
       num_seqs: i32[] or i32[1]; rows from ``cu_q_lens[num_seqs]`` on are zeros.
       sm_scale, causal, logits_soft_cap, sliding_window: as in ``reference``.
       layer: int or i32[] into a 5-D pool.
+      k_scale: quantized pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C] with a 5-D
+        pool), as in ``paged_attention.kernel_triton``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       interpret: run in Pallas's interpreter (any backend, tiny shapes).
       **knobs: ``block_m`` (rows of a program's dot), ``block_kv`` (keys per tile),
         ``num_splits``, ``num_warps``, ``num_stages``; None or absent: ``make_config``'s.
@@ -371,17 +421,20 @@ def ragged_paged_attention_pallas_triton(
     Raises:
       ValueError: if the kernel cannot run these arguments or a knob is out of range.
     """
-    reason = _reason(q, k_pages, v_pages)
+    reason = _reason(q, k_pages, v_pages, k_scale, v_scale)
     if reason is None and not interpret:
-        reason = _triton.platform_reason()
+        reason = _triton.platform_reason(k_pages)
     if reason is not None:
         raise ValueError(f"pallas_triton cannot run this call: {reason}")
     cfg = make_config(
         q, k_pages, block_tables, sm_scale=sm_scale, causal=causal,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, interpret=interpret,
-        **knobs,
+        k_scale=k_scale, v_scale=v_scale, **knobs,
     )  # fmt: skip
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     with _triton.quiet_deprecation():  # lowered here when called outside a jit
-        return _ragged(cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer)
+        return _ragged(
+            cfg, q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer,
+            k_scale, v_scale,
+        )  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant
 from pallas_kernels.ragged_paged_attention import sanitize, schedule, validate
 
 
@@ -29,6 +30,8 @@ def ragged_paged_attention_reference(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query rows over a paged KV cache, in f32.
 
@@ -46,6 +49,9 @@ def ragged_paged_attention_reference(
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
       sliding_window: if set, a row at position p sees keys j with ``p - j < sliding_window``.
       layer: layer index into a 5-D pool.
+      k_scale: for quantized pages (fp8, int8) f32 broadcastable to [K, P, C] (5-D pool:
+        [L or 1, K, P, C]); attention reads ``k_pages.astype(f32) * k_scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
 
     Returns:
       [T, N, H] in ``q.dtype``; padding rows (from ``cu_q_lens[num_seqs]`` on) and rows that
@@ -63,13 +69,14 @@ def ragged_paged_attention_reference(
     validate.validate_static(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, layer=layer,
-        causal=causal,
+        causal=causal, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     # Invalid values get the result every implementation gives (sanitize.py).
     block_tables, kv_lens, cu_q_lens, num_seqs, layer = sanitize.sanitize(
         block_tables, kv_lens, cu_q_lens, num_seqs, layer,
         num_rows=q.shape[0], k_pages_shape=k_pages.shape,
     )  # fmt: skip
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     T, N, H = q.shape
     K, P, C, _ = k_pages.shape[-4:]
     G = N // K
@@ -80,9 +87,13 @@ def ragged_paged_attention_reference(
 
     tm = schedule.token_map(kv_lens, cu_q_lens, num_seqs, T)
     pages_BW = schedule.clamped_pages(block_tables, kv_lens, C, P)
-    # [B, W, K, C, H] -> [B, S, K, H]
-    k_BSKH = schedule.gather_pages(k_pages, layer, pages_BW).transpose(0, 1, 3, 2, 4)
-    v_BSKH = schedule.gather_pages(v_pages, layer, pages_BW).transpose(0, 1, 3, 2, 4)
+    # [B, W, K, C, H] (quantized: * scale in f32) -> [B, S, K, H]
+    k_BSKH = _quant.dequantize_gathered(
+        schedule.gather_pages(k_pages, layer, pages_BW), k_scale, layer, pages_BW
+    ).transpose(0, 1, 3, 2, 4)
+    v_BSKH = _quant.dequantize_gathered(
+        schedule.gather_pages(v_pages, layer, pages_BW), v_scale, layer, pages_BW
+    ).transpose(0, 1, 3, 2, 4)
     k_BSKH = k_BSKH.reshape(B, S, K, H).astype(f32)
     v_BSKH = v_BSKH.reshape(B, S, K, H).astype(f32)
     j_S = jnp.arange(S, dtype=jnp.int32)

@@ -96,14 +96,19 @@ def smem_bytes(
     direct_io: bool = False,
     paired: bool = False,
     kv_splits: int = 1,
+    quantized: bool = False,
+    token_scales: int = 0,
 ) -> int:
     """SMEM of one CTA (2-byte dtypes): Q tiles, the K/V ring (one per warpgroup with
     ``paired``), the P tiles (none with ``fa3``: P stays in registers), the untiled O staging
     tiles of ``direct_io``, and 3 KB for Mosaic GPU's own reduction scratch (2 KB), barriers
     and alignment (measured: 2.1 KB); with ``kv_splits`` > 1 a [64, 32] f32 LSE staging tile per
-    warpgroup."""
+    warpgroup. ``quantized``: a ring of 1-byte pages, a bf16 tile per warpgroup and
+    ``token_scales`` rings of per-token f32 scales."""
     q = num_wgs * ROWS * head_dim * 2
     kv = 2 * num_stages * block_kv * head_dim * 2 * (num_wgs if paired else 1)
+    if quantized:
+        kv = kv // 2 + num_wgs * block_kv * head_dim * 2 + token_scales * num_stages * block_kv * 4
     p = 0 if fa3 else num_wgs * ROWS * block_kv * 2
     o = num_wgs * ROWS * head_dim * 2 if direct_io else 0
     lse = num_wgs * ROWS * 32 * 4 if kv_splits > 1 else 0
@@ -229,12 +234,20 @@ def default_tile_order(num_tokens: int, num_seqs_max: int) -> str:
     return "longest_first" if num_tokens <= 2 * num_seqs_max else "by_sequence"
 
 
-def default_num_stages(head_dim: int, block_kv: int, num_wgs: int = 1, fa3: bool = False) -> int:
+def default_num_stages(
+    head_dim: int,
+    block_kv: int,
+    num_wgs: int = 1,
+    fa3: bool = False,
+    quantized: bool = False,
+    token_scales: int = 0,
+) -> int:
     """Deepest TMA ring (up to 4) that keeps two CTAs per SM, at least 2 (always 2 for the
     FA3-style body, one CTA per SM, as in JAX's FA3 example)."""
     if fa3:
         return 2
+    q = dict(quantized=quantized, token_scales=token_scales)
     for stages in (4, 3):
-        if smem_bytes(head_dim, block_kv, stages, num_wgs) <= TWO_CTAS_BYTES:
+        if smem_bytes(head_dim, block_kv, stages, num_wgs, **q) <= TWO_CTAS_BYTES:
             return stages
     return 2

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import _quant
+
 
 def _is_int_scalar_array(x: Any) -> bool:
     return hasattr(x, "dtype") and hasattr(x, "shape")
@@ -60,12 +62,15 @@ def validate_static(
     sliding_window: int | None = None,
     layer: Any = None,
     causal: Any = True,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> None:
     """Checks shapes, dtypes and static knobs; works on tracers.
 
     Args:
       q: [T, N, H] floating.
-      k_pages: [K, P, C, H], or [L, K, P, C, H] together with ``layer``.
+      k_pages: [K, P, C, H], or [L, K, P, C, H] together with ``layer``: floating, or
+        quantized (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) with ``k_scale``/``v_scale``.
       v_pages: same shape and dtype as ``k_pages``.
       block_tables: i32[B, W].
       kv_lens: i32[B].
@@ -75,6 +80,9 @@ def validate_static(
       sliding_window: None or an int >= 1.
       layer: None for a 4-D pool; an int in [0, L) or an integer scalar array for a 5-D pool.
       causal: a bool.
+      k_scale: None, or for quantized pages float32 broadcastable to [K, P, C] (a 5-D pool:
+        [L or 1, K, P, C]; ``pallas_kernels._quant.GRANULARITIES``).
+      v_scale: like ``k_scale``.
 
     Raises:
       ValueError: listing every mismatch found.
@@ -92,8 +100,12 @@ def validate_static(
         errors.append(f"v_pages.shape must equal {k_pages.shape=}, got {v_pages.shape=}")
     if v_pages.dtype != k_pages.dtype:
         errors.append(f"v_pages.dtype must equal {k_pages.dtype=}, got {v_pages.dtype=}")
-    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        errors.append(f"k_pages must have a floating dtype, got {k_pages.dtype=}")
+    if not (jnp.issubdtype(k_pages.dtype, jnp.floating) or _quant.is_quantized(k_pages.dtype)):
+        errors.append(
+            f"k_pages must have a floating dtype or int8 (quantized, with scales), got "
+            f"{k_pages.dtype=}"
+        )
+    errors += _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     if k_pages.ndim == 5:
         if layer is None:
             errors.append(f"layer is required for a 5-D pool {k_pages.shape=} (got layer=None)")
@@ -165,6 +177,8 @@ def validate_dynamic(
     num_seqs: jax.Array,
     *,
     layer: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> None:
     """Checks the values of the index arrays; eager only (reads them back to the host).
 
@@ -172,11 +186,15 @@ def validate_dynamic(
     ``cu_q_lens[0] == 0``, ``cu_q_lens`` non-decreasing, ``cu_q_lens[num_seqs] <= T``,
     ``q_len_b <= kv_lens[b]``, ``0 <= kv_lens[b] <= W * C``, ``0 <= num_seqs <= B``, the
     page ids of the pages a sequence uses in ``[0, P)``, and ``layer`` in ``[0, L)``.
+    ``k_scale``/``v_scale`` are the call's scales (quantized pages), for ``validate_static``.
 
     Raises:
       ValueError: listing every violated condition with the offending values.
     """
-    validate_static(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer=layer)
+    validate_static(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+        layer=layer, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     T = q.shape[0]
     B, W = block_tables.shape
     C, P = k_pages.shape[-2], k_pages.shape[-3]

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant
 from pallas_kernels.ragged_paged_attention import schedule, validate
 
 _F32 = jnp.float32
@@ -69,6 +70,8 @@ def ragged_paged_attention_xla(
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: Any = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     block_q: int | None = None,
     pages_per_chunk: int | None = None,
 ) -> jax.Array:
@@ -85,6 +88,9 @@ def ragged_paged_attention_xla(
       sm_scale: logit scale (already resolved to a float).
       causal, logits_soft_cap, sliding_window: as in ``reference``.
       layer: None, an int or an i32[] array (traced: no recompile per layer).
+      k_scale: quantized (fp8, int8) pages: f32 broadcastable to [K, P, C] ([L or 1, K, P, C]
+        with a 5-D pool); each gathered page is dequantized to ``page.astype(f32) * scale``.
+      v_scale: like ``k_scale``, for ``v_pages``.
       block_q: rows per query tile (default ``default_block_q(T, B)``).
       pages_per_chunk: pages per KV chunk (default about 128 keys).
 
@@ -102,8 +108,9 @@ def ragged_paged_attention_xla(
         raise ValueError(f"{block_q=} and {pages_per_chunk=} must be >= 1")
     if layer is not None:
         layer = schedule.layer_scalar(layer)
+    k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     return _ragged_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, layer, k_scale, v_scale,
         **validate.static_options(
             sm_scale=sm_scale, causal=causal, logits_soft_cap=logits_soft_cap,
             sliding_window=sliding_window,
@@ -119,8 +126,8 @@ def ragged_paged_attention_xla(
     ),
 )  # fmt: skip
 def _ragged_xla(
-    q_TNH, k_pages, v_pages, block_tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer,
-    *, sm_scale, causal, logits_soft_cap, sliding_window, block_q, pages_per_chunk,
+    q_TNH, k_pages, v_pages, block_tables_BW, kv_lens_B, cu_q_lens, num_seqs, layer, k_scale,
+    v_scale, *, sm_scale, causal, logits_soft_cap, sliding_window, block_q, pages_per_chunk,
 ):  # fmt: skip
     T, N, H = q_TNH.shape
     K, P, C, _ = k_pages.shape[-4:]
@@ -159,13 +166,14 @@ def _ragged_xla(
         key_IS = chunk_I[:, None] * Sc + jnp.arange(Sc, dtype=jnp.int32)[None, :]
         in_len_IS = key_IS < kv_len_I[:, None]
 
-        def load(pool):
+        def load(pool, scale):
             x = schedule.gather_pages(pool, layer, pages_Ip)  # [NT, pc, K, C, H]
+            x = _quant.dequantize_gathered(x, scale, layer, pages_Ip)  # quantized: * scale, f32
             x = x.transpose(0, 2, 1, 3, 4).reshape(NT, K, Sc, H).astype(_F32)
             return jnp.where(in_len_IS[:, None, :, None], x, 0.0)
 
-        k_IKSH = load(k_pages)
-        v_IKSH = load(v_pages)
+        k_IKSH = load(k_pages, k_scale)
+        v_IKSH = load(v_pages, v_scale)
         s = jnp.einsum("ikqgh,iksh->ikqgs", q_IKQGH, k_IKSH, precision="highest")
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)

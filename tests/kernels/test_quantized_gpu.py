@@ -1,0 +1,227 @@
+"""Quantized pages in the Mosaic GPU decode and ragged kernels: in the Mosaic GPU interpreter on
+the CPU (each granularity in CI, dtypes rotating; the product, mixed key / value granularities,
+splits and a 5-D pool slow), cross-lowered for sm90 (one variant a mode in CI), and compiled and
+run on an sm90 GPU (``pytest -m gpu``), always against the f64 oracle on the dequantized values
+with permuted tables and poisoned free pages, tails and scales."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _quantized_cases import (
+    DTYPES,
+    GRANULARITIES,
+    assert_matches,
+    decode_case,
+    decode_oracle,
+    ragged_case,
+    ragged_oracle,
+)
+
+from pallas_kernels.paged_attention import kernel_gpu
+from pallas_kernels.ragged_paged_attention import kernel_gpu as ragged_gpu
+
+C = 16
+PRODUCT = [(d, g) for d in DTYPES for g in GRANULARITIES]
+# CI: per head (per tensor runs the same kernel: it is broadcast to per head), page and token,
+# dtypes rotating; the decode kernel's page mode also in the mixed-modes case.
+_CI = {("float8_e4m3fn", "head"), ("float8_e5m2", "page"), ("int8", "token")}
+_DECODE_CI = {("float8_e4m3fn", "head"), ("int8", "token")}
+_MODES = [  # (id, key granularity, value granularity, knobs)
+    ("page-token-split2", "page", "token", dict(num_splits=2)),
+    ("token-head-64rows", "token", "head", dict(swap_ab=False)),
+    ("head-page-64rows-split3", "head", "page", dict(swap_ab=False, num_splits=3)),
+    ("token-page-T128-st1", "token", "page", dict(block_kv=128, num_stages=1)),
+]
+SLOW_CASES = {
+    f"test_decode_gpu_interpret[{d}-{g}]" for d, g in PRODUCT if (d, g) not in _DECODE_CI
+} | {f"test_ragged_gpu_interpret[{d}-{g}]" for d, g in PRODUCT if (d, g) not in _CI}
+SLOW_CASES |= {f"test_decode_gpu_interpret_modes[{m[0]}]" for m in _MODES[1:]}
+SLOW_CASES |= {"test_decode_gpu_interpret_layered", "test_ragged_gpu_interpret_two_warpgroups"}
+SLOW_CASES |= {f"test_quantized_cross_lowers[{v}]" for v in ("ragged-page", "decode-H256-token")}
+
+
+def _decode(q, kv, *, interpret, layer=None, **knobs):
+    return kernel_gpu.paged_attention_pallas_gpu(
+        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=0.125, layer=layer,
+        k_scale=kv.k_scale, v_scale=kv.v_scale, interpret=interpret, **knobs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,granularity", PRODUCT)
+def test_decode_gpu_interpret(dtype, granularity):
+    rng = np.random.default_rng(51 + len(dtype) + len(granularity))
+    q, kv = decode_case(
+        rng, [0, 1, C - 1, C, C + 1, 150], C=C, dtype=dtype, granularity=granularity
+    )
+    out = _decode(q, kv, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    assert_matches(out, decode_oracle(q, kv, sm_scale=0.125), f"{dtype} {granularity}")
+    assert np.all(np.asarray(out.astype(jnp.float32))[0] == 0.0)  # length 0
+
+
+@pytest.mark.parametrize("kg,vg,knobs", [m[1:] for m in _MODES], ids=[m[0] for m in _MODES])
+def test_decode_gpu_interpret_modes(kg, vg, knobs):
+    # Key and value scales of different modes, with splits, the 64-row tile, 128-key tiles
+    # (8 pages a tile) and a one-stage ring; an f16 query (the products run in bf16).
+    rng = np.random.default_rng(52)
+    q, kv = decode_case(
+        rng, [0, 1, C - 1, C, C + 1, 300], C=C, dtype="float8_e4m3fn", granularity=kg,
+        v_granularity=vg, q_dtype=jnp.float16,
+    )  # fmt: skip
+    out = _decode(q, kv, interpret=True, **knobs)
+    assert out.dtype == jnp.float16
+    assert_matches(out, decode_oracle(q, kv, sm_scale=0.125), f"{kg} {vg} {knobs}")
+
+
+def test_decode_gpu_interpret_layered():
+    # A 5-D pool, scales with their L axis, a traced layer, pages larger than a tile.
+    rng = np.random.default_rng(53)
+    q, kv = decode_case(
+        rng, [0, 1, 127, 128, 129, 300], C=128, dtype="int8", granularity="token",
+        v_granularity="page", num_layers=2,
+    )  # fmt: skip
+    out = _decode(q, kv, interpret=True, layer=jnp.int32(1))
+    assert_matches(out, decode_oracle(q, kv, layer=1, sm_scale=0.125))
+
+
+@pytest.mark.parametrize("dtype,granularity", PRODUCT)
+def test_ragged_gpu_interpret(dtype, granularity):
+    rng = np.random.default_rng(55 + len(dtype) + len(granularity))
+    case, ks, vs = ragged_case(
+        rng, [C - 1, 1, C + 1, 150], [3, 1, C + 1, 20], C=C, dtype=dtype, granularity=granularity
+    )
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=0.125, k_scale=ks, v_scale=vs, interpret=True
+    )
+    assert_matches(out, ragged_oracle(case, sm_scale=0.125), f"{dtype} {granularity}")
+
+
+def test_ragged_gpu_interpret_two_warpgroups():
+    # Two warpgroups share the ring, each dequantizing into its own tile; a 5-D pool.
+    rng = np.random.default_rng(56)
+    case, ks, vs = ragged_case(
+        rng, [C + 1, 150], [C + 1, 70], C=C, dtype="float8_e4m3fn", granularity="page",
+        num_layers=2,
+    )  # fmt: skip
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=0.125, k_scale=ks, v_scale=vs, layer=1, interpret=True, num_wgs=2
+    )
+    assert_matches(out, ragged_oracle(case, sm_scale=0.125, layer=1))
+
+
+def test_quantized_configs():
+    # The kernels' choices for quantized pages: wgmma with bf16 products, TMA page copies, the
+    # ragged kernel's SMEM-operand body; what they decline, with the reason.
+    pages = jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.float8_e4m3fn)
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    tables, lengths = jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    scales = dict(k_scale=jnp.ones((8, 40, 16)), v_scale=jnp.ones(()))
+    cfg, _ = kernel_gpu.make_config(q, pages, pages, tables, lengths, sm_scale=0.1, **scales)
+    assert cfg.quantized and cfg.dtype == jnp.bfloat16 and cfg.kv_dtype == jnp.float8_e4m3fn
+    assert (cfg.k_scales, cfg.v_scales, cfg.page_copy) == ("token", "head", "tma")
+    with pytest.raises(ValueError, match="copied by TMA"):
+        kernel_gpu.make_config(
+            q, pages, pages, tables, lengths, sm_scale=0.1, page_copy="cp_async", **scales
+        )
+    small = jax.ShapeDtypeStruct((8, 40, 4, 128), jnp.int8)
+    reason = kernel_gpu.unsupported_reason(q, small, small, tables, lengths, check_backend=False)
+    assert "multiple of 8 with quantized pages" in reason
+    rq = jax.ShapeDtypeStruct((20, 32, 128), jnp.bfloat16)
+    ragged_args = (rq, pages, pages, tables, lengths, jax.ShapeDtypeStruct((5,), jnp.int32),
+                   jax.ShapeDtypeStruct((), jnp.int32))  # fmt: skip
+    rcfg, _ = ragged_gpu.make_config(*ragged_args, sm_scale=0.1, **scales)
+    assert rcfg.quantized and not rcfg.fa3
+    with pytest.raises(ValueError, match="fa3=True does not take quantized pages"):
+        ragged_gpu.make_config(*ragged_args, sm_scale=0.1, fa3=True, **scales)
+
+
+_LOWERINGS = {  # id: (op, H, key mode, value mode, pool dtype, knobs)
+    "decode-token-page": ("decode", 128, "token", "page", jnp.float8_e4m3fn, {}),
+    "decode-head-64rows": ("decode", 128, "head", "head", jnp.int8, dict(swap_ab=False)),
+    "decode-page-split": ("decode", 64, "page", "token", jnp.float8_e5m2, dict(num_splits=3)),
+    "decode-H256-token": ("decode", 256, "token", "token", jnp.float8_e4m3fn, {}),
+    "ragged-token": ("ragged", 128, "token", "head", jnp.float8_e4m3fn, {}),
+    "ragged-page": ("ragged", 128, "page", "page", jnp.int8, dict(num_wgs=2)),
+}
+
+
+def _scale_shape(mode, K, P, C):
+    return {"head": (K, 1, 1), "page": (K, P, 1), "token": (K, P, C)}[mode]
+
+
+@pytest.mark.parametrize("variant", list(_LOWERINGS))
+def test_quantized_cross_lowers(variant):
+    op, H, km, vm, dtype, knobs = _LOWERINGS[variant]
+    K, P = 8, 40
+    pool = jax.ShapeDtypeStruct((K, P, C, H), dtype)
+    ks = jax.ShapeDtypeStruct(_scale_shape(km, K, P, C), jnp.float32)
+    vs = jax.ShapeDtypeStruct(_scale_shape(vm, K, P, C), jnp.float32)
+    tables, lens = jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    if op == "decode":
+        q = jax.ShapeDtypeStruct((4, 32, H), jnp.bfloat16)
+
+        def f(q, k, v, t, n, ks, vs):
+            return kernel_gpu.paged_attention_pallas_gpu(
+                q, k, v, t, n, sm_scale=0.1, k_scale=ks, v_scale=vs, **knobs
+            )
+
+        args = (q, pool, pool, tables, lens, ks, vs)
+    else:
+        q = jax.ShapeDtypeStruct((40, 32, H), jnp.bfloat16)
+
+        def f(q, k, v, t, n, cu, ns, ks, vs):
+            return ragged_gpu.ragged_paged_attention_pallas_gpu(
+                q, k, v, t, n, cu, ns, sm_scale=0.1, k_scale=ks, v_scale=vs, **knobs
+            )
+
+        args = (q, pool, pool, tables, lens, jax.ShapeDtypeStruct((5,), jnp.int32),
+                jax.ShapeDtypeStruct((), jnp.int32), ks, vs)  # fmt: skip
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    name = jnp.dtype(dtype).name
+    assert f"_{name}_k{km[0]}v{vm[0]}" in text  # the quantized kernel, by its name
+
+
+GPU_PRODUCT = [
+    (d, g, C_, H)
+    for d in DTYPES
+    for g in GRANULARITIES
+    for C_, H in ((16, 128), (64, 64), (32, 256))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,granularity,C,H", GPU_PRODUCT, ids=str)
+def test_decode_gpu(dtype, granularity, C, H):
+    rng = np.random.default_rng(C + H + len(dtype) + len(granularity))
+    lengths = [0, 1, C - 1, C, C + 1, 2 * C + 5, int(rng.integers(300, 3000)), 32768 // 8]
+    q, kv = decode_case(rng, lengths, K=2, G=4, H=H, C=C, dtype=dtype, granularity=granularity)
+    assert_matches(_decode(q, kv, interpret=False), decode_oracle(q, kv, sm_scale=0.125))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kg,vg,knobs", [m[1:] for m in _MODES], ids=[m[0] for m in _MODES])
+def test_decode_gpu_modes(kg, vg, knobs):
+    rng = np.random.default_rng(57)
+    q, kv = decode_case(
+        rng, [0, 1, 15, 16, 17, 999, 4000], K=4, G=8, H=128, dtype="float8_e4m3fn",
+        granularity=kg, v_granularity=vg, num_layers=2,
+    )  # fmt: skip
+    out = _decode(q, kv, interpret=False, layer=1, **knobs)
+    assert_matches(out, decode_oracle(q, kv, layer=1, sm_scale=0.125))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,granularity", PRODUCT)
+def test_ragged_gpu(dtype, granularity):
+    rng = np.random.default_rng(58 + len(dtype) + len(granularity))
+    case, ks, vs = ragged_case(
+        rng, [C - 1, 1, C + 1, 1500, 700], [3, 1, C + 1, 400, 1], K=2, G=4, H=128, C=C,
+        dtype=dtype, granularity=granularity,
+    )  # fmt: skip
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=0.125, k_scale=ks, v_scale=vs
+    )
+    assert_matches(out, ragged_oracle(case, sm_scale=0.125), f"{dtype} {granularity}")

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Quantized-KV work on the GPU (issue 38), in parts that fit one 10-minute device call; each
+# command has its own timeout and prints "== rc N":
+#
+#   bash tools/gpu_quantized.sh bench OUT     # fp8 quick table (token scales, page scales too)
+#                                             # beside the bf16 kernel; head dim 256 variants
+#                                             # (bf16 with cuDNN, and fp8); fp8 ring depths
+#   bash tools/gpu_quantized.sh int8 OUT      # the int8 quick table
+#   bash tools/gpu_quantized.sh tests OUT     # -m gpu: tests/kernels/test_quantized_gpu.py
+#                                             # (Mosaic GPU) and test_quantized_triton.py
+#                                             # (Pallas-Triton, forced on any NVIDIA GPU)
+#
+# Benchmarks before tests in one call (tools/gpu_kernels.sh says why). OUT: where JSON goes
+# (default benchmarks/results); at most 8 files come back from a device call.
+set -u
+PART=${1:?part: bench, int8 or tests}
+OUT=${2:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
+PY=${PYTHON:-python3}
+B=benchmarks/decode_attention.py
+COMMON="--skip-triton --calls 30 --rounds 3"
+H256="32,4096,8,16,256,16"  # B=32, ctx 4k, K=8, C=16, H=256, N=16 (Gemma 2-like)
+
+run() {  # run SECONDS command...
+  local limit=$1
+  shift
+  echo "== $* ($(date +%T))"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "^[WI][0-9]{4} "
+  echo "== rc ${PIPESTATUS[0]} ($(date +%T))"
+}
+
+case "$PART" in
+  bench)
+    run 130 "$PY" $B --quick --kv-dtype fp8 --also-scales page --skip-cudnn $COMMON \
+      --out "$OUT/decode_quantized_h200.json"
+    run 70 "$PY" $B --cases $H256 --skip-xla $COMMON --variants swap_ab=true \
+      swap_ab=true,num_stages=3 swap_ab=true,num_stages=1 swap_ab=true,num_splits=2 \
+      swap_ab=true,num_splits=4 num_splits=1 --out "$OUT/decode_h256_h200.json"
+    run 45 "$PY" $B --cases $H256 --kv-dtype fp8 --skip-cudnn $COMMON \
+      --variants swap_ab=true swap_ab=true,num_stages=2 --out "$OUT/decode_h256_fp8_h200.json"
+    run 45 "$PY" $B --quick --only 3 6 --kv-dtype fp8 --skip-cudnn $COMMON \
+      --variants num_stages=2 num_stages=4 --out "$OUT/decode_quantized_stages_h200.json"
+    ;;
+  int8)
+    run 130 "$PY" $B --quick --kv-dtype int8 --skip-cudnn $COMMON \
+      --out "$OUT/decode_quantized_int8_h200.json"
+    ;;
+  tests)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.19 run "${TEST_TIMEOUT:-420}" "$PY" -m pytest -m gpu -q -rf \
+      -p no:cacheprovider -p no:benchmark -n 4 --durations=5 tests/kernels/test_quantized_gpu.py \
+      tests/kernels/test_quantized_triton.py
+    ;;
+  *)
+    echo "unknown part $PART: bench, int8 or tests" >&2
+    exit 2
+    ;;
+esac
