@@ -82,6 +82,8 @@ def check_traced(
     P, C = k_pages_shape[-3], k_pages_shape[-2]
     L = k_pages_shape[0] if len(k_pages_shape) == 5 else None
     W = block_tables.shape[1]
+    # NumPy inputs beside traced ones are indexed by traced positions below.
+    block_tables, lengths = jnp.asarray(block_tables), jnp.asarray(lengths)
     lengths_ok, ids_ok, layer_ok = _problems(block_tables, lengths, layer, P, C, L)
     b, bad = _first(~lengths_ok)
     checkify.check(

@@ -111,6 +111,10 @@ def check_traced(
     caller must be wrapped in ``jax.experimental.checkify.checkify``)."""
     B, W = block_tables.shape
     P, C = k_pages_shape[-3], k_pages_shape[-2]
+    # NumPy inputs beside traced ones are indexed by traced positions below.
+    block_tables, kv_lens, cu_q_lens, num_seqs = map(
+        jnp.asarray, (block_tables, kv_lens, cu_q_lens, num_seqs)
+    )
     ns, ns_ok, end, _, q_len_B, order_ok_B, lens_ok_B, ids_ok_BW, layer_ok = _conditions(
         block_tables, kv_lens, cu_q_lens, num_seqs, layer, num_rows, k_pages_shape
     )

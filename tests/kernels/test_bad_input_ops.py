@@ -320,6 +320,13 @@ def test_check_true_under_jit_raises_through_checkify_naming_the_index():
         err.throw()
     with pytest.raises(ValueError, match="checkify"):  # check=True under jit needs checkify
         jax.jit(decode)(*good[3:], jnp.int32(1))
+    # Traced tables beside NumPy lengths (closed over): the check indexes both by a traced row.
+    lengths = np.asarray(bad[4])
+    err, _ = checkify.checkify(
+        jax.jit(lambda t: jpaged.paged_attention(q, kp, vp, t, lengths, layer=1, check=True))
+    )(bad[3])
+    with pytest.raises(checkify.JaxRuntimeError, match=r"lengths\[2\]=53 must be in"):
+        err.throw()
 
     q, kp, vp, *metadata = ragged_case().args
 
@@ -327,6 +334,9 @@ def test_check_true_under_jit_raises_through_checkify_naming_the_index():
         return jpaged.ragged_paged_attention(q, kp, vp, *m, layer=1, check=True)
 
     checkify.checkify(jax.jit(ragged))(*metadata)[0].throw()
+    table, *rest = metadata  # NumPy lengths and offsets beside a traced table
+    closed = [np.asarray(m) for m in rest]
+    checkify.checkify(jax.jit(lambda t: ragged(t, *closed)))(table)[0].throw()
     expected = {
         "cu_q_lens decreasing": r"cu_q_lens\[1\]=5 > cu_q_lens\[2\]=3",
         "kv_lens < q_len": r"kv_lens\[2\]=5 must be in \[q_len = 12",
