@@ -29,7 +29,7 @@ import jpaged
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-IMPLS = ["reference", "xla", "pallas_gpu", "pallas_tpu"]
+IMPLS = ["reference", "xla", "pallas_gpu", "pallas_tpu", "pallas_triton"]
 
 # Interpreted kernel cases ``make test`` leaves out (``make test-all`` runs them): each kernel
 # keeps a NaN query, key or value case of each op and every invalid-metadata case in CI.
