@@ -10,6 +10,10 @@ import os
 # The engine's persistent compilation cache stays off here (it would write into the home
 # directory); tests/engine/test_warmup.py turns it on in temporary directories.
 os.environ.setdefault("JPAGED_COMPILATION_CACHE", "off")
+# Nor JAX's own persistent cache from the environment (the Makefile sets one for the demo):
+# the suite checks what the engine compiles, caches and reports, from a known start.
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
 
 import gc
 

@@ -32,7 +32,7 @@ def test_quickstart_notebook_runs(monkeypatch):
     client.execute()  # raises CellExecutionError on the first failing cell
 
     text = _outputs_text(nb)
-    assert "auto picks 'xla' (backend 'cpu'" in text
+    assert "auto tries 'xla' first: cpu backend" in text
     assert "max |paged - dense|" in text
     assert "no Hopper-class GPU here" in text
     for prompt, answer in (("123+456=", "579"), ("999+1=", "1000"), ("500+500=", "1000")):
