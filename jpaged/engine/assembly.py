@@ -21,7 +21,7 @@ from jpaged.engine.counters import Counters
 from jpaged.engine.decode_chain import DecodeChain
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.model_setup import default_kv_bytes, model_dtype, read_eos, with_params
-from jpaged.engine.options import EngineOptions
+from jpaged.engine.options import EngineOptions, resolve_cache_dtype
 from jpaged.engine.runner import Runner, default_compiler_options
 from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.step import StepExecutor
@@ -140,7 +140,9 @@ def assemble(
         )
     C = opts.page_size
     W = math.ceil(max_model_len / C)
-    cache_dtype = opts.cache_dtype if opts.cache_dtype is not None else model_dtype(model)
+    cache_dtype = resolve_cache_dtype(opts.cache_dtype)  # "fp8" -> float8_e4m3fn
+    if cache_dtype is None:
+        cache_dtype = model_dtype(model)
     L, K, H = model.num_layers, model.num_kv_heads, model.head_dim
     split = isinstance(model, TensorParallelModel)
     num_pages = opts.num_pages

@@ -40,7 +40,8 @@ class KVManager:
       alloc: the allocator.
       pending: a future of a decode-loop call whose output holds the current pool, or None.
       host_pages: host slot -> ``(k, v)`` of a swapped-out page, each ``{first KV head:
-        f[L, K_block, C, H]}``: this process's blocks of the page.
+        f[L, K_block, C, H]}``: this process's blocks of the page; a quantized pool's
+        ``(k, v, k_scale, v_scale)``, the codes as stored and f32 ``[L, K_block, C]`` scales.
     """
 
     def __init__(self, alloc: BlockAllocator, cache: PagedKVCache):
@@ -122,15 +123,16 @@ class KVManager:
         self.cache = copy_pages(self.cache, arr, validate=False)
 
     def swap_out(self, pairs) -> None:
-        """Reads device pages ``(device_page, host_slot)`` into host memory."""
+        """Reads device pages ``(device_page, host_slot)`` into host memory (a quantized
+        pool's codes and their scales)."""
         if not pairs:
             return
         dev = np.asarray([p for p, _ in pairs], np.int32)
         M = bucket(len(dev), 8, 1 << 30)
-        k, v = gather_pages(self.cache, pad_to(dev, M, -1), validate=False)
-        k, v = _local_blocks(k), _local_blocks(v)
+        parts = gather_pages(self.cache, pad_to(dev, M, -1), validate=False)
+        blocks = [_local_blocks(x) for x in parts]
         for i, (_, slot) in enumerate(pairs):
-            self.host_pages[slot] = tuple({h: x[:, :, i] for h, x in b.items()} for b in (k, v))
+            self.host_pages[slot] = tuple({h: x[:, :, i] for h, x in b.items()} for b in blocks)
 
     def swap_in(self, pairs) -> None:
         """Writes host pages ``(host_slot, device_page)`` back into the pool."""
@@ -138,14 +140,17 @@ class KVManager:
             return
         M = bucket(len(pairs), 8, 1 << 30)
         dst = pad_to(np.asarray([d for _, d in pairs], np.int32), M, -1)
-        pad = [(0, 0), (0, 0), (0, M - len(pairs)), (0, 0), (0, 0)]
-        kv = []
-        for which in (0, 1):
+        parts = []
+        for which in range(len(self.host_pages[pairs[0][0]])):
             first = self.host_pages[pairs[0][0]][which]
-            blocks = {h: np.pad(np.stack([self.host_pages[s][which][h] for s, _ in pairs], 2), pad)
-                      for h in first}  # fmt: skip
-            kv.append(_from_local_blocks(blocks, self.cache.k_pages))
-        self.cache = scatter_pages(self.cache, dst, *kv, validate=False)
+            blocks = {}
+            for h in first:
+                x = np.stack([self.host_pages[s][which][h] for s, _ in pairs], 2)
+                pad = [(0, 0)] * x.ndim
+                pad[2] = (0, M - len(pairs))
+                blocks[h] = np.pad(x, pad)
+            parts.append(_from_local_blocks(blocks, self.cache.k_pages))
+        self.cache = scatter_pages(self.cache, dst, *parts, validate=False)
         for s, _ in pairs:
             del self.host_pages[s]
 
@@ -160,19 +165,21 @@ class KVManager:
             self.cache = copy_pages(self.cache, np.full((M, 2), -1, np.int32), validate=False)
             num += 1
             if self.alloc.num_host_pages:
-                k, v = gather_pages(self.cache, ids, validate=False)
-                self.cache = scatter_pages(self.cache, ids, k, v, validate=False)
+                parts = gather_pages(self.cache, ids, validate=False)
+                self.cache = scatter_pages(self.cache, ids, *parts, validate=False)
                 num += 2
         return num
 
 
 def _local_blocks(x: jax.Array) -> dict[int, np.ndarray]:
-    """This process's blocks of ``x`` [L, K, M, C, H] along the KV-head axis, by first head."""
+    """This process's blocks of ``x`` [L, K, M, C, H] (or scales [L, K, M, C]) along the
+    KV-head axis, by first head."""
     return {(s.index[1].start or 0): np.asarray(s.data) for s in x.addressable_shards}
 
 
 def _from_local_blocks(blocks: dict[int, np.ndarray], like: jax.Array) -> jax.Array:
-    """The array [L, K, M, C, H] laid out as ``like`` (the pool) from this process's blocks."""
+    """The array [L, K, M, C, H] (or scales [L, K, M, C]) laid out as ``like`` (the pool: split
+    on the KV-head axis, axis 1) from this process's blocks."""
     block = next(iter(blocks.values()))
     shape = (block.shape[0], like.shape[1], *block.shape[2:])
 

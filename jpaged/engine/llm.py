@@ -78,7 +78,7 @@ class LLM:
       num_decode_steps: k, decode steps per device call when every scheduled sequence is
         decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
-      cache_dtype: K/V dtype (default: the model's embedding dtype).
+      cache_dtype: K/V dtype (default: the model's); "fp8" / "fp8_e5m2" / "int8": quantized.
       tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer (wrapped in
         `jpaged.engine.tokenizer_adapter.TransformersTokenizer`, which ``self.tokenizer``
         then is); loaded from the checkpoint when None.

@@ -13,31 +13,63 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.kv import quantize
 from jpaged.parallel.mesh import engine_mesh
 
 __all__ = ["EngineOptions"]
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
-# Quantized K/V names ``cache_dtype`` accepts besides float dtypes.
-QUANTIZED_CACHE_DTYPES = ("fp8", "int8")
+# Quantized K/V names ``cache_dtype`` accepts besides dtypes: "fp8" (float8_e4m3fn),
+# "fp8_e4m3", "fp8_e5m2" (float8_e5m2), "int8".
+QUANTIZED_CACHE_DTYPES = tuple(quantize.KV_DTYPES)
+# Floating dtypes of an unquantized cache (other 8-bit floats have no scales in the pool).
+_FLOAT_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cache_dtype_names() -> str:
+    """What ``cache_dtype`` accepts, for error messages."""
+    quantized = ", ".join(str(d) for d in dict.fromkeys(quantize.KV_DTYPES.values()))
+    return (
+        f"None, a float dtype ({', '.join(_FLOAT_CACHE_DTYPES)}), one of "
+        f"{QUANTIZED_CACHE_DTYPES} or a quantized dtype ({quantized})"
+    )
+
+
+def resolve_cache_dtype(value: Any) -> np.dtype | None:
+    """The pool dtype of a valid ``cache_dtype`` (None stays None: the model's dtype).
+
+    >>> resolve_cache_dtype("fp8"), resolve_cache_dtype("fp8_e5m2"), resolve_cache_dtype("int8")
+    (dtype(float8_e4m3fn), dtype(float8_e5m2), dtype('int8'))
+    """
+    return None if value is None else quantize.kv_dtype(value)
 
 
 def _dtype_problem(name: str, value: Any, *, quantized: bool) -> str | None:
     """Why ``value`` is not a valid ``dtype`` / ``cache_dtype`` (None: it is valid).
 
-    ``dtype`` takes None or a float dtype; ``cache_dtype`` also the quantized names
-    ``"fp8"``, ``"int8"`` and the dtypes ``int8`` and float8.
+    ``dtype`` takes None or a float dtype; ``cache_dtype`` None, float32 / bfloat16 / float16,
+    the quantized names (``QUANTIZED_CACHE_DTYPES``) and the quantized dtypes
+    (float8_e4m3fn, float8_e5m2, int8).
     """
-    if value is None or (quantized and isinstance(value, str) and value in QUANTIZED_CACHE_DTYPES):
+    if value is None:
         return None
-    expected = "None or a float dtype (float32, bfloat16, float16)"
     if quantized:
-        expected += f", or one of {QUANTIZED_CACHE_DTYPES}"
+        problem = f"{name}={value!r} must be {cache_dtype_names()}"
+        if isinstance(value, str) and value in QUANTIZED_CACHE_DTYPES:
+            return None
+        try:
+            dt = jnp.dtype(value)
+        except (TypeError, ValueError):
+            return problem
+        if quantize.is_quantized(dt) or dt.name in _FLOAT_CACHE_DTYPES:
+            return None
+        return problem
+    expected = "None or a float dtype (float32, bfloat16, float16)"
     try:
         dt = jnp.dtype(value)
     except (TypeError, ValueError):
         return f"{name}={value!r} must be {expected}"
-    if jnp.issubdtype(dt, jnp.floating) or (quantized and dt == jnp.int8):
+    if jnp.issubdtype(dt, jnp.floating):
         return None
     return f"{name}={value!r} must be {expected}"
 

@@ -164,7 +164,10 @@ def paged_attention_layer(
       q_TNH: [T, N, H] queries (position encoding already applied).
       k_TKH: [T, K, H] new keys, written to ``metadata.slot_mapping``.
       v_TKH: [T, K, H] new values.
-      cache: a ``jpaged.PagedKVCache`` (``k_pages``/``v_pages`` [L, K, P, C, H]).
+      cache: a ``jpaged.PagedKVCache`` (``k_pages``/``v_pages`` [L, K, P, C, H]); a quantized
+        one (fp8 / int8) quantizes the new K/V as it writes them (a scale per token and KV
+        head, ``jpaged.kv.quantize.quantize_tokens``) and the attention ops read its pages
+        with its ``k_scale`` / ``v_scale`` [L, K, P, C].
       layer: the layer index (int, or i32[] inside a scan).
       metadata: the batch's ``AttentionMetadata``.
       sm_scale: logit scale, default ``1 / sqrt(H)``.
@@ -178,17 +181,22 @@ def paged_attention_layer(
       ``(o_TNH, cache)``: attention output [T, N, H] in ``q_TNH.dtype`` (zeros for padding
       rows) and the updated cache.
     """
-    k_TKH = k_TKH.astype(cache.k_pages.dtype)
-    v_TKH = v_TKH.astype(cache.v_pages.dtype)
+    quantized = bool(getattr(cache, "scales", None))
+    if not quantized:  # a quantized pool quantizes the floating K/V itself, scales included
+        k_TKH = k_TKH.astype(cache.k_pages.dtype)
+        v_TKH = v_TKH.astype(cache.v_pages.dtype)
     cache = write_kv_layer(cache, layer, k_TKH, v_TKH, metadata.slot_mapping)
     layer = jnp.asarray(layer, jnp.int32)
-    q_TNH_cache = q_TNH.astype(cache.k_pages.dtype)
+    # Queries meet floating pages in the pool's dtype; quantized pages are dequantized to f32
+    # by the ops, so the queries keep the model's dtype.
+    q_TNH_cache = q_TNH if quantized else q_TNH.astype(cache.k_pages.dtype)
     common = dict(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
         layer=layer,
         implementation=implementation,
+        **(cache.scales if quantized else {}),
     )
     if decode:
         out = paged_attention(

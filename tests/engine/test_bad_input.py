@@ -188,8 +188,14 @@ def test_max_model_len_beyond_the_model_positions_raises():
         (dict(dtype=jnp.int32), r"dtype=.*int32.* must be None or a float dtype"),
         (dict(dtype="fp8"), r"dtype='fp8' must be None or a float dtype"),
         (dict(dtype="float33"), r"dtype='float33' must be None or a float dtype"),
-        (dict(cache_dtype="int4"), r"cache_dtype='int4' must be .* or one of \('fp8', 'int8'\)"),
-        (dict(cache_dtype=jnp.int32), r"cache_dtype=.*int32.* must be None or a float dtype"),
+        (
+            dict(cache_dtype="int4"),
+            r"cache_dtype='int4' must be .* one of \('fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\) or a "
+            r"quantized dtype \(float8_e4m3fn, float8_e5m2, int8\)",
+        ),
+        (dict(cache_dtype=jnp.int32), r"cache_dtype=.*int32.* must be None, a float dtype"),
+        (dict(cache_dtype=jnp.float8_e4m3fnuz), r"cache_dtype=.*float8_e4m3fnuz.* must be None"),
+        (dict(cache_dtype="fp4"), r"cache_dtype='fp4' must be None, a float dtype"),
         (dict(enable_prefix_caching="no"), r"enable_prefix_caching='no' must be a bool"),
         (dict(debug=1), r"debug=1 must be a bool"),
         (dict(page_size=8.0), r"page_size=8\.0 must be an int >= 1"),
@@ -204,7 +210,11 @@ def test_engine_options_of_the_wrong_kind_raise_before_loading(kw, match):
         jpaged.LLM("/no/such/checkpoint", **kw)  # raised before the model is read
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "int8", jnp.int8, jnp.float8_e4m3fn, "bfloat16"])
+@pytest.mark.parametrize(
+    "cache_dtype",
+    ["fp8", "fp8_e4m3", "fp8_e5m2", "int8", jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2,
+     "bfloat16", jnp.float16, "float32"],
+)  # fmt: skip
 def test_cache_dtypes_the_options_accept(cache_dtype):
     assert EngineOptions(cache_dtype=cache_dtype).cache_dtype is cache_dtype
 

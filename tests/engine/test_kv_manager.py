@@ -56,3 +56,24 @@ def test_replacing_the_pool_while_a_loop_dispatches_is_refused():
     kv.pending = concurrent.futures.Future()
     with pytest.raises(AssertionError, match="while a decode loop was dispatching"):
         kv.cache = kv._cache
+
+
+def test_a_quantized_pool_swaps_its_scales_with_its_pages():
+    alloc = jpaged.BlockAllocator(P, C, num_host_pages=4, bytes_per_page=1)
+    fill = jnp.arange(1, P + 1, dtype=jnp.float32)[None, None, :, None, None]
+    k = jnp.broadcast_to(fill, (L, K, P, C, H))
+    cache = jpaged.PagedKVCache.create(L, K, P, C, H, "int8")
+    cache = jpaged.scatter_pages(cache, np.arange(P, dtype=np.int32), k, -k)  # quantizes
+    kv = KVManager(alloc, cache)
+    kv.apply([
+        PageOp("swap_out", ((1, 0), (4, 1)), "a"),
+        PageOp("copy", ((2, 1), (0, 4))),  # both pages reused, scales and codes overwritten
+        PageOp("swap_in", ((0, 3), (1, 5)), "a"),
+    ])  # fmt: skip
+    assert len(kv.host_pages) == 0
+    c = kv.cache
+    assert c.k_pages.dtype == jnp.int8 and (np.asarray(c.k_pages) == 127).all()
+    k_deq = np.asarray(c.k_pages, np.float32) * np.asarray(c.k_scale)[..., None]
+    v_deq = np.asarray(c.v_pages, np.float32) * np.asarray(c.v_scale)[..., None]
+    np.testing.assert_allclose(k_deq[0, 0, :, 0, 0], [1, 3, 3, 2, 1, 5], rtol=1e-6)
+    np.testing.assert_allclose(v_deq, -k_deq, rtol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import pathlib
@@ -131,3 +132,30 @@ def test_paged_forward_updates_the_pool_in_place():
     pool_bytes = 2 * int(np.prod(shape)) * 4
     assert memory.alias_size_in_bytes == pool_bytes  # the output cache is the donated input
     assert memory.temp_size_in_bytes < pool_bytes // 16  # measured ~0.7 MB vs 16 MiB
+
+
+def test_paged_attention_layer_on_a_quantized_pool_reads_what_it_quantized():
+    # An int8 / fp8 pool quantizes the new K/V (a scale per token and head) and attends over
+    # codes * scales: the same as an f32 pool given the rounded values, queries kept in f32.
+    from jpaged.kv.quantize import dequantize, quantize_tokens
+
+    rng = np.random.default_rng(0)
+    T, N, K, H, C = 11, 4, 2, 16, 4
+    q, k, v = (jnp.asarray(rng.normal(size=(T, n, H)) * s, jnp.float32)
+               for n, s in ((N, 1.0), (K, 3.0), (K, 0.5)))  # fmt: skip
+    k = k.at[3].set(0.0)  # an all-zero token: scale 1, zero codes, no NaN
+    _, meta = models.batch_metadata([[5, 2, 0, 7], [3, 1, -1, -1]], [0, 0], [9, 2], C,
+                                    num_tokens=T)  # fmt: skip
+    for dtype in ("int8", "fp8"):
+        pool = jpaged.PagedKVCache.create(2, K, 8, C, H, dtype)
+        pool = dataclasses.replace(pool, k_scale=jnp.full_like(pool.k_scale, jnp.nan),
+                                   v_scale=jnp.full_like(pool.v_scale, jnp.nan))  # fmt: skip
+        out, pool = models.paged_attention_layer(q, k, v, pool, 1, meta)
+        rounded = [dequantize(*quantize_tokens(x, pool.dtype)) for x in (k, v)]
+        ref_pool = jpaged.PagedKVCache.create(2, K, 8, C, H, jnp.float32)
+        ref, _ = models.paged_attention_layer(q, *rounded, ref_pool, 1, meta)
+        assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+        assert_close(out, ref, jnp.float32)
+        written = np.asarray(meta.slot_mapping)[np.asarray(meta.slot_mapping) >= 0]
+        scales = np.asarray(pool.k_scale[1]).reshape(K, -1)[:, written]
+        assert np.isfinite(scales).all() and (scales[:, 3] == 1.0).all()

@@ -12,7 +12,9 @@ Run it alone with
 - the attention ops run under ``shard_map`` on one device's heads, every implementation;
 - checkpoints load each device's rows straight from the files;
 - no compile after warm-up, preemption (recompute, swap) and prefix caching under TP, and
-  the data-parallel front (routing, prefix affinity, abort, combined stats).
+  the data-parallel front (routing, prefix affinity, abort, combined stats);
+- an fp8 pool and its per-token scales split on the KV-head axis, swapped under tensor
+  parallelism, give the one-device fp8 engine's tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ SLOW_CASES = [
     "test_bf16_split_model_gives_the_one_device_tokens[llama2-4]",
     "test_bf16_split_model_gives_the_one_device_tokens[qwen2-8]",
     "test_pool_keeps_its_sharding_through_page_programs",
+    "test_a_quantized_pool_splits_its_scales_with_its_kv_heads",
 ]
 
 
@@ -375,3 +378,24 @@ def test_pool_keeps_its_sharding_through_page_programs():
     assert sharding.spec == P(None, "model") and isinstance(sharding, NamedSharding)
     llm.warmup()  # copy-on-write and swap programs on the split pool
     assert llm.cache.k_pages.sharding == sharding and llm.cache.v_pages.sharding == sharding
+
+
+def test_a_quantized_pool_splits_its_scales_with_its_kv_heads():
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (11, 14, 9)]
+    params = jpaged.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    one = jpaged.LLM(_one_device_model("llama2"), cache_dtype="fp8", **ENGINE)
+    ref = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    # 10 pages of 8 tokens: three sequences growing to ~50 tokens cannot all fit.
+    llm = jpaged.LLM("tests/checkpoints/llama2", mesh=make_mesh(2), cache_dtype="fp8",
+                     **{**ENGINE, "num_pages": 10, "watermark": 0.0, "preemption_mode": "swap"})  # fmt: skip
+    c = llm.cache
+    assert c.k_pages.dtype == jnp.float8_e4m3fn and c.k_scale.shape == c.k_pages.shape[:-1]
+    for x in (c.k_pages, c.v_pages, c.k_scale, c.v_scale):
+        assert x.sharding.spec == P(None, "model")
+        assert {s.data.shape[1] for s in x.addressable_shards} == {1}  # one KV head each
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    s = llm.stats()
+    assert s["preemptions_swap"] >= 1 and s["swapped_in_bytes"] == s["swapped_out_bytes"] > 0
+    assert llm.cache.k_scale.sharding.spec == P(None, "model")
