@@ -110,7 +110,7 @@ def quantize(x: jax.Array, dtype: Any, granularity: str = "token") -> tuple[jax.
 
     Args:
       x: [K, P, C, H] or [L, K, P, C, H] floating values.
-      dtype: a quantized dtype.
+      dtype: a quantized dtype, or its cache name ("fp8", "fp8_e5m2", "int8"; ``KV_DTYPES``).
       granularity: "tensor", "head", "page" or "token".
 
     Returns:
@@ -123,6 +123,7 @@ def quantize(x: jax.Array, dtype: Any, granularity: str = "token") -> tuple[jax.
     """
     if granularity not in _quant.GRANULARITIES:
         raise ValueError(f"{granularity=} must be one of {_quant.GRANULARITIES}")
+    dtype = kv_dtype(dtype)
     if not is_quantized(dtype):
         raise ValueError(f"dtype={jnp.dtype(dtype)} must be one of {_quant.QUANTIZED_DTYPES}")
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)  # [..., K, P, C]

@@ -36,12 +36,15 @@ TUNING: dict[str, Measured] = {
     ),
     "default_swap_ab": Measured(
         knob="swap_ab",
-        rule="scores as K Q^T at head dims 64 / 128 and 8 query columns, with or without splits",
+        rule="scores as K Q^T at head dims 64 / 128 / 256 and 8 query columns, with or without "
+        "splits",
         evidence="no splits: 0.4-4.7% faster in all seven split-free quick rows (G = 1, 4, 8); "
         "splits: -4.8% at B=1 / 32k, -3.0% at B=1 / 8k x 32 KV heads, +0.9% / +1.8% at "
-        "B=8 / 32k and 8k. Head dim 256 and 16+ columns correct but not timed",
-        date="2026-11-30",
-        commit="31231e3",
+        "B=8 / 32k and 8k (2026-11-30, 31231e3). Head dim 256 (B=32, N=16, K=8, 4k, G=2): "
+        "265.2 vs 462.8 us wall, 251.7 vs 446.1 us CUPTI (4.16 vs 2.38 TB/s; cuDNN non-paged "
+        "2.58). 16+ columns correct but not timed",
+        date="2026-12-06",
+        commit="f106a1c",
     ),
     "default_split_merge": Measured(
         knob="split_merge",
@@ -177,7 +180,7 @@ def default_num_stages(
 
 def default_swap_ab(head_dim: int, qcols: int) -> bool:
     """Scores as K Q^T (``TUNING["default_swap_ab"]``)."""
-    return head_dim in (64, 128) and qcols == 8
+    return head_dim in (64, 128, 256) and qcols == 8
 
 
 def default_split_merge(num_splits: int, swap_ab: bool) -> str:

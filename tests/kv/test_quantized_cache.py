@@ -266,3 +266,22 @@ def test_quantize_doctests():
 
     result = doctest.testmod(quantize)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("fp8", jnp.float8_e4m3fn), ("fp8_e5m2", jnp.float8_e5m2), ("int8", jnp.int8)],
+)
+def test_quantize_takes_cache_dtype_names(name, dtype):
+    # The names ``LLM(cache_dtype=...)`` takes quantize like the dtypes they stand for.
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((K, P, C, H)), jnp.float32)
+    by_name, by_dtype = quantize.quantize(x, name, "page"), quantize.quantize(x, dtype, "page")
+    assert by_name[0].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(
+        np.asarray(by_name[0], np.float32), np.asarray(by_dtype[0], np.float32)
+    )
+    np.testing.assert_array_equal(np.asarray(by_name[1]), np.asarray(by_dtype[1]))
+    with pytest.raises(ValueError, match="must be one of"):
+        quantize.quantize(x, "fp4", "page")
+    with pytest.raises(ValueError, match="must be one of"):
+        quantize.quantize(x, "bf16", "page")

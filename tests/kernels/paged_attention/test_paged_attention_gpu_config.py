@@ -20,7 +20,7 @@ def test_swap_ab_default():
     # On at H = 64 / 128 and 8 query columns, with or without splits, where it was measured.
     assert tuning_gpu.default_swap_ab(128, 8)
     assert tuning_gpu.default_swap_ab(64, 8)
-    assert not tuning_gpu.default_swap_ab(256, 8)  # not timed
+    assert tuning_gpu.default_swap_ab(256, 8)  # timed at B=32, N=16, K=8, 4k: 1.74x
     assert not tuning_gpu.default_swap_ab(128, 16)
 
 
