@@ -5,8 +5,7 @@ Decode: rows of ``decode_attention.QUICK`` (same lengths and tables as the table
 (B = 32k / T causal prompts, prefill_attention's shapes) through the ragged kernel with each of
 ``--prefill-variants``. XLA: the decode XLA path at ``--xla-rows`` with each ``pages_per_chunk``
 of ``--xla-chunks``, beside a module named by ``--old-xla`` (a file holding an earlier XLA
-path, e.g. one written by ``git show REV:pallas_kernels/paged_attention/xla.py``), in each
-form of ``--xla-contractions``.
+path, e.g. one written by ``git show REV:pallas_kernels/paged_attention/xla.py``).
 
     python benchmarks/diagnostics/triton_sweep.py --out sweep.json
 """
@@ -91,14 +90,11 @@ def xla_sweep(ns, results):
         nbytes = dec.live_bytes(case, inp.lengths_np)
         args = (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
         scale = 1.0 / math.sqrt(case.H)
-        impls = [
-            (f"xla_new R={r} {how}", xla.paged_attention_xla, {"pages_per_chunk": r, "contraction": how})
-            for how in ns.xla_contractions
-            for r in ns.xla_chunks
-        ]  # fmt: skip
+        impls = [(f"xla_new R={r}", xla.paged_attention_xla, r) for r in ns.xla_chunks]
         if old is not None:
-            impls.insert(0, ("xla_old", old.paged_attention_xla, {}))
-        for name, fn, kw in impls:
+            impls.insert(0, ("xla_old", old.paged_attention_xla, None))
+        for name, fn, r in impls:
+            kw = {} if r is None else {"pages_per_chunk": r}
             f = jax.jit(
                 lambda q, k, v, t, n, fn=fn, kw=kw, s=scale: fn(q, k, v, t, n, sm_scale=s, **kw)
             )
@@ -138,7 +134,6 @@ def main(argv=None):
     p.add_argument("--decode-variants", nargs="*", default=["default"])
     p.add_argument("--xla-rows", type=int, nargs="*", default=[3])
     p.add_argument("--xla-chunks", type=int, nargs="*", default=[16, 32])
-    p.add_argument("--xla-contractions", nargs="*", default=["dot"], choices=xla.CONTRACTIONS)
     p.add_argument("--old-xla", default="")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[8192])
     p.add_argument("--prefill-variants", nargs="*", default=["default"])

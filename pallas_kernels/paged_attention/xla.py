@@ -39,7 +39,6 @@ from pallas_kernels import _quant
 # Tokens gathered per loop step: at B=128 / 2k on the H200 1024 (pages_per_chunk 64 at C=16)
 # took 1517 us, 512 1592, 256 1728 (benchmarks/results/triton_sweep_h200.json).
 DEFAULT_CHUNK_TOKENS = 1024
-CONTRACTIONS = ("dot", "reduce")
 
 
 def unsupported_reason(
@@ -71,7 +70,6 @@ def paged_attention_xla(
     v_scale: jax.Array | None = None,
     interpret: bool = False,
     pages_per_chunk: int | None = None,
-    contraction: str = "dot",
 ) -> jax.Array:
     """Decode attention over a paged KV cache with a chunked online softmax in XLA.
 
@@ -95,17 +93,12 @@ def paged_attention_xla(
       interpret: must be False (there is no Pallas kernel to interpret here).
       pages_per_chunk: pages gathered per loop step (static); default about 256
         tokens' worth (``default_pages_per_chunk``).
-      contraction: how each chunk meets the queries (static). ``"dot"``: two batched dots
-        over the gathered chunk, which XLA writes out and reads back. ``"reduce"``: the same
-        sums as multiply-and-reduce, a form XLA can fuse with the gather so the chunk is read
-        from the pool once and never written (``CONTRACTIONS``).
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
 
     Raises:
-      ValueError: if ``interpret`` is True, ``pages_per_chunk`` is not an int >= 1 or
-        ``contraction`` is not one of ``CONTRACTIONS``.
+      ValueError: if ``interpret`` is True or ``pages_per_chunk`` is not an int >= 1.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((1, 2, 4)); kv = jnp.ones((1, 3, 2, 4))
@@ -123,8 +116,6 @@ def paged_attention_xla(
         isinstance(pages_per_chunk, int) and pages_per_chunk >= 1
     ):
         raise ValueError(f"{pages_per_chunk=} must be an int >= 1")
-    if contraction not in CONTRACTIONS:
-        raise ValueError(f"{contraction=} must be one of {CONTRACTIONS}")
     k_scale, v_scale = _quant.canonical_scales(k_pages, k_scale, v_scale)
     if k_pages.ndim == 4:
         # A leading unit axis is a free reshape; one code path serves both layouts.
@@ -142,7 +133,6 @@ def paged_attention_xla(
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         sliding_window=sliding_window,
         pages_per_chunk=min(pages_per_chunk, width),
-        contraction=contraction,
     )
 
 
@@ -187,17 +177,11 @@ def chunk_schedule(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "logits_soft_cap",
-        "sliding_window",
-        "pages_per_chunk",
-        "contraction",
-    ),
+    static_argnames=("sm_scale", "logits_soft_cap", "sliding_window", "pages_per_chunk"),
 )
 def _paged_attention_xla(
     q_BNH, k_pages_LKPCH, v_pages_LKPCH, tables_BW, lengths_B, layer, k_scale, v_scale, *,
-    sm_scale, logits_soft_cap, sliding_window, pages_per_chunk, contraction,
+    sm_scale, logits_soft_cap, sliding_window, pages_per_chunk,
 ):  # fmt: skip
     B, N, H = q_BNH.shape
     _, K, P, C, _ = k_pages_LKPCH.shape
@@ -242,15 +226,10 @@ def _paged_attention_xla(
         vis_1BRC1 = visible_BRC[None, :, :, :, None]
         v_KBRCH = jnp.where(vis_1BRC1, v_KBRCH, jnp.zeros((), kv_dtype)).astype(dot_dtype)
 
-        if contraction == "dot":
-            s_KBGRC = jnp.einsum(
-                "kbgh,kbrch->kbgrc", q_KBGH, k_KBRCH,
-                precision=precision, preferred_element_type=jnp.float32,
-            )  # fmt: skip
-        else:  # products in f32, summed over h: a reduction XLA fuses with the gather
-            q_f32 = q_KBGH[:, :, :, None, None, :].astype(jnp.float32)
-            prod = q_f32 * k_KBRCH[:, :, None].astype(jnp.float32)
-            s_KBGRC = jnp.sum(prod, axis=-1)
+        s_KBGRC = jnp.einsum(
+            "kbgh,kbrch->kbgrc", q_KBGH, k_KBRCH,
+            precision=precision, preferred_element_type=jnp.float32,
+        )  # fmt: skip
         s_KBGRC = s_KBGRC * jnp.float32(sm_scale)
         if logits_soft_cap is not None:
             cap = jnp.float32(logits_soft_cap)
@@ -262,14 +241,10 @@ def _paged_attention_xla(
         alpha_KBG = jnp.exp(m_KBG - m_safe_KBG)  # exp(-inf) = 0 before the first key
         p_KBGRC = jnp.exp(s_KBGRC - m_safe_KBG[..., None, None])  # masked -> 0
         l_KBG = alpha_KBG * l_KBG + jnp.sum(p_KBGRC, axis=(-2, -1))
-        if contraction == "dot":
-            pv_KBGH = jnp.einsum(
-                "kbgrc,kbrch->kbgh", p_KBGRC.astype(dot_dtype), v_KBRCH,
-                precision=precision, preferred_element_type=jnp.float32,
-            )  # fmt: skip
-        else:
-            p_KBGRC1 = p_KBGRC.astype(dot_dtype).astype(jnp.float32)[..., None]
-            pv_KBGH = jnp.sum(p_KBGRC1 * v_KBRCH[:, :, None].astype(jnp.float32), axis=(3, 4))
+        pv_KBGH = jnp.einsum(
+            "kbgrc,kbrch->kbgh", p_KBGRC.astype(dot_dtype), v_KBRCH,
+            precision=precision, preferred_element_type=jnp.float32,
+        )  # fmt: skip
         acc_KBGH = alpha_KBG[..., None] * acc_KBGH + pv_KBGH
         return m_new_KBG, l_KBG, acc_KBGH
 

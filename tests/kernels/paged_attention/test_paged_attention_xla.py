@@ -92,37 +92,6 @@ def test_xla_knobs_vs_reference(knobs, pages_per_chunk):
     assert_close(out, _expected(kv, q32, **knobs), jnp.float32)
 
 
-@pytest.mark.parametrize(
-    "C, dtype, G, knobs",
-    [
-        (16, jnp.bfloat16, 4, {}),
-        (8, jnp.float32, 1, {"logits_soft_cap": 3.0}),
-        (1, jnp.float16, 8, {"sliding_window": 9}),
-    ],
-    ids=["C16-bf16-G4", "C8-f32-G1-softcap", "C1-f16-G8-window"],
-)
-def test_xla_reduce_contraction_vs_reference(C, dtype, G, knobs):
-    # The multiply-and-reduce form computes the same sums as the dots.
-    K, H = 2, 64
-    kv, q32 = _inputs([C, G, 7], C, K, G, H, dtype, out_of_range_tail=True)
-    q = jnp.asarray(q32, dtype)
-    out = jpaged.paged_attention(
-        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths,
-        implementation="xla", pages_per_chunk=3, contraction="reduce", **knobs,
-    )  # fmt: skip
-    assert out.dtype == dtype
-    assert_close(out, _expected(kv, q32, **knobs), dtype)
-
-
-def test_xla_rejects_unknown_contraction():
-    kv, q32 = _inputs(3, 8, 2, 2, 64, jnp.float32)
-    with pytest.raises(ValueError, match="contraction='einsum' must be one of"):
-        paged_attention_xla(
-            q32, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=0.1,
-            contraction="einsum",
-        )  # fmt: skip
-
-
 def test_xla_mixed_q_and_page_dtypes():
     # f32 queries over bf16 pages: the XLA path computes in f32.
     kv, q32 = _inputs(9, 8, 2, 4, 64, jnp.bfloat16)
