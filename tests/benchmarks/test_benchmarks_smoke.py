@@ -153,7 +153,6 @@ def test_jpaged_precompile_covers_every_shape_a_run_meets():
         assert not run["saturated"] and run["compiles"] == 0
     assert serving.backend_compiles() == before
     assert system.llm.stats()["loop_decode_steps"] > 0
-    assert system.llm.stats()["chain_joins"] > 0
 
 
 # ------------------------------------------------------------------------------ harness
