@@ -15,6 +15,7 @@ import numpy as np
 
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.buckets import BucketGrid
+from jpaged.engine.chain_join import ChainJoin
 from jpaged.engine.chat import load_chat_template
 from jpaged.engine.compile_cache import configure as configure_compilation_cache
 from jpaged.engine.counters import Counters
@@ -194,8 +195,12 @@ def assemble(
         kv, runner, appender, counters, width=W,
         max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=max_tokens,
     )  # fmt: skip
+    joins = None
+    if opts.join_running and k > 1:
+        joins = ChainJoin(kv, runner, scheduler, appender, counters, grid=executor.grid,
+                          num_decode_steps=k, max_model_len=max_model_len, width=W)  # fmt: skip
     chain = DecodeChain(
-        kv, runner, scheduler, appender, counters,
+        kv, runner, scheduler, appender, counters, joins=joins,
         num_decode_steps=k, max_model_len=max_model_len, width=W,
         seq_bucket=executor.seq_bucket,
         # On GPU a loop's dispatching call can last until the loop has run: it is made from

@@ -59,8 +59,10 @@ class ProgramKey:
     """One step program of the grid.
 
     Attributes:
-      kind: "decode" (one decode step of B rows), "loop" (a decode loop of B rows) or
-        "ragged" (a ragged step of T tokens and B rows).
+      kind: "decode" (one decode step of B rows), "loop" (a decode loop of B rows),
+        "ragged" (a ragged step of T tokens and B rows), "join" (rows joining a decode
+        loop's carry of B rows, their first tokens from a step of T rows) or "grow" (a
+        decode loop's carry of T rows grown to B; `jpaged.engine.chain_join`).
       rows: B.
       tokens: T (B for "decode" and "loop").
       mode: the loop's static sampling mode ("greedy", "random", "truncate"), else None.
@@ -76,6 +78,10 @@ class ProgramKey:
         """A short label, e.g. ``"loop B=64 greedy"`` or ``"ragged T=256 B=256"``."""
         if self.kind == "ragged":
             return f"ragged T={self.tokens} B={self.rows}"
+        if self.kind == "join":
+            return f"join B={self.rows} R={self.tokens}"
+        if self.kind == "grow":
+            return f"grow B={self.tokens}->{self.rows}"
         return f"{self.kind} B={self.rows}" + (f" {self.mode}" if self.mode else "")
 
 
@@ -136,16 +142,31 @@ class BucketGrid:
     def _rows_of_tokens(self, T: int, num_rows: int = 0) -> int:
         return max(min(self.rows(T), self.row_buckets[-1]), self.rows(num_rows))
 
-    def programs(self, *, num_decode_steps: int, modes: tuple[str, ...]) -> list[ProgramKey]:
+    def programs(self, *, num_decode_steps: int, modes: tuple[str, ...],
+                 join: bool = False) -> list[ProgramKey]:  # fmt: skip
         """Every step program this configuration can meet (beam search's top-k variant
         aside): with ``num_decode_steps > 1`` the decode loop per row bucket and sampling
         mode, and the single decode step per row bucket (beam search, a pool too short for
         a loop's lookahead); with 1, the single decode step only; and the ragged step per
-        token bucket."""
-        keys = [ProgramKey("decode", B, B) for B in self.row_buckets]
+        token bucket. With ``join`` (and loops), the programs that let rows join a running
+        chain: a join per pair of row buckets (the carry's, the step's) and a grow per
+        larger row bucket.
+
+        >>> g = BucketGrid(max_num_seqs=64, max_num_batched_tokens=64)
+        >>> [k.name for k in g.programs(num_decode_steps=8, modes=("greedy",), join=True)]
+        ... # doctest: +NORMALIZE_WHITESPACE
+        ['decode B=16', 'decode B=64', 'loop B=16 greedy', 'loop B=64 greedy',
+         'ragged T=64 B=64', 'join B=16 R=16', 'join B=16 R=64', 'join B=64 R=16',
+         'join B=64 R=64', 'grow B=16->64']
+        """
+        rows = self.row_buckets
+        keys = [ProgramKey("decode", B, B) for B in rows]
         if num_decode_steps > 1:
-            keys += [ProgramKey("loop", B, B, m) for B in self.row_buckets for m in modes]
+            keys += [ProgramKey("loop", B, B, m) for B in rows for m in modes]
         keys += [ProgramKey("ragged", self._rows_of_tokens(T), T) for T in self.token_buckets]
+        if join and num_decode_steps > 1:
+            keys += [ProgramKey("join", B, R) for B in rows for R in rows]
+            keys += [ProgramKey("grow", B2, B1) for B1 in rows for B2 in rows if B2 > B1]
         return keys
 
 

@@ -20,6 +20,11 @@ class Counters:
         ``loop_steps``).
       tokens_generated: tokens appended to sequences.
       loop_steps: decode steps run inside decode loops (they stop early).
+      chain_starts: chains of decode loops started.
+      beside_steps: steps run between two loops of a chain (prefill chunks, and decode
+        tokens of rows about to join it; `jpaged.engine.chain_join`).
+      chain_joins: rows that joined a running chain.
+      chain_grows: chains whose carry grew to a larger row bucket for rows to join.
       timing: seconds per timer: host time scheduling (``schedule_s``), host + device time
         in steps (``step_s``), of that the time waiting for device results
         (``device_wait_s``), and the time the calls starting device work took to return
@@ -31,4 +36,8 @@ class Counters:
     single_steps: int = 0
     tokens_generated: int = 0
     loop_steps: int = 0
+    chain_starts: int = 0
+    beside_steps: int = 0
+    chain_joins: int = 0
+    chain_grows: int = 0
     timing: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))

@@ -4,9 +4,13 @@ reserved ahead, the next loop dispatched from the previous one's device carry.
 `DecodeChain` starts a chain when every scheduled sequence is decoding (`can_loop`), and
 each later engine step advances it (`advance`): it reserves the next loop's pages, waits for
 the loop in flight, dispatches the next loop from its carry, and only then hands the tokens
-to the `TokenAppender`, so the host work overlaps the device. A chain ends when no row can
-run on, when a waiting request would be admitted, or on a failure (`end`: every row keeps
-exactly its computed tokens).
+to the `TokenAppender`, so the host work overlaps the device. With ``joins`` (a
+`ChainJoin`), a request admitted while the chain runs has its prefill run between two loops
+and its row joins the next loop (`jpaged.engine.chain_join`). A chain ends when no row can
+run on (and none joins), when half its rows finished, when the pool cannot reserve ahead,
+when a request outside it needs a single step (a waiting request that would be admitted
+and cannot join; without ``joins``, any), or on a failure (`end`: every row keeps exactly
+its computed tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from jpaged._errors import OutOfPagesError
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import LoopBatch, pad_to, sampling_arrays, sampling_row
 from jpaged.engine.buckets import stop_bucket
+from jpaged.engine.chain_join import Beside, ChainJoin
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.logits_process import logits_inputs, num_top_for
@@ -47,10 +52,13 @@ class DecodeChain:
       width: W, block-table width.
       seq_bucket: the sequence bucket of n rows (the single step's).
       threaded_dispatch: dispatch loops from a worker thread (GPU: see ``_dispatch``).
+      joins: runs admitted requests' prefills beside the chain and joins their rows to it
+        (None: a request that would be admitted ends the chain).
 
     Attributes:
       state: ``(scheduled rows, program, future of the loop in flight)`` while a chain runs,
         else None; ``program`` is the loop's static ``(sampling mode, num_top, processors)``.
+        A row's index is its slot in the loop's carry (a joined row takes a finished one's).
     """
 
     def __init__(
@@ -66,8 +74,13 @@ class DecodeChain:
         width: int,
         seq_bucket,
         threaded_dispatch: bool,
+        joins: ChainJoin | None = None,
     ):
         self.kv, self.runner, self.scheduler = kv, runner, scheduler
+        self.joins = joins
+        self._joinable = False  # whether the running chain takes rows (no logits features)
+        self._num_stops = 0  # the chain's stop-id columns
+        self.beside_requests: list = []  # requests of the step planned beside this round
         self.appender, self.counters = appender, counters
         self.num_decode_steps = num_decode_steps
         self.max_model_len = max_model_len
@@ -164,6 +177,9 @@ class DecodeChain:
         # its rows only ever drop out. So are the log-probability outputs and processors.
         mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
         program = (mode, num_top, processors)
+        self._joinable = self.joins is not None and inputs is None and not num_top
+        self._num_stops = S
+        self.counters.chain_starts += 1
         # Processed by the next `step()`, which first dispatches the loop after it: every
         # step makes at most one device call, and host work overlaps the loop in flight.
         try:
@@ -173,9 +189,11 @@ class DecodeChain:
             raise
         return True
 
-    def _dispatch(self, batch: LoopBatch, program: tuple) -> concurrent.futures.Future:
-        """Starts a decode loop; returns the future of
-        ``((cache, tokens, logprobs, steps run, carry, top), seconds the call took)``.
+    def _dispatch(self, batch: LoopBatch, program: tuple,
+                  beside: Beside | None = None) -> concurrent.futures.Future:  # fmt: skip
+        """Starts a decode loop (after ``beside``'s step and joins, in the same call);
+        returns the future of ``((cache, tokens, logprobs, steps run, carry, top), seconds
+        the call took)``.
 
         On GPU the call that dispatches a loop can return only once the loop has run (XLA
         thunks that synchronise with the host: cuBLAS GEMMs on dynamic slices inside loops,
@@ -188,20 +206,22 @@ class DecodeChain:
         self.counters.device_calls += 1
         settings = (getattr(jax.config, "jax_default_device", None),
                     getattr(jax.config, "jax_default_matmul_precision", None))  # fmt: skip
+        if beside is not None:
+            self.joins.count(beside)
         if not self.threaded_dispatch:
             fut = concurrent.futures.Future()
-            fut.set_result(self._loop_call(cache, batch, program, settings))
+            fut.set_result(self._loop_call(cache, batch, program, settings, beside))
             self.kv.pending = fut  # installs its pool on the next read of kv.cache
             return fut
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jpaged-dispatch"
             )
-        fut = self._dispatcher.submit(self._loop_call, cache, batch, program, settings)
+        fut = self._dispatcher.submit(self._loop_call, cache, batch, program, settings, beside)
         self.kv.pending = fut
         return fut
 
-    def _loop_call(self, cache, batch: LoopBatch, program: tuple, settings):
+    def _loop_call(self, cache, batch: LoopBatch, program: tuple, settings, beside=None):
         """Runs in the dispatch thread (under the dispatching thread's JAX settings)."""
         device, precision = settings
         with contextlib.ExitStack() as stack:
@@ -210,6 +230,8 @@ class DecodeChain:
             if precision is not None:
                 stack.enter_context(jax.default_matmul_precision(precision))
             t = time.perf_counter()
+            if beside is not None:
+                cache, batch = self.joins.run(cache, batch, beside)
             mode, num_top, processors = program
             out = self.runner.decode_loop(cache, batch, num_steps=self.num_decode_steps,
                                           mode=mode, num_top=num_top,
@@ -219,21 +241,29 @@ class DecodeChain:
             x.copy_to_host_async()
         return out, dt
 
-    def _may_chain(self, items) -> bool:
+    def _may_chain(self, items, mode: str) -> bool:
         # A waiting request ends the chain only if it would be admitted: with the pool full
-        # (or every seat taken) it keeps waiting either way. The allocator's lengths are
-        # those before the loop in flight, whose k tokens (and the next step's one) come
-        # before an admission.
+        # (or every seat taken) it keeps waiting either way; with joins, only if it cannot
+        # join (nor may a running request outside the chain that cannot). The allocator's
+        # lengths are those before the loop in flight, whose k tokens (and the next step's
+        # one) come before an admission.
         live = sum(not it.seq.finished for it in items)
         ahead = self.num_decode_steps + 1
-        return 2 * live >= len(items) and not self.scheduler.can_admit_head(ahead)
+        if 2 * live < len(items):
+            return False
+        if self._joinable:
+            return not self.joins.must_end(items, mode, self._num_stops, ahead)
+        return not self.scheduler.can_admit_head(ahead)
 
-    def advance(self) -> None:
+    def advance(self) -> set[str]:
         """Processes the loop in flight; first, when nothing waits, dispatches the next loop
-        from its device-side carry, so the host work below overlaps the device."""
+        from its device-side carry (after a step beside it, with ``joins``), so the host
+        work below overlaps the device. Returns the ids of the requests of the step beside
+        (the chain's own rows are the caller's to report)."""
         items, program, fut = self.state
+        self.beside_requests = []
         try:
-            self._advance(items, program, fut)
+            return self._advance(items, program, fut)
         except Exception:
             # A loop failed (e.g. out of memory, in the dispatch thread or here): the chain
             # ends and its reservations are released; its rows are scheduled again from what
@@ -271,33 +301,57 @@ class DecodeChain:
             if copies:  # never within a reservation, unless forked since: not here
                 raise AssertionError(f"unexpected copy-on-write in a decode chain: {copies}")
 
-    def _advance(self, items, program: tuple, fut) -> None:
+    def _plan_next(self, items, program: tuple, limits: list[int]):
+        """``(tables, live, beside)`` of the next loop, or None: the chain ends."""
         k = self.num_decode_steps
+        runs_on = any(lim > k for it, lim in zip(items, limits, strict=True)
+                      if not it.seq.finished)  # fmt: skip
+        ahead = k + 1
+        wants = self._joinable and self.joins.wants(items, ahead)
+        if not (runs_on or wants) or not self._may_chain(items, program[0]):
+            return None
+        if runs_on and not self._reserve(items, [min(2 * k, lim) for lim in limits]):
+            return None
+        beside = None
+        if wants:
+            beside = self.joins.plan(items, program[0], self._num_stops, self._seq_bucket)
+            if beside is None:
+                return None
+            self.beside_requests = [it.request for it in beside.plan.scheduled]
+            if not runs_on and beside.join is None:  # nothing would decode in the next loop
+                return None, None, beside
+            items = beside.items
+        Bp = self._seq_bucket(len(items))  # the loop's row bucket (`start`)
+        # Rows finished on the host (aborted) are still active in the device carry: their
+        # pages may be freed and reused, and their table rows are now zeros (page 0 is
+        # someone's page), so they must not decode (nor write K/V) in the next loop.
+        live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
+        return self._tables(items, Bp), live, beside
+
+    def _advance(self, items, program: tuple, fut) -> set[str]:
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
-        # The next loop's reservations and block tables need only what the host knows now,
-        # so they are prepared while the loop in flight runs: once it is done, dispatching
-        # the next one takes a device op and a submit. Chain only if some row may still be
-        # running after this loop (else the next loop would run zero steps). The loop in
-        # flight writes at most k positions per row, the next one k more.
-        plan = None
-        if (
-            any(lim > k for it, lim in zip(items, limits, strict=True) if not it.seq.finished)
-            and self._may_chain(items)
-            and self._reserve(items, [min(2 * k, lim) for lim in limits])
-        ):
-            Bp = self._seq_bucket(len(items))  # the loop's row bucket (`start`)
-            # Rows finished on the host (aborted) are still active in the device carry: their
-            # pages may be freed and reused, and their table rows are now zeros (page 0 is
-            # someone's page), so they must not decode (nor write K/V) in the next loop.
-            live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
-            plan = (self._tables(items, Bp), live)
+        # The next loop's reservations, block tables and the step beside it need only what
+        # the host knows now, so they are prepared while the loop in flight runs: once it is
+        # done, dispatching the next one takes a device op and a submit. Chain only if some
+        # row may still be running after this loop (else the next loop would run zero
+        # steps), or a row joins. The loop in flight writes at most k positions per row,
+        # the next one k more.
+        plan = self._plan_next(items, program, limits)
         t = time.perf_counter()
         (_, out_KB, lp_KB, ran, carry, top), dispatch_s = fut.result()
         self.counters.timing["device_wait_s"] += time.perf_counter() - t
         self.counters.timing["dispatch_s"] += dispatch_s
         nxt = None
-        if plan is not None:
-            tables, live = plan
+        beside = None if plan is None else plan[2]
+        if beside is not None and plan[0] is None:  # planned, but the chain ends: the next
+            self.kv.apply(beside.plan.page_ops)  # step schedules its requests again
+            self.beside_requests, beside = [], None
+        elif beside is not None:
+            self.kv.apply(beside.plan.page_ops)  # before the step (swap-ins, copies)
+            beside.tables, beside.live = plan[0], plan[1]
+            nxt = self._dispatch(carry, program, beside)
+        elif plan is not None:
+            tables, live = plan[0], plan[1]
             assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
             nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live),
                                  program)  # fmt: skip
@@ -330,4 +384,10 @@ class DecodeChain:
                 # The next loop, dispatched above, may still read pages released here (its
                 # table was built before): they are reused only by later device calls.
                 self.appender.release_outside_window(seq)
+        touched = set()
+        if beside is not None:
+            items = beside.items
+            touched = self.joins.finish(beside)  # the step's tokens (not the loop's)
+            chained = nxt is not None and any(not it.seq.finished for it in items)
         self.state = (items, program, nxt) if chained else None
+        return touched

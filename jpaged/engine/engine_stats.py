@@ -44,6 +44,12 @@ def engine_stats(
         "device_calls": counters.device_calls,
         "single_steps": counters.single_steps,
         "loop_decode_steps": counters.loop_steps,
+        # Chains of decode loops started; steps run between two of a chain's loops, rows
+        # that joined a running chain, carries grown for them (`jpaged.engine.chain_join`).
+        "chain_starts": counters.chain_starts,
+        "chain_prefill_steps": counters.beside_steps,
+        "chain_joins": counters.chain_joins,
+        "chain_grows": counters.chain_grows,
         "tokens_generated": counters.tokens_generated,
         # Host time scheduling, host + device time in steps, and of that the time spent
         # waiting for device results (so host work per step = step_s - device_wait_s) and

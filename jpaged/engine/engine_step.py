@@ -67,9 +67,9 @@ class EngineStep:
         touched = {it.request.request_id for it in items if not it.request.finished}
         self.counters.steps += 1
         try:
-            self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
-        except Exception as e:
-            self.fail([it.request for it in items], e)
+            touched |= self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
+        except Exception as e:  # the step planned beside the loop fails with it
+            self.fail([it.request for it in items] + self.chain.beside_requests, e)
         self.counters.timing["step_s"] += time.perf_counter() - t1
         return touched
 

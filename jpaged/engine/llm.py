@@ -77,6 +77,10 @@ class LLM:
       swap_space: bytes of host memory for swapped-out pages.
       num_decode_steps: k, decode steps per device call when every scheduled sequence is
         decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
+      join_running: admit requests while a chain of decode loops runs: a request's prefill
+        runs between two loops and its row joins the next one (`jpaged.engine.chain_join`;
+        rows with beam search, ``n > 1``, logits processing or log-probabilities end the
+        chain instead). False: an admission ends the chain and runs as a single step.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
       cache_dtype: K/V dtype (default: the model's); "fp8" / "fp8_e5m2" / "int8": quantized.
       tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer (wrapped in
@@ -134,6 +138,7 @@ class LLM:
         preemption_mode: str = "auto",
         swap_space: int = 1 << 30,
         num_decode_steps: int = 8,
+        join_running: bool = True,
         dtype: Any = None,
         cache_dtype: Any = None,
         tokenizer: Any = None,
@@ -154,7 +159,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-            swap_space=swap_space, num_decode_steps=num_decode_steps, dtype=dtype,
+            swap_space=swap_space, num_decode_steps=num_decode_steps,
+            join_running=join_running, dtype=dtype,
             cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
@@ -486,7 +492,7 @@ class LLM:
         The programs come from the engine's shape buckets (``grid``, `BucketGrid`): the
         decode step per row bucket, the decode loop per row bucket and sampling mode
         (greedy, random, truncated; none with ``num_decode_steps=1``), the ragged step per
-        token bucket; then the page programs of copy-on-write and swap
+        token bucket, the join and grow programs of ``join_running``; then the page programs of copy-on-write and swap
         (`KVManager.warmup_page_programs`). They are compiled by a thread pool, or loaded
         from the persistent compilation cache (``compilation_cache``). Beam search's top-k
         variant and the variants of the sampling features (logprobs, prompt logprobs,
@@ -508,8 +514,8 @@ class LLM:
                                     for r in self.replicas])  # fmt: skip
         return warmup_programs(
             self.kv, self.runner, self.grid, width=self.width,
-            num_decode_steps=self.num_decode_steps, cache_dir=self.compilation_cache_dir,
-            progress=progress, threads=threads,
+            num_decode_steps=self.num_decode_steps, join=self.chain.joins is not None,
+            cache_dir=self.compilation_cache_dir, progress=progress, threads=threads,
         )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:

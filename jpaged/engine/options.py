@@ -98,6 +98,7 @@ class EngineOptions:
     preemption_mode: str = "auto"
     swap_space: int = 1 << 30
     num_decode_steps: int = 8
+    join_running: bool = True
     dtype: Any = None
     cache_dtype: Any = None
     watermark: float = 0.01
@@ -134,7 +135,7 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, float | int) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name}={v!r} must be a number > 0")
-        for name in ("enable_prefix_caching", "debug"):
+        for name in ("enable_prefix_caching", "debug", "join_running"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name, quantized in (("dtype", False), ("cache_dtype", True)):

@@ -98,6 +98,12 @@ def default_compiler_options(
 _TRACES = [0]  # traces (= compiles) of the step programs in this process
 
 
+def count_trace() -> None:
+    """Counts one trace (= compile) of an engine program in ``Runner.num_compiles`` (the
+    small programs beside the step programs call it too: `jpaged.engine.chain_join`)."""
+    _TRACES[0] += 1
+
+
 def _step_impl(graphdef, state, cache, batch: StepBatch, *, decode: bool, num_top: int,
                processors: tuple):  # fmt: skip
     _TRACES[0] += 1  # runs once per trace, i.e. once per compile
@@ -281,7 +287,8 @@ class Runner:
         mesh = model.mesh if isinstance(model, TensorParallelModel) else None
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
-    def _placed(self, batch):
+    def placed(self, batch):
+        """``batch`` where the programs take it (every device of a tensor-parallel mesh)."""
         return batch if self._replicated is None else jax.device_put(batch, self._replicated)
 
     @property
@@ -303,7 +310,7 @@ class Runner:
           ``batch.prompt_targets``) is None or ``(logprob f32[T], f32[T, num_top],
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
-        return self._step(self.leaves, cache, self._placed(batch), decode=decode,
+        return self._step(self.leaves, cache, self.placed(batch), decode=decode,
                           num_top=num_top, processors=processors)  # fmt: skip
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
@@ -323,7 +330,7 @@ class Runner:
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+        return self._loop(self.leaves, cache, self.placed(batch), num_steps=num_steps,
                           mode=mode, num_top=num_top, processors=processors)  # fmt: skip
 
     def trace_step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0,
@@ -331,11 +338,11 @@ class Runner:
         """`step`'s program traced for these inputs (a ``jax.stages.Traced``; nothing runs).
         ``.lower().compile()`` compiles it, and a later `step` on inputs of the same shapes
         and kinds (host or device arrays) runs that executable without compiling again."""
-        return self._step.trace(self.leaves, cache, self._placed(batch), decode=decode,
+        return self._step.trace(self.leaves, cache, self.placed(batch), decode=decode,
                                 num_top=num_top, processors=processors)  # fmt: skip
 
     def trace_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str,
                    num_top: int = 0, processors: tuple = ()):  # fmt: skip
         """`decode_loop`'s program traced for these inputs (see `trace_step`)."""
-        return self._loop.trace(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+        return self._loop.trace(self.leaves, cache, self.placed(batch), num_steps=num_steps,
                                 mode=mode, num_top=num_top, processors=processors)  # fmt: skip

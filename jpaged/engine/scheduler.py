@@ -380,12 +380,41 @@ class Scheduler:
         keep = self.lookahead_pages(ahead) + self._own_lookahead(req) if self.running else 0
         return self._fits(req, keep)
 
-    def _admit(self, out: StepPlan, budget: int) -> None:
+    def schedule_beside(self, chained: set[str], admits) -> StepPlan | None:
+        """Plans a step that runs beside a chain of decode loops, leaving the chain's
+        requests (ids in ``chained``) alone: the next tokens of the other running requests
+        (a prefill chunk, or one decode token), then the admission of waiting requests as
+        `schedule` admits them, while the head passes ``admits`` (request -> bool). Never
+        preempts: None when a running request outside the chain cannot grow (what it grew
+        before stays, as in `schedule`; the engine then ends the chain and schedules)."""
+        self.step_index += 1
+        out = StepPlan()
+        budget = self.max_num_batched_tokens
+        seats = sum(len(r.live_seqs()) for r in self.running)
+        for req in list(self.running):
+            if req.request_id in chained:
+                continue
+            plan = self._plan(req, budget, self.max_num_seqs)
+            if plan is None:
+                continue
+            if not self._grow(req, plan, out):
+                return None
+            out.scheduled.extend(plan)
+            used = sum(p.num_new for p in plan)
+            budget -= used
+            out.num_tokens += used
+        self._admit(out, budget, seats=seats, admits=admits)
+        return out
+
+    def _admit(self, out: StepPlan, budget: int, *, seats: int | None = None,
+               admits=None) -> None:  # fmt: skip
+        """Admits waiting requests, FCFS. ``seats``: sequences already seated (default:
+        those of ``out``); ``admits``: the head is admitted only if it passes."""
         reserve = None  # the running sequences' lookahead, computed once something waits
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            seq_room = self.max_num_seqs - len(out.scheduled)
-            if len(req.live_seqs()) > seq_room:
+            seq_room = self.max_num_seqs - (len(out.scheduled) if seats is None else seats)
+            if len(req.live_seqs()) > seq_room or (admits is not None and not admits(req)):
                 return
             if reserve is None:
                 reserve = self.lookahead_pages()
@@ -399,6 +428,8 @@ class Scheduler:
                 if not self._allocate_fresh(req, budget, keep):
                     return
             reserve += self._own_lookahead(req)
+            if seats is not None:
+                seats += len(req.live_seqs())
             self.waiting.popleft()
             req.status = Status.RUNNING
             # Oldest first, by arrival: a re-admitted request regains its place, so the

@@ -20,6 +20,7 @@ import numpy as np
 
 from jpaged.engine.batches import LoopBatch, build_step_batch, sampling_arrays
 from jpaged.engine.buckets import BucketGrid, ProgramKey, stop_bucket
+from jpaged.engine.chain_join import warm_join_programs
 from jpaged.engine.compile_cache import count_cache_hits
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.runner import SAMPLING_MODES, Runner
@@ -134,6 +135,7 @@ def warmup_programs(
     *,
     width: int,
     num_decode_steps: int,
+    join: bool = False,
     cache_dir: str | None = None,
     progress: bool | None = None,
     threads: int | None = None,
@@ -148,6 +150,8 @@ def warmup_programs(
       grid: the configuration's buckets.
       width: W, block-table width.
       num_decode_steps: k (1: no decode loop programs).
+      join: also the join and grow programs of rows joining a running chain (compiled and
+        run after the others, on their outputs: a loop's carry, a step's tokens).
       cache_dir: the persistent compilation cache in use (reported).
       progress: a tqdm bar over the programs (None: where stderr is a terminal).
       threads: compile threads (default `default_threads`).
@@ -156,11 +160,16 @@ def warmup_programs(
       The `WarmupReport`.
     """
     t0 = time.perf_counter()
-    keys = grid.programs(num_decode_steps=num_decode_steps, modes=SAMPLING_MODES)
+    keys = grid.programs(num_decode_steps=num_decode_steps, modes=SAMPLING_MODES, join=join)
+    join_keys = [key for key in keys if key.kind in ("join", "grow")]
+    keys = [key for key in keys if key.kind not in ("join", "grow")]
+    carries: dict[int, object] = {}  # a loop's output carry per row bucket
+    tokens: dict[int, object] = {}  # a decode step's sampled tokens per row bucket
     threads = threads or default_threads(len(keys))
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(keys), desc=f"jpaged warm-up: {len(keys)} programs", unit="program",
+    total = len(keys) + len(join_keys)
+    bar = tqdm(total=total, desc=f"jpaged warm-up: {total} programs", unit="program",
                disable=None if progress is None else not progress)  # fmt: skip
     lower_s: list[float] = []
     timings: list[ProgramTiming] = []
@@ -194,7 +203,15 @@ def warmup_programs(
             kv.cache = out[0]
             jax.block_until_ready(out)
             timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
+            if key.kind == "loop":
+                carries[key.rows] = out[4]
+            elif key.kind == "decode":
+                tokens[key.rows] = out[1]
             bar.update(1)
+    # The join and grow programs are small (a few scatters): compiled here, one by one.
+    for name, low, compile_s, run_s in warm_join_programs(runner, join_keys, carries, tokens):
+        timings.append(ProgramTiming(name, low, compile_s, run_s, False))
+        bar.update(1)
     report = WarmupReport(
         programs=tuple(timings), num_page_programs=num_pages, page_programs_s=page_s,
         total_s=time.perf_counter() - t0, threads=threads, cache_dir=cache_dir,

@@ -135,11 +135,11 @@ def test_baseline_precompile_covers_every_shape_a_run_meets():
 
 
 def test_jpaged_precompile_covers_every_shape_a_run_meets():
-    # 5 shapes (decode, 3 loop sampling modes, the 32-token ragged step) and the page
-    # program of copy-on-write at one page-count bucket (no swap space: no swap programs);
-    # prompts run chunked.
+    # 5 shapes (decode, 3 loop sampling modes, the 32-token ragged step), the join of rows
+    # into a running chain (one row bucket: no grow) and the page program of copy-on-write
+    # at one page-count bucket (no swap space: no swap programs); prompts run chunked.
     system = _system("jpaged", max_num_batched_tokens=32)
-    assert serving.precompile_jpaged(system.llm) == 6
+    assert serving.precompile_jpaged(system.llm) == 7
     before = serving.backend_compiles()
     rng = np.random.default_rng(4)
     lengths = [(int(p), int(o)) for p, o in zip(rng.integers(1, 60, 12), rng.integers(1, 30, 12),

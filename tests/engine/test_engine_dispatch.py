@@ -272,12 +272,13 @@ def test_a_chain_ends_for_a_waiting_request_only_if_the_next_step_admits_it(page
     expected = [
         o.outputs[0].token_ids for o in make_llm(num_pages=512, **kw).generate(prompts, params)
     ]
-    llm = make_llm(num_pages=pages, watermark=0.0, **kw)
+    # Admissions that end the chain (joining off: tests/engine/test_chain_join.py).
+    llm = make_llm(num_pages=pages, watermark=0.0, join_running=False, **kw)
     ended_for = []
     may_chain = llm.chain._may_chain
 
-    def watching(items):
-        ok = may_chain(items)
+    def watching(items, *rest):
+        ok = may_chain(items, *rest)
         if not ok and 2 * sum(not it.seq.finished for it in items) >= len(items):
             ended_for.append(llm.scheduler.waiting[0])  # ended for the head of the queue
         return ok

@@ -49,8 +49,13 @@ def test_program_list_follows_the_configuration():
     modes = runner.SAMPLING_MODES
     with_loops = grid.programs(num_decode_steps=8, modes=modes)
     assert len(with_loops) == 4 + 4 * 3 + 6
+    joining = grid.programs(num_decode_steps=8, modes=modes, join=True)
+    # A join per (carry, step) pair of row buckets, a grow per larger row bucket.
+    assert joining[: len(with_loops)] == with_loops
+    assert [k.kind for k in joining[len(with_loops) :]] == ["join"] * 16 + ["grow"] * 6
     single = grid.programs(num_decode_steps=1, modes=modes)
     assert [k.kind for k in single] == ["decode"] * 4 + ["ragged"] * 6
+    assert grid.programs(num_decode_steps=1, modes=modes, join=True) == single
     assert [stop_bucket(n) for n in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 32]
     with pytest.raises(ValueError, match="max_num_seqs=0 must be an int >= 1"):
         BucketGrid(0, 16)
@@ -62,12 +67,12 @@ def test_warmup_report_and_no_compiles_after_it():
     assert report.threads == 2 and report.cache_dir is None
     assert [p.name for p in report.programs] == [
         "decode B=5", "loop B=5 greedy", "loop B=5 random", "loop B=5 truncate",
-        "ragged T=32 B=5",
+        "ragged T=32 B=5", "join B=5 R=5",  # rows joining a running chain
     ]  # fmt: skip
     assert all(p.lower_s > 0 and p.compile_s > 0 and p.run_s > 0 for p in report.programs)
     assert report.total_s >= sum(p.lower_s for p in report.programs)
     text = str(report)
-    assert "warm-up: 8 programs (5 step programs, 3 page programs)" in text
+    assert "warm-up: 9 programs (6 step programs, 3 page programs)" in text
     assert "loop B=5 truncate" in text and "no persistent cache" in text
     warm = llm.stats()["recompiles"]
     prompts = random_prompts(30, (3, 17, 9, 1, 30))

@@ -294,11 +294,12 @@ def test_padded_mlp_and_vocabulary_blocks_add_nothing():
 def test_no_compile_after_warmup_under_tensor_parallelism():
     llm = _llm("llama2", "tp2")
     # As on one device: decode, the loop in 3 sampling modes, the ragged step of the one token
-    # bucket (the budget, 32), and the page programs (beam search's top-k step compiles on
-    # first use).
+    # bucket (the budget, 32), the join of rows into a running chain, and the page programs
+    # (beam search's top-k step compiles on first use).
     report = llm.warmup()
     assert [p.name for p in report.programs] == [
-        "decode B=8", "loop B=8 greedy", "loop B=8 random", "loop B=8 truncate", "ragged T=32 B=8"
+        "decode B=8", "loop B=8 greedy", "loop B=8 random", "loop B=8 truncate",
+        "ragged T=32 B=8", "join B=8 R=8",
     ]  # fmt: skip
     assert report.num_page_programs == 3
     warm = llm.stats()["recompiles"]
@@ -346,7 +347,7 @@ def test_data_parallel_routes_requests_to_replicas():
     ref = jpaged.LLM(_one_device_model("llama2"), **ENGINE).generate(prompts, GREEDY)
     report = llm.warmup()  # the replicas' programs in one report
     assert [p.name for p in report.programs][:2] == ["r0 decode B=8", "r0 loop B=8 greedy"]
-    assert len(report.programs) == 10 and report.num_page_programs == 6
+    assert len(report.programs) == 12 and report.num_page_programs == 6  # 6 per replica
     warm = llm.stats()["recompiles"]
     assert {d for r in llm.replicas for d in r.model.mesh.devices.flat} == set(
         make_mesh(2, 2).devices.flat

@@ -1,0 +1,360 @@
+"""Admission beside a running chain of decode loops: a request's prefill runs between two
+loops of the chain, and its row joins the chain's device carry at the next loop.
+
+While a chain runs (`jpaged.engine.decode_chain.DecodeChain`), each of its rounds may carry
+a step planned beside it (`Scheduler.schedule_beside`: the next prefill chunk, or decode
+token, of running requests outside the chain, and the admission of waiting ones). The round
+runs, in one dispatch and in this order on the device: that step (a ragged or decode step
+of the bucket grid), then, for each request whose step sampled its first token, a small
+program that writes its row (that token, taken on device from the step's output, its
+length, limits, stop ids and sampling settings) into the carry at a free slot (a finished
+row's, or padding), after growing the carry to a larger row bucket when none is free; then
+the next decode loop. Nothing waits for the host: the new rows decode in that loop, and the
+host reads the step's tokens while it runs.
+
+A request joins only where the loop computes exactly what a step would: one sequence (no
+beam search, ``n == 1``), no logits processing (`jpaged.engine.logits_process`), no
+log-probability outputs, at most the chain's stop-id columns, and greedy or the chain's
+sampling mode. A waiting request that would be admitted but cannot join, or a running one
+outside the chain that cannot, ends the chain (the next step schedules everything). The
+join and grow programs are in the bucket grid (`BucketGrid.programs`), so warm-up compiles
+them (`warm_join_programs`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged._errors import OutOfPagesError
+from jpaged.engine.batches import (
+    LoopBatch,
+    SamplingArrays,
+    build_step_batch,
+    sampling_arrays,
+    sampling_row,
+)
+from jpaged.engine.buckets import BucketGrid, ProgramKey
+from jpaged.engine.logits_process import num_top_for, uses_processing
+from jpaged.engine.requests import Request
+from jpaged.engine.runner import count_trace
+from jpaged.engine.sampling import sampling_mode
+from jpaged.engine.scheduler import PageOp, Scheduled, StepPlan
+
+__all__ = ["Beside", "ChainJoin", "JoinRows", "grow_carry", "join_rows", "warm_join_programs"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JoinRows:
+    """Rows written into a decode loop's carry (B rows, host NumPy).
+
+    Attributes:
+      mask: bool[B] the slots written.
+      src: i32[B] each slot's row in the step's sampled tokens (its first token).
+      lens: i32[B] tokens in the cache; the first token sits at position ``lens``.
+      max_steps: i32[B] tokens the row may still generate after its first one.
+      min_steps: i32[B] tokens before which stop tokens do not stop it (after the first).
+      first_stops: bool[B] whether a stop token as the first token stops the row.
+      stop_ids: i32[B, S] the row's stop tokens, -1 padding (S: the chain's).
+      sampling: the rows' ``SamplingArrays``.
+    """
+
+    mask: np.ndarray
+    src: np.ndarray
+    lens: np.ndarray
+    max_steps: np.ndarray
+    min_steps: np.ndarray
+    first_stops: np.ndarray
+    stop_ids: np.ndarray
+    sampling: SamplingArrays
+
+
+def _join_impl(carry: LoopBatch, rows: JoinRows, tok_R):
+    count_trace()
+    tok_B = tok_R[jnp.clip(rows.src, 0, tok_R.shape[0] - 1)]
+    stopped_B = jnp.any(tok_B[:, None] == rows.stop_ids, axis=1) & rows.first_stops
+    active_B = ~stopped_B & (rows.max_steps > 0)
+
+    def put(new, old):
+        mask = rows.mask.reshape(rows.mask.shape + (1,) * (old.ndim - 1))
+        return jnp.where(mask, new.astype(old.dtype), old)
+
+    return dataclasses.replace(
+        carry, tokens=put(tok_B, carry.tokens), lens=put(rows.lens, carry.lens),
+        active=put(active_B, carry.active), max_steps=put(rows.max_steps, carry.max_steps),
+        min_steps=put(rows.min_steps, carry.min_steps), stop_ids=put(rows.stop_ids, carry.stop_ids),
+        sampling=jax.tree.map(put, rows.sampling, carry.sampling),
+    )  # fmt: skip
+
+
+def _grow_impl(carry: LoopBatch, *, rows: int):
+    count_trace()
+
+    def pad(x, fill):
+        extra = jnp.full((rows - x.shape[0], *x.shape[1:]), fill, x.dtype)
+        return jnp.concatenate([x, extra])
+
+    s = carry.sampling
+    return dataclasses.replace(
+        carry, tokens=pad(carry.tokens, 0), lens=pad(carry.lens, 0),
+        block_tables=pad(carry.block_tables, 0), active=pad(carry.active, False),
+        live=pad(carry.live, False), max_steps=pad(carry.max_steps, 0),
+        min_steps=pad(carry.min_steps, 0), stop_ids=pad(carry.stop_ids, -1),
+        sampling=SamplingArrays(temperature=pad(s.temperature, 0.0), top_k=pad(s.top_k, 0),
+                                top_p=pad(s.top_p, 1.0), seed=pad(s.seed, 0),
+                                position=pad(s.position, 0)),
+    )  # fmt: skip
+
+
+join_rows = jax.jit(_join_impl)
+grow_carry = jax.jit(_grow_impl, static_argnames=("rows",))
+
+
+@dataclasses.dataclass
+class Beside:
+    """A step planned beside a chain's next loop, and the rows that join that loop.
+
+    Attributes:
+      plan: the step's `StepPlan` (its page operations run before it).
+      batch: its ``StepBatch`` (None: nothing to run, only page operations).
+      decode: whether it runs the decode step (every row one token).
+      rows: per sampled token row, the index in ``plan.scheduled``.
+      items: the chain's rows for the next loop (joined rows in their slots).
+      num_rows: the next loop's row bucket.
+      grown: whether it is larger than the chain's (the carry grows first).
+      join: the `JoinRows` (None: no row joins).
+      tables, live: the next loop's block tables and live rows (host).
+      result: the future of the step's ``(tokens, logprobs)`` (device arrays).
+    """
+
+    plan: StepPlan
+    batch: object
+    decode: bool
+    rows: list[int]
+    items: list[Scheduled]
+    num_rows: int
+    grown: bool
+    join: JoinRows | None
+    tables: np.ndarray | None = None
+    live: np.ndarray | None = None
+    result: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+class ChainJoin:
+    """Plans and applies the steps beside a chain of decode loops and the rows they join.
+
+    Args:
+      kv, runner, scheduler, appender, counters: the engine's parts.
+      grid: the bucket grid (row and token buckets).
+      num_decode_steps: k.
+      max_model_len: longest sequence.
+      width: W, block-table width.
+    """
+
+    def __init__(self, kv, runner, scheduler, appender, counters, *, grid: BucketGrid,
+                 num_decode_steps: int, max_model_len: int, width: int):  # fmt: skip
+        self.kv, self.runner, self.scheduler = kv, runner, scheduler
+        self.appender, self.counters, self.grid = appender, counters, grid
+        self.k, self.max_model_len, self.width = num_decode_steps, max_model_len, width
+
+    def joinable(self, req: Request, mode: str, num_stops: int) -> bool:
+        """Whether ``req``'s rows decode in a loop of sampling ``mode`` exactly as alone."""
+        p = req.params
+        if req.is_beam or req.fan_out != 1 or req.refork or len(req.live_seqs()) != 1:
+            return False
+        if uses_processing(p) or num_top_for([p]) or len(req.stop_ids) > num_stops:
+            return False
+        own = sampling_mode([p.temperature], [p.top_k], [p.top_p], self.runner.vocab_size)
+        return own in ("greedy", mode)
+
+    def must_end(self, items, mode: str, num_stops: int, ahead: int) -> bool:
+        """Whether a request outside the chain needs it to end: a running one that cannot
+        join, or a waiting head that would be admitted and cannot."""
+        chained = {it.request.request_id for it in items}
+        for req in self.scheduler.running:
+            if req.request_id not in chained and not self.joinable(req, mode, num_stops):
+                return True
+        waiting = self.scheduler.waiting
+        return (bool(waiting) and not self.joinable(waiting[0], mode, num_stops)
+                and self.scheduler.can_admit_head(ahead))  # fmt: skip
+
+    def wants(self, items, ahead: int) -> bool:
+        """Whether something outside the chain could run beside it."""
+        chained = {it.request.request_id for it in items}
+        if any(r.request_id not in chained for r in self.scheduler.running):
+            return True
+        return self.scheduler.can_admit_head(ahead)
+
+    def plan(self, items, mode: str, num_stops: int, seq_bucket) -> Beside | None:
+        """Plans the step beside the chain's next loop and the rows that join it (changing
+        the allocator: admissions, slots, the joined rows' reservations). None: the chain
+        must end (a running request outside it cannot grow)."""
+        chained = {it.request.request_id for it in items}
+        plan = self.scheduler.schedule_beside(chained,
+                                              lambda r: self.joinable(r, mode, num_stops))  # fmt: skip
+        if plan is None:
+            return None
+        scheduled = plan.scheduled
+        rows = [b for b, it in enumerate(scheduled) if it.samples]
+        new_items = list(items)
+        free = [b for b, it in enumerate(items) if it.seq.finished]
+        joins = []  # (slot, scheduled index, token row, limit)
+        for r, b in enumerate(rows):
+            it = scheduled[b]
+            seq, p = it.seq, it.request.params
+            n0 = seq.num_computed + it.num_new  # the first token's position
+            lim = min(p.max_tokens - seq.num_generated - 1, self.max_model_len - n0 - 1)
+            if lim <= 0 or not self._reserve(seq, n0 + min(self.k, lim), plan):
+                continue  # it finishes with its first token, or decodes beside next time
+            slot = free.pop(0) if free else len(new_items)
+            if slot == len(new_items):
+                new_items.append(None)
+            new_items[slot] = Scheduled(seq, it.request, 1)
+            joins.append((slot, b, r, lim))
+        Bp = seq_bucket(len(new_items))
+        decode = plan.decode_only
+        batch = None
+        if scheduled:
+            batch = self._batch(plan, rows, decode)
+        return Beside(plan=plan, batch=batch, decode=decode, rows=rows, items=new_items,
+                      num_rows=Bp, grown=Bp > seq_bucket(len(items)),
+                      join=self._join_rows(scheduled, joins, Bp, num_stops))  # fmt: skip
+
+    def _reserve(self, seq, upto: int, plan: StepPlan) -> bool:
+        """Slots up to position ``upto`` for a joining row (its first loop); copies go into
+        the plan's page operations."""
+        extra = upto - self.kv.alloc.num_tokens(seq.seq_id)
+        try:
+            copies = self.kv.alloc.reserve(seq.seq_id, max(extra, 0))
+        except OutOfPagesError:
+            return False
+        if copies:
+            plan.page_ops.append(PageOp("copy", tuple(copies)))
+        return True
+
+    def _batch(self, plan: StepPlan, rows: list[int], decode: bool):
+        alloc, items = self.kv.alloc, plan.scheduled
+        n = max(len(items), len(rows))
+        if decode:
+            Bp = Tp = self.grid.rows(n)
+        else:
+            Bp, Tp = self.grid.ragged_shape(num_tokens=plan.num_tokens, num_rows=n)
+        samp = [sampling_row(items[b].request, items[b].seq, items[b].seq.seed) for b in rows]
+        return build_step_batch(
+            [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
+            [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
+            [alloc.block_table(it.seq.seq_id) for it in items], rows,
+            sampling_arrays(np.asarray(samp, np.float64), Bp),
+            width=self.width, num_rows=Bp, num_tokens=Tp,
+        )  # fmt: skip
+
+    def _join_rows(self, scheduled, joins, Bp: int, num_stops: int) -> JoinRows | None:
+        if not joins:
+            return None
+        mask = np.zeros(Bp, bool)
+        src, lens, max_steps, min_steps = (np.zeros(Bp, np.int32) for _ in range(4))
+        first_stops = np.zeros(Bp, bool)
+        stop_ids = np.full((Bp, num_stops), -1, np.int32)
+        samp = np.zeros((Bp, 5))
+        samp[:, 2] = 1.0
+        for slot, b, r, lim in joins:
+            it = scheduled[b]
+            seq, p = it.seq, it.request.params
+            gen = seq.num_generated + 1  # with the first token
+            mask[slot], src[slot] = True, r
+            lens[slot], max_steps[slot] = seq.num_computed + it.num_new, lim
+            min_steps[slot] = min(max(p.min_tokens - gen, 0), lim)
+            first_stops[slot] = gen >= p.min_tokens
+            stops = sorted(it.request.stop_ids)
+            stop_ids[slot, : len(stops)] = stops
+            samp[slot] = sampling_row(it.request, seq, seq.seed)
+        return JoinRows(mask=mask, src=src, lens=lens, max_steps=max_steps,
+                        min_steps=min_steps, first_stops=first_stops, stop_ids=stop_ids,
+                        sampling=sampling_arrays(samp, Bp))  # fmt: skip
+
+    def run(self, cache, carry: LoopBatch, beside: Beside):
+        """Runs in the dispatch thread: the step beside, then the joins (growing the carry
+        first when its bucket is too small); returns ``(cache, the next loop's batch)``."""
+        try:
+            if beside.batch is not None:
+                out = self.runner.step(cache, beside.batch, decode=beside.decode)
+                cache, tok_R, lp_R = out[:3]
+                tok_R.copy_to_host_async()
+                lp_R.copy_to_host_async()
+                beside.result.set_result((tok_R, lp_R))
+            else:
+                beside.result.set_result(None)
+        except BaseException as e:
+            if not beside.result.done():
+                beside.result.set_exception(e)
+            raise
+        if beside.num_rows > carry.tokens.shape[0]:
+            carry = grow_carry(carry, rows=beside.num_rows)
+        if beside.join is not None:
+            carry = join_rows(carry, self.runner.placed(beside.join), tok_R)
+        return cache, dataclasses.replace(carry, block_tables=beside.tables, live=beside.live)
+
+    def count(self, beside: Beside) -> None:
+        """Adds the round's step and joins to the counters (at dispatch)."""
+        c = self.counters
+        if beside.batch is not None:
+            c.device_calls += 1
+            c.beside_steps += 1
+        if beside.join is not None:
+            c.chain_joins += int(beside.join.mask.sum())
+        c.chain_grows += beside.grown
+
+    def finish(self, beside: Beside) -> set[str]:
+        """After the round's dispatch: the step's book-keeping, then its sampled tokens
+        (waits for the step only, not for the loop after it); returns the ids it touched."""
+        items = beside.plan.scheduled
+        for it in items:
+            it.seq.num_computed += it.num_new
+            self.appender.commit_pages(it.request, it.seq)
+            self.appender.release_outside_window(it.seq)
+        touched = {it.request.request_id for it in items}
+        if beside.batch is None:
+            return touched
+        t = time.perf_counter()
+        tok_R, lp_R = beside.result.result()
+        tok_R, lp_R = np.asarray(tok_R).tolist(), np.asarray(lp_R).tolist()
+        self.counters.timing["device_wait_s"] += time.perf_counter() - t
+        for r, b in enumerate(beside.rows):
+            it = items[b]
+            if not it.request.finished and not it.seq.finished:
+                self.appender.append(it.request, it.seq, tok_R[r], lp_R[r], None)
+        return touched
+
+
+def warm_join_programs(runner, keys: list[ProgramKey], carries: dict,
+                       tokens: dict) -> list[tuple[str, float, float, float]]:  # fmt: skip
+    """Lowers, compiles and runs the join and grow programs of ``keys`` on a decode loop's
+    carry of each row bucket (``carries``) and a step's sampled tokens of each
+    (``tokens``), writing no row; returns ``(name, lower s, compile s, run s)`` each."""
+    out = []
+    for key in keys:
+        t0 = time.perf_counter()
+        if key.kind == "grow":
+            fn, args, kw = grow_carry, (carries[key.tokens],), {"rows": key.rows}
+        else:
+            B = key.rows
+            S = carries[B].stop_ids.shape[1]
+            zeros = np.zeros(B, np.int32)
+            rows = JoinRows(mask=np.zeros(B, bool), src=zeros, lens=zeros, max_steps=zeros,
+                            min_steps=zeros, first_stops=np.zeros(B, bool),
+                            stop_ids=np.full((B, S), -1, np.int32),
+                            sampling=sampling_arrays(np.zeros((B, 5)), B))  # fmt: skip
+            fn, args, kw = join_rows, (carries[B], runner.placed(rows), tokens[key.tokens]), {}
+        lowered = fn.trace(*args, **kw).lower()
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2 = time.perf_counter()
+        jax.block_until_ready(fn(*args, **kw))
+        out.append((key.name, t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return out
