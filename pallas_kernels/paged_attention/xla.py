@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from pallas_kernels import _quant
 
 # Tokens gathered per loop step: at B=128 / 2k on the H200 1024 (pages_per_chunk 64 at C=16)
-# took 1517 us, 512 1592, 256 1728 (benchmarks/results/triton_sweep_h200.json).
+# took 1247 us, 256 1423, 2048 1547 (CUPTI, 2026-12-06; benchmarks/results/
+# triton_sweep_xla_h200.json).
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -91,8 +92,8 @@ def paged_attention_xla(
         with a 5-D pool); each gathered page is dequantized to ``page.astype(f32) * scale``.
       v_scale: like ``k_scale``, for ``v_pages``.
       interpret: must be False (there is no Pallas kernel to interpret here).
-      pages_per_chunk: pages gathered per loop step (static); default about 256
-        tokens' worth (``default_pages_per_chunk``).
+      pages_per_chunk: pages gathered per loop step (static); default about
+        ``DEFAULT_CHUNK_TOKENS`` tokens' worth (``default_pages_per_chunk``).
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros for sequences of length 0.
