@@ -2,7 +2,8 @@
 loops of the chain, and its row joins the chain's device carry at the next loop.
 
 While a chain runs (`jpaged.engine.decode_chain.DecodeChain`), each of its rounds may carry
-a step planned beside it (`Scheduler.schedule_beside`: the next prefill chunk, or decode
+a step planned beside it (`jpaged.engine.beside_plan.schedule_beside`: the next prefill
+chunk, or decode
 token, of running requests outside the chain, and the admission of waiting ones). The round
 runs, in one dispatch and in this order on the device: that step (a ragged or decode step
 of the bucket grid), then, for each request whose step sampled its first token, a small
@@ -12,13 +13,14 @@ row's, or padding), after growing the carry to a larger row bucket when none is 
 the next decode loop. Nothing waits for the host: the new rows decode in that loop, and the
 host reads the step's tokens while it runs.
 
-A request joins only where the loop computes exactly what a step would: one sequence (no
-beam search, ``n == 1``), no logits processing (`jpaged.engine.logits_process`), no
-log-probability outputs, at most the chain's stop-id columns, and greedy or the chain's
-sampling mode. A waiting request that would be admitted but cannot join, or a running one
-outside the chain that cannot, ends the chain (the next step schedules everything). The
-join and grow programs are in the bucket grid (`BucketGrid.programs`), so warm-up compiles
-them (`warm_join_programs`).
+A request joins only where the loop computes exactly what a step would
+(`jpaged.engine.beside_plan.joinable`). A waiting request that would be admitted but cannot
+join, or a running one outside the chain that cannot, ends the chain (the next step
+schedules everything); so does a plan beside the chain that is blocked (a running request
+outside it cannot grow), after its page operations ran. The join and grow programs are in
+the bucket grid (`BucketGrid.programs`), so warm-up compiles them (`lower_join_programs`).
+Their inputs go through `Runner.on_device` first, so each program meets one input sharding (a
+loop's carry or a grown one; a decode or a ragged step's tokens).
 """
 
 from __future__ import annotations
@@ -35,18 +37,24 @@ from jpaged._errors import OutOfPagesError
 from jpaged.engine.batches import (
     LoopBatch,
     SamplingArrays,
+    StepBatch,
     build_step_batch,
     sampling_arrays,
     sampling_row,
 )
+from jpaged.engine.beside_plan import JoinRule, joinable, schedule_beside
 from jpaged.engine.buckets import BucketGrid, ProgramKey
-from jpaged.engine.logits_process import num_top_for, uses_processing
-from jpaged.engine.requests import Request
 from jpaged.engine.runner import count_trace
-from jpaged.engine.sampling import sampling_mode
 from jpaged.engine.scheduler import PageOp, Scheduled, StepPlan
 
-__all__ = ["Beside", "ChainJoin", "JoinRows", "grow_carry", "join_rows", "warm_join_programs"]
+__all__ = [
+    "ChainJoin",
+    "JoinRows",
+    "StepBesideLoop",
+    "grow_carry",
+    "join_rows",
+    "lower_join_programs",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +84,19 @@ class JoinRows:
 
 
 def _join_impl(carry: LoopBatch, rows: JoinRows, tok_R):
+    """Writes the rows of ``rows.mask`` into ``carry`` (every other row unchanged).
+
+    Args:
+      carry: a decode loop's `LoopBatch` of B rows (tokens i32[B], lens i32[B], active
+        bool[B], max_steps i32[B], min_steps i32[B], stop_ids i32[B, S], sampling: B rows).
+      rows: the `JoinRows` (B rows).
+      tok_R: i32[R] the step's sampled tokens (R: its row bucket); slot b's first token is
+        ``tok_R[rows.src[b]]``.
+
+    Returns:
+      The carry (same shapes); a joined row is active unless its first token stopped it
+      (a stop token past ``min_tokens``) or it may generate nothing more.
+    """
     count_trace()
     tok_B = tok_R[jnp.clip(rows.src, 0, tok_R.shape[0] - 1)]
     stopped_B = jnp.any(tok_B[:, None] == rows.stop_ids, axis=1) & rows.first_stops
@@ -94,6 +115,9 @@ def _join_impl(carry: LoopBatch, rows: JoinRows, tok_R):
 
 
 def _grow_impl(carry: LoopBatch, *, rows: int):
+    """``carry`` (B rows: tokens i32[B], lens i32[B], block_tables i32[B, W], active and
+    live bool[B], max_steps and min_steps i32[B], stop_ids i32[B, S], sampling: B rows)
+    padded to ``rows`` rows (static, > B) of inactive, non-live padding."""
     count_trace()
 
     def pad(x, fill):
@@ -117,12 +141,13 @@ grow_carry = jax.jit(_grow_impl, static_argnames=("rows",))
 
 
 @dataclasses.dataclass
-class Beside:
+class StepBesideLoop:
     """A step planned beside a chain's next loop, and the rows that join that loop.
 
     Attributes:
-      plan: the step's `StepPlan` (its page operations run before it).
-      batch: its ``StepBatch`` (None: nothing to run, only page operations).
+      plan: the step's `StepPlan` (its page operations run before it; ``plan.blocked``:
+        the chain ends after them, nothing runs).
+      batch: its `StepBatch` (None: nothing to run, only page operations).
       decode: whether it runs the decode step (every row one token).
       rows: per sampled token row, the index in ``plan.scheduled``.
       items: the chain's rows for the next loop (joined rows in their slots).
@@ -134,7 +159,7 @@ class Beside:
     """
 
     plan: StepPlan
-    batch: object
+    batch: StepBatch | None
     decode: bool
     rows: list[int]
     items: list[Scheduled]
@@ -144,6 +169,15 @@ class Beside:
     tables: np.ndarray | None = None
     live: np.ndarray | None = None
     result: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests this round changes: those it schedules, and those its page
+        operations name (swapped in, copied, admitted without tokens yet): a failure before
+        the step ran fails them all (their pages may not hold their K/V)."""
+        ids = dict.fromkeys(it.request.request_id for it in self.plan.scheduled)
+        ids.update(dict.fromkeys(op.request_id for op in self.plan.page_ops))
+        return [rid for rid in ids if rid is not None]
 
 
 class ChainJoin:
@@ -163,25 +197,19 @@ class ChainJoin:
         self.appender, self.counters, self.grid = appender, counters, grid
         self.k, self.max_model_len, self.width = num_decode_steps, max_model_len, width
 
-    def joinable(self, req: Request, mode: str, num_stops: int) -> bool:
-        """Whether ``req``'s rows decode in a loop of sampling ``mode`` exactly as alone."""
-        p = req.params
-        if req.is_beam or req.fan_out != 1 or req.refork or len(req.live_seqs()) != 1:
-            return False
-        if uses_processing(p) or num_top_for([p]) or len(req.stop_ids) > num_stops:
-            return False
-        own = sampling_mode([p.temperature], [p.top_k], [p.top_p], self.runner.vocab_size)
-        return own in ("greedy", mode)
+    def rule(self, mode: str, num_stops: int) -> JoinRule:
+        """The `JoinRule` of a chain of sampling ``mode`` and ``num_stops`` stop-id columns."""
+        return JoinRule(mode=mode, num_stops=num_stops, vocab_size=self.runner.vocab_size)
 
-    def must_end(self, items, mode: str, num_stops: int, ahead: int) -> bool:
+    def must_end(self, items, rule: JoinRule, ahead: int) -> bool:
         """Whether a request outside the chain needs it to end: a running one that cannot
         join, or a waiting head that would be admitted and cannot."""
         chained = {it.request.request_id for it in items}
         for req in self.scheduler.running:
-            if req.request_id not in chained and not self.joinable(req, mode, num_stops):
+            if req.request_id not in chained and not joinable(req, rule):
                 return True
         waiting = self.scheduler.waiting
-        return (bool(waiting) and not self.joinable(waiting[0], mode, num_stops)
+        return (bool(waiting) and not joinable(waiting[0], rule)
                 and self.scheduler.can_admit_head(ahead))  # fmt: skip
 
     def wants(self, items, ahead: int) -> bool:
@@ -191,15 +219,17 @@ class ChainJoin:
             return True
         return self.scheduler.can_admit_head(ahead)
 
-    def plan(self, items, mode: str, num_stops: int, seq_bucket) -> Beside | None:
+    def plan(self, items, rule: JoinRule) -> StepBesideLoop:
         """Plans the step beside the chain's next loop and the rows that join it (changing
-        the allocator: admissions, slots, the joined rows' reservations). None: the chain
-        must end (a running request outside it cannot grow)."""
+        the allocator: admissions, slots, the joined rows' reservations). With
+        ``plan.blocked`` the chain must end (a running request outside it cannot grow); its
+        page operations still run."""
         chained = {it.request.request_id for it in items}
-        plan = self.scheduler.schedule_beside(chained,
-                                              lambda r: self.joinable(r, mode, num_stops))  # fmt: skip
-        if plan is None:
-            return None
+        plan = schedule_beside(self.scheduler, chained, rule)
+        Bp = self.grid.rows(len(items))  # the chain's row bucket
+        if plan.blocked:
+            return StepBesideLoop(plan=plan, batch=None, decode=False, rows=[], items=list(items),
+                                  num_rows=Bp, grown=False, join=None)  # fmt: skip
         scheduled = plan.scheduled
         rows = [b for b, it in enumerate(scheduled) if it.samples]
         new_items = list(items)
@@ -210,32 +240,31 @@ class ChainJoin:
             seq, p = it.seq, it.request.params
             n0 = seq.num_computed + it.num_new  # the first token's position
             lim = min(p.max_tokens - seq.num_generated - 1, self.max_model_len - n0 - 1)
-            if lim <= 0 or not self._reserve(seq, n0 + min(self.k, lim), plan):
+            if lim <= 0 or not self._reserve(it, n0 + min(self.k, lim), plan):
                 continue  # it finishes with its first token, or decodes beside next time
             slot = free.pop(0) if free else len(new_items)
             if slot == len(new_items):
                 new_items.append(None)
             new_items[slot] = Scheduled(seq, it.request, 1)
             joins.append((slot, b, r, lim))
-        Bp = seq_bucket(len(new_items))
+        new_Bp = self.grid.rows(len(new_items))
         decode = plan.decode_only
-        batch = None
-        if scheduled:
-            batch = self._batch(plan, rows, decode)
-        return Beside(plan=plan, batch=batch, decode=decode, rows=rows, items=new_items,
-                      num_rows=Bp, grown=Bp > seq_bucket(len(items)),
-                      join=self._join_rows(scheduled, joins, Bp, num_stops))  # fmt: skip
+        batch = self._batch(plan, rows, decode) if scheduled else None
+        join = self._join_rows(scheduled, joins, new_Bp, rule.num_stops)
+        return StepBesideLoop(plan=plan, batch=batch, decode=decode, rows=rows, items=new_items,
+                              num_rows=new_Bp, grown=new_Bp > Bp, join=join)  # fmt: skip
 
-    def _reserve(self, seq, upto: int, plan: StepPlan) -> bool:
+    def _reserve(self, it: Scheduled, upto: int, plan: StepPlan) -> bool:
         """Slots up to position ``upto`` for a joining row (its first loop); copies go into
         the plan's page operations."""
-        extra = upto - self.kv.alloc.num_tokens(seq.seq_id)
+        seq_id = it.seq.seq_id
+        extra = upto - self.kv.alloc.num_tokens(seq_id)
         try:
-            copies = self.kv.alloc.reserve(seq.seq_id, max(extra, 0))
+            copies = self.kv.alloc.reserve(seq_id, max(extra, 0))
         except OutOfPagesError:
             return False
         if copies:
-            plan.page_ops.append(PageOp("copy", tuple(copies)))
+            plan.page_ops.append(PageOp("copy", tuple(copies), it.request.request_id))
         return True
 
     def _batch(self, plan: StepPlan, rows: list[int], decode: bool):
@@ -278,9 +307,11 @@ class ChainJoin:
                         min_steps=min_steps, first_stops=first_stops, stop_ids=stop_ids,
                         sampling=sampling_arrays(samp, Bp))  # fmt: skip
 
-    def run(self, cache, carry: LoopBatch, beside: Beside):
+    def run(self, cache, carry: LoopBatch, beside: StepBesideLoop):
         """Runs in the dispatch thread: the step beside, then the joins (growing the carry
-        first when its bucket is too small); returns ``(cache, the next loop's batch)``."""
+        first when its bucket is too small); returns ``(cache, the next loop's batch)``.
+        The carry and the step's tokens are placed (`Runner.on_device`) before the grow and
+        join programs: whichever program made them, those meet the sharding warm-up gave."""
         try:
             if beside.batch is not None:
                 out = self.runner.step(cache, beside.batch, decode=beside.decode)
@@ -295,22 +326,23 @@ class ChainJoin:
                 beside.result.set_exception(e)
             raise
         if beside.num_rows > carry.tokens.shape[0]:
-            carry = grow_carry(carry, rows=beside.num_rows)
+            carry = grow_carry(self.runner.on_device(carry), rows=beside.num_rows)
         if beside.join is not None:
-            carry = join_rows(carry, self.runner.placed(beside.join), tok_R)
+            put = self.runner.on_device
+            carry = join_rows(put(carry), put(beside.join), put(tok_R))
         return cache, dataclasses.replace(carry, block_tables=beside.tables, live=beside.live)
 
-    def count(self, beside: Beside) -> None:
+    def count(self, beside: StepBesideLoop) -> None:
         """Adds the round's step and joins to the counters (at dispatch)."""
         c = self.counters
         if beside.batch is not None:
             c.device_calls += 1
-            c.beside_steps += 1
+            c.steps_beside_chain += 1
         if beside.join is not None:
             c.chain_joins += int(beside.join.mask.sum())
         c.chain_grows += beside.grown
 
-    def finish(self, beside: Beside) -> set[str]:
+    def finish(self, beside: StepBesideLoop) -> set[str]:
         """After the round's dispatch: the step's book-keeping, then its sampled tokens
         (waits for the step only, not for the loop after it); returns the ids it touched."""
         items = beside.plan.scheduled
@@ -332,29 +364,40 @@ class ChainJoin:
         return touched
 
 
-def warm_join_programs(runner, keys: list[ProgramKey], carries: dict,
-                       tokens: dict) -> list[tuple[str, float, float, float]]:  # fmt: skip
-    """Lowers, compiles and runs the join and grow programs of ``keys`` on a decode loop's
-    carry of each row bucket (``carries``) and a step's sampled tokens of each
-    (``tokens``), writing no row; returns ``(name, lower s, compile s, run s)`` each."""
+def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops: int):
+    """Lowers the join and grow programs of ``keys`` on inputs placed as `ChainJoin.run`
+    places them (a carry of each row bucket, a step's tokens of each), which write no row.
+
+    Returns:
+      ``[(key, lowered, run)]``: ``run()`` runs the program once (after its compile).
+    """
     out = []
     for key in keys:
-        t0 = time.perf_counter()
         if key.kind == "grow":
-            fn, args, kw = grow_carry, (carries[key.tokens],), {"rows": key.rows}
+            carry = _empty_carry(runner, key.tokens, width, num_stops)
+            fn, args, kw = grow_carry, (carry,), {"rows": key.rows}
         else:
             B = key.rows
-            S = carries[B].stop_ids.shape[1]
             zeros = np.zeros(B, np.int32)
             rows = JoinRows(mask=np.zeros(B, bool), src=zeros, lens=zeros, max_steps=zeros,
                             min_steps=zeros, first_stops=np.zeros(B, bool),
-                            stop_ids=np.full((B, S), -1, np.int32),
+                            stop_ids=np.full((B, num_stops), -1, np.int32),
                             sampling=sampling_arrays(np.zeros((B, 5)), B))  # fmt: skip
-            fn, args, kw = join_rows, (carries[B], runner.placed(rows), tokens[key.tokens]), {}
+            tok_R = runner.on_device(np.zeros(key.tokens, np.int32))
+            args = (_empty_carry(runner, B, width, num_stops), runner.on_device(rows), tok_R)
+            fn, kw = join_rows, {}
         lowered = fn.trace(*args, **kw).lower()
-        t1 = time.perf_counter()
-        lowered.compile()
-        t2 = time.perf_counter()
-        jax.block_until_ready(fn(*args, **kw))
-        out.append((key.name, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        out.append((key, lowered, lambda fn=fn, args=args, kw=kw: fn(*args, **kw)))
     return out
+
+
+def _empty_carry(runner, B: int, width: int, num_stops: int) -> LoopBatch:
+    """A decode loop's carry of B padding rows, on the device as a loop's output is."""
+    zeros = np.zeros(B, np.int32)
+    carry = LoopBatch(
+        tokens=zeros, lens=zeros, block_tables=np.zeros((B, width), np.int32),
+        active=np.zeros(B, bool), live=np.zeros(B, bool), max_steps=zeros, min_steps=zeros,
+        stop_ids=np.full((B, num_stops), -1, np.int32),
+        sampling=sampling_arrays(np.zeros((B, 5)), B),
+    )  # fmt: skip
+    return runner.on_device(carry)

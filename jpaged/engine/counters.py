@@ -21,8 +21,8 @@ class Counters:
       tokens_generated: tokens appended to sequences.
       loop_steps: decode steps run inside decode loops (they stop early).
       chain_starts: chains of decode loops started.
-      beside_steps: steps run between two loops of a chain (prefill chunks, and decode
-        tokens of rows about to join it; `jpaged.engine.chain_join`).
+      steps_beside_chain: steps run between two loops of a chain (prefill chunks of
+        admitted requests, decode tokens of requests outside it; `jpaged.engine.chain_join`).
       chain_joins: rows that joined a running chain.
       chain_grows: chains whose carry grew to a larger row bucket for rows to join.
       timing: seconds per timer: host time scheduling (``schedule_s``), host + device time
@@ -37,7 +37,7 @@ class Counters:
     tokens_generated: int = 0
     loop_steps: int = 0
     chain_starts: int = 0
-    beside_steps: int = 0
+    steps_beside_chain: int = 0
     chain_joins: int = 0
     chain_grows: int = 0
     timing: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))

@@ -27,7 +27,7 @@ from jpaged._errors import OutOfPagesError
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import LoopBatch, pad_to, sampling_arrays, sampling_row
 from jpaged.engine.buckets import stop_bucket
-from jpaged.engine.chain_join import Beside, ChainJoin
+from jpaged.engine.chain_join import ChainJoin, StepBesideLoop
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.logits_process import logits_inputs, num_top_for
@@ -35,7 +35,24 @@ from jpaged.engine.runner import Runner
 from jpaged.engine.sampling import sampling_mode
 from jpaged.engine.scheduler import Scheduled, Scheduler, StepPlan
 
-__all__ = ["DecodeChain"]
+__all__ = ["DecodeChain", "NextRound"]
+
+
+@dataclasses.dataclass
+class NextRound:
+    """What follows the loop in flight, planned while it runs.
+
+    Attributes:
+      tables: i32[B, W] the next loop's block tables (None: no next loop, the chain ends).
+      live: bool[B] its live rows (None with ``tables``).
+      beside: the step planned beside it (None: none); with no next loop, only its page
+        operations run (a blocked plan's copies, or the admissions of a plan whose rows
+        would have nothing to decode), and the next step schedules its requests.
+    """
+
+    tables: np.ndarray | None
+    live: np.ndarray | None
+    beside: StepBesideLoop | None = None
 
 
 class DecodeChain:
@@ -80,7 +97,7 @@ class DecodeChain:
         self.joins = joins
         self._joinable = False  # whether the running chain takes rows (no logits features)
         self._num_stops = 0  # the chain's stop-id columns
-        self.beside_requests: list = []  # requests of the step planned beside this round
+        self.beside_request_ids: list[str] = []  # requests the step beside this round changes
         self.appender, self.counters = appender, counters
         self.num_decode_steps = num_decode_steps
         self.max_model_len = max_model_len
@@ -190,7 +207,7 @@ class DecodeChain:
         return True
 
     def _dispatch(self, batch: LoopBatch, program: tuple,
-                  beside: Beside | None = None) -> concurrent.futures.Future:  # fmt: skip
+                  beside: StepBesideLoop | None = None) -> concurrent.futures.Future:  # fmt: skip
         """Starts a decode loop (after ``beside``'s step and joins, in the same call);
         returns the future of ``((cache, tokens, logprobs, steps run, carry, top), seconds
         the call took)``.
@@ -252,7 +269,7 @@ class DecodeChain:
         if 2 * live < len(items):
             return False
         if self._joinable:
-            return not self.joins.must_end(items, mode, self._num_stops, ahead)
+            return not self.joins.must_end(items, self.joins.rule(mode, self._num_stops), ahead)
         return not self.scheduler.can_admit_head(ahead)
 
     def advance(self) -> set[str]:
@@ -261,7 +278,7 @@ class DecodeChain:
         work below overlaps the device. Returns the ids of the requests of the step beside
         (the chain's own rows are the caller's to report)."""
         items, program, fut = self.state
-        self.beside_requests = []
+        self.beside_request_ids = []
         try:
             return self._advance(items, program, fut)
         except Exception:
@@ -301,8 +318,8 @@ class DecodeChain:
             if copies:  # never within a reservation, unless forked since: not here
                 raise AssertionError(f"unexpected copy-on-write in a decode chain: {copies}")
 
-    def _plan_next(self, items, program: tuple, limits: list[int]):
-        """``(tables, live, beside)`` of the next loop, or None: the chain ends."""
+    def _plan_next(self, items, program: tuple, limits: list[int]) -> NextRound | None:
+        """The next round, or None: the chain ends (nothing planned beside it)."""
         k = self.num_decode_steps
         runs_on = any(lim > k for it, lim in zip(items, limits, strict=True)
                       if not it.seq.finished)  # fmt: skip
@@ -314,19 +331,19 @@ class DecodeChain:
             return None
         beside = None
         if wants:
-            beside = self.joins.plan(items, program[0], self._num_stops, self._seq_bucket)
-            if beside is None:
-                return None
-            self.beside_requests = [it.request for it in beside.plan.scheduled]
-            if not runs_on and beside.join is None:  # nothing would decode in the next loop
-                return None, None, beside
+            beside = self.joins.plan(items, self.joins.rule(program[0], self._num_stops))
+            self.beside_request_ids = beside.request_ids
+            # Blocked (a request outside the chain cannot grow), or nothing would decode in
+            # the next loop: the chain ends once the plan's page operations ran.
+            if beside.plan.blocked or (not runs_on and beside.join is None):
+                return NextRound(tables=None, live=None, beside=beside)
             items = beside.items
         Bp = self._seq_bucket(len(items))  # the loop's row bucket (`start`)
         # Rows finished on the host (aborted) are still active in the device carry: their
         # pages may be freed and reused, and their table rows are now zeros (page 0 is
         # someone's page), so they must not decode (nor write K/V) in the next loop.
         live = pad_to(np.asarray([not it.seq.finished for it in items]), Bp, False)
-        return self._tables(items, Bp), live, beside
+        return NextRound(tables=self._tables(items, Bp), live=live, beside=beside)
 
     def _advance(self, items, program: tuple, fut) -> set[str]:
         limits = self._loop_limits(items)  # before this loop's tokens: upper bounds
@@ -342,16 +359,16 @@ class DecodeChain:
         self.counters.timing["device_wait_s"] += time.perf_counter() - t
         self.counters.timing["dispatch_s"] += dispatch_s
         nxt = None
-        beside = None if plan is None else plan[2]
-        if beside is not None and plan[0] is None:  # planned, but the chain ends: the next
-            self.kv.apply(beside.plan.page_ops)  # step schedules its requests again
-            self.beside_requests, beside = [], None
+        beside = None if plan is None else plan.beside
+        if beside is not None and plan.tables is None:  # planned, but the chain ends: the
+            self.kv.apply(beside.plan.page_ops)  # next step schedules its requests again
+            self.beside_request_ids, beside = [], None
         elif beside is not None:
             self.kv.apply(beside.plan.page_ops)  # before the step (swap-ins, copies)
-            beside.tables, beside.live = plan[0], plan[1]
+            beside.tables, beside.live = plan.tables, plan.live
             nxt = self._dispatch(carry, program, beside)
         elif plan is not None:
-            tables, live = plan[0], plan[1]
+            tables, live = plan.tables, plan.live
             assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
             nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live),
                                  program)  # fmt: skip

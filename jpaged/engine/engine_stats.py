@@ -47,7 +47,7 @@ def engine_stats(
         # Chains of decode loops started; steps run between two of a chain's loops, rows
         # that joined a running chain, carries grown for them (`jpaged.engine.chain_join`).
         "chain_starts": counters.chain_starts,
-        "chain_prefill_steps": counters.beside_steps,
+        "steps_beside_chain": counters.steps_beside_chain,
         "chain_joins": counters.chain_joins,
         "chain_grows": counters.chain_grows,
         "tokens_generated": counters.tokens_generated,

@@ -68,8 +68,10 @@ class EngineStep:
         self.counters.steps += 1
         try:
             touched |= self.chain.advance()  # on a failure it ends the chain (`DecodeChain.end`)
-        except Exception as e:  # the step planned beside the loop fails with it
-            self.fail([it.request for it in items] + self.chain.beside_requests, e)
+        except Exception as e:  # the step planned beside the loop fails with it (every
+            # request it scheduled, swapped in, copied pages of, or admitted)
+            beside = [self.request(rid) for rid in self.chain.beside_request_ids]
+            self.fail([it.request for it in items] + beside, e)
         self.counters.timing["step_s"] += time.perf_counter() - t1
         return touched
 

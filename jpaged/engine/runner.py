@@ -291,6 +291,13 @@ class Runner:
         """``batch`` where the programs take it (every device of a tensor-parallel mesh)."""
         return batch if self._replicated is None else jax.device_put(batch, self._replicated)
 
+    def on_device(self, tree):
+        """``tree`` committed where the programs run (every device of a tensor-parallel mesh,
+        else the model's device): arrays from any program, or the host, then have one
+        sharding, and a program compiled for one of them serves them all."""
+        sharding = self._replicated or self.leaves[0].sharding
+        return jax.device_put(tree, sharding)
+
     @property
     def num_compiles(self) -> int:
         return _TRACES[0] - self._start

@@ -76,12 +76,16 @@ class StepPlan:
         "recompute", or "error" past ``max_preemptions``).
       page_ops: device page operations, in the order the allocator emitted them; the engine
         runs them in this order before the step.
+      blocked: (a plan beside a chain of decode loops) a running request could not grow:
+        nothing runs (``scheduled`` is empty), but ``page_ops`` still must (copies of the
+        requests that grew before it: their slots stay, and no later plan emits them again).
     """
 
     scheduled: list[Scheduled] = dataclasses.field(default_factory=list)
     num_tokens: int = 0
     preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     page_ops: list[PageOp] = dataclasses.field(default_factory=list)
+    blocked: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -380,41 +384,15 @@ class Scheduler:
         keep = self.lookahead_pages(ahead) + self._own_lookahead(req) if self.running else 0
         return self._fits(req, keep)
 
-    def schedule_beside(self, chained: set[str], admits) -> StepPlan | None:
-        """Plans a step that runs beside a chain of decode loops, leaving the chain's
-        requests (ids in ``chained``) alone: the next tokens of the other running requests
-        (a prefill chunk, or one decode token), then the admission of waiting requests as
-        `schedule` admits them, while the head passes ``admits`` (request -> bool). Never
-        preempts: None when a running request outside the chain cannot grow (what it grew
-        before stays, as in `schedule`; the engine then ends the chain and schedules)."""
-        self.step_index += 1
-        out = StepPlan()
-        budget = self.max_num_batched_tokens
-        seats = sum(len(r.live_seqs()) for r in self.running)
-        for req in list(self.running):
-            if req.request_id in chained:
-                continue
-            plan = self._plan(req, budget, self.max_num_seqs)
-            if plan is None:
-                continue
-            if not self._grow(req, plan, out):
-                return None
-            out.scheduled.extend(plan)
-            used = sum(p.num_new for p in plan)
-            budget -= used
-            out.num_tokens += used
-        self._admit(out, budget, seats=seats, admits=admits)
-        return out
-
     def _admit(self, out: StepPlan, budget: int, *, seats: int | None = None,
-               admits=None) -> None:  # fmt: skip
+               max_heads: int | None = None) -> None:  # fmt: skip
         """Admits waiting requests, FCFS. ``seats``: sequences already seated (default:
-        those of ``out``); ``admits``: the head is admitted only if it passes."""
+        those of ``out``); ``max_heads``: at most this many (default: no limit)."""
         reserve = None  # the running sequences' lookahead, computed once something waits
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and max_heads != 0:
             req = self.waiting[0]
             seq_room = self.max_num_seqs - (len(out.scheduled) if seats is None else seats)
-            if len(req.live_seqs()) > seq_room or (admits is not None and not admits(req)):
+            if len(req.live_seqs()) > seq_room:
                 return
             if reserve is None:
                 reserve = self.lookahead_pages()
@@ -430,6 +408,8 @@ class Scheduler:
             reserve += self._own_lookahead(req)
             if seats is not None:
                 seats += len(req.live_seqs())
+            if max_heads is not None:
+                max_heads -= 1
             self.waiting.popleft()
             req.status = Status.RUNNING
             # Oldest first, by arrival: a re-admitted request regains its place, so the

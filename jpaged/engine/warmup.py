@@ -20,7 +20,7 @@ import numpy as np
 
 from jpaged.engine.batches import LoopBatch, build_step_batch, sampling_arrays
 from jpaged.engine.buckets import BucketGrid, ProgramKey, stop_bucket
-from jpaged.engine.chain_join import warm_join_programs
+from jpaged.engine.chain_join import lower_join_programs
 from jpaged.engine.compile_cache import count_cache_hits
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.runner import SAMPLING_MODES, Runner
@@ -150,8 +150,8 @@ def warmup_programs(
       grid: the configuration's buckets.
       width: W, block-table width.
       num_decode_steps: k (1: no decode loop programs).
-      join: also the join and grow programs of rows joining a running chain (compiled and
-        run after the others, on their outputs: a loop's carry, a step's tokens).
+      join: also the join and grow programs of rows joining a running chain (compiled in
+        the pool with the others, on inputs placed as at run time; `lower_join_programs`).
       cache_dir: the persistent compilation cache in use (reported).
       progress: a tqdm bar over the programs (None: where stderr is a terminal).
       threads: compile threads (default `default_threads`).
@@ -163,9 +163,7 @@ def warmup_programs(
     keys = grid.programs(num_decode_steps=num_decode_steps, modes=SAMPLING_MODES, join=join)
     join_keys = [key for key in keys if key.kind in ("join", "grow")]
     keys = [key for key in keys if key.kind not in ("join", "grow")]
-    carries: dict[int, object] = {}  # a loop's output carry per row bucket
-    tokens: dict[int, object] = {}  # a decode step's sampled tokens per row bucket
-    threads = threads or default_threads(len(keys))
+    threads = threads or default_threads(len(keys) + len(join_keys))
     from tqdm.auto import tqdm
 
     total = len(keys) + len(join_keys)
@@ -186,6 +184,13 @@ def warmup_programs(
             lowered = traced.lower()
             lower_s.append(time.perf_counter() - t)
             futures.append(pool.submit(_compile, lowered))
+        # The join and grow programs (small: a few scatters), on a loop's stop-id columns.
+        joins = []
+        t = time.perf_counter()
+        for key, lowered, run in lower_join_programs(runner, join_keys, width=width,
+                                                     num_stops=stop_bucket(0)):  # fmt: skip
+            joins.append((key, pool.submit(_compile, lowered), time.perf_counter() - t, run))
+            t = time.perf_counter()
         # While the pool compiles: the page programs (small; they run on the pool, which no
         # step program uses before its compile is done).
         t = time.perf_counter()
@@ -203,15 +208,13 @@ def warmup_programs(
             kv.cache = out[0]
             jax.block_until_ready(out)
             timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
-            if key.kind == "loop":
-                carries[key.rows] = out[4]
-            elif key.kind == "decode":
-                tokens[key.rows] = out[1]
             bar.update(1)
-    # The join and grow programs are small (a few scatters): compiled here, one by one.
-    for name, low, compile_s, run_s in warm_join_programs(runner, join_keys, carries, tokens):
-        timings.append(ProgramTiming(name, low, compile_s, run_s, False))
-        bar.update(1)
+        for key, fut, low, run in joins:
+            compile_s, hit = fut.result()
+            t = time.perf_counter()
+            jax.block_until_ready(run())
+            timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
+            bar.update(1)
     report = WarmupReport(
         programs=tuple(timings), num_page_programs=num_pages, page_programs_s=page_s,
         total_s=time.perf_counter() - t0, threads=threads, cache_dir=cache_dir,

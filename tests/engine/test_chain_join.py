@@ -60,8 +60,8 @@ def test_same_tokens_with_joining_on_and_off_and_fewer_single_steps():
         assert _tokens(on, ids_on) == _tokens(off, ids_off), kw
         assert _reasons(on, ids_on) == ["length"] * len(prompts)
         s_on, s_off = on.stats(), off.stats()
-        assert s_on["chain_joins"] > 0 and s_on["chain_prefill_steps"] > 0
-        assert s_off["chain_joins"] == 0 and s_off["chain_prefill_steps"] == 0
+        assert s_on["chain_joins"] > 0 and s_on["steps_beside_chain"] > 0
+        assert s_off["chain_joins"] == 0 and s_off["steps_beside_chain"] == 0
         # Admissions no longer end chains: fewer chains, fewer host-synchronous steps.
         assert s_on["single_steps"] < s_off["single_steps"], (s_on, s_off)
         assert s_on["chain_starts"] < s_off["chain_starts"]
@@ -86,7 +86,7 @@ def test_an_admission_does_not_end_the_chain():
     assert any(it.request.request_id == ids[2] for it in llm.chain.state[0])
     s = llm.stats()
     assert (s["chain_starts"], s["single_steps"]) == (starts, singles)
-    assert s["chain_joins"] == 1 and s["chain_prefill_steps"] == 1
+    assert s["chain_joins"] == 1 and s["steps_beside_chain"] == 1
     while llm.has_unfinished_requests():
         llm.step()
     ref = make_llm(join_running=False).generate(prompts, [_params(i) for i in range(3)])
@@ -140,7 +140,7 @@ def test_abort_mid_prefill_beside_a_chain():
     ref = off.generate([prompts[i] for i in (0, 1, 3)], [params[i] for i in (0, 1, 3)])
     got = _tokens(llm, ids)
     assert [got[i] for i in (0, 1, 3)] == [o.outputs[0].token_ids for o in ref]
-    assert llm.stats()["chain_prefill_steps"] > 0
+    assert llm.stats()["steps_beside_chain"] > 0
     _check_released(llm)
 
 
