@@ -8,7 +8,8 @@ compiles after warm-up.
 """
 
 import jpaged
-from tests._engine_helpers import make_llm, random_prompts
+from jpaged._errors import OutOfPagesError
+from tests._engine_helpers import ENGINE, make_llm, random_prompts
 
 LENGTHS = (5, 12, 40, 3, 50, 9, 17, 2)  # 40 and 50 run in chunks (32-token budget)
 
@@ -62,7 +63,7 @@ def test_same_tokens_with_joining_on_and_off_and_fewer_single_steps():
         s_on, s_off = on.stats(), off.stats()
         assert s_on["chain_joins"] > 0 and s_on["steps_beside_chain"] > 0
         assert s_off["chain_joins"] == 0 and s_off["steps_beside_chain"] == 0
-        # Admissions no longer end chains: fewer chains, fewer host-synchronous steps.
+        # Admissions do not end chains: fewer chains, fewer host-synchronous steps.
         assert s_on["single_steps"] < s_off["single_steps"], (s_on, s_off)
         assert s_on["chain_starts"] < s_off["chain_starts"]
         assert s_on["tokens_generated"] == s_off["tokens_generated"]
@@ -166,23 +167,135 @@ def test_preemption_while_rows_join():
     assert all(r == expected for r in results.values())
 
 
-def test_requests_that_cannot_join_end_the_chain_and_stop_tokens_hold():
-    prompts = random_prompts(12, (6, 8, 5, 7, 9))
-    first = make_llm().generate(prompts, [_params(i) for i in range(5)])
-    # 2: log-probabilities (the loop of a plain chain lacks them); 3: n = 2; 4: its first
-    # token is a stop token (stops on device as on the host); 1: min_tokens past it.
-    t4, t1 = first[4].outputs[0].token_ids[0], first[1].outputs[0].token_ids[1]
-    params = [_params(0), _params(1, stop_token_ids=[t1], min_tokens=3),
-              _params(2, logprobs=2), _params(3, temperature=1.0, n=2),
-              _params(4, stop_token_ids=[t4])]  # fmt: skip
+def _chain_of_two(llm, prompts):
+    """Starts a chain over two requests; returns their ids."""
+    ids = [llm.add_request(p, _params(i)) for i, p in enumerate(prompts[:2])]
+    while llm.chain.state is None:
+        llm.step()
+    return ids
+
+
+def _finish(llm, ids):
+    while llm.has_unfinished_requests():
+        llm.step()
+    return [llm.get_output(r).outputs[0] for r in ids]
+
+
+def _reference(prompts, params):
+    ref = make_llm(join_running=False).generate(prompts, params)
+    return [o.outputs[0].token_ids for o in ref]
+
+
+def test_a_first_token_stop_joins_with_its_row_inactive():
+    prompts = random_prompts(12, (6, 8, 5))
+    t = _reference(prompts[2:], [_params(2)])[0][0]  # its first greedy token
+    params = [_params(0), _params(1), _params(2, stop_token_ids=[t])]
+    llm = make_llm()
+    ids = _chain_of_two(llm, prompts)
+    ids.append(llm.add_request(prompts[2], params[2]))
+    llm.step()  # its prefill beside the chain, its row joins the next loop
+    items, _, fut = llm.chain.state
+    (slot,) = [b for b, it in enumerate(items) if it.request.request_id == ids[2]]
+    carry = fut.result()[0][4]
+    assert not bool(carry.active[slot])  # stopped on device by its first token
+    assert llm.stats()["chain_joins"] == 1
+    outs = _finish(llm, ids)
+    assert (outs[2].token_ids, outs[2].finish_reason) == ([t], "stop")
+    assert [o.token_ids for o in outs] == _reference(prompts, params)
+    _check_released(llm)
+
+
+def test_requests_that_cannot_join_end_the_chain():
+    # Log-probabilities (a plain chain's loop lacks them); n = 2 (two sequences).
+    prompts = random_prompts(13, (6, 8, 5, 7))
+    params = [_params(0), _params(1), _params(2, logprobs=2), _params(3, n=2, temperature=1.0)]
     got = {}
     for join in (True, False):
         llm = make_llm(join_running=join)
-        ids = _stream(llm, prompts, params, every=1)
+        ids = _chain_of_two(llm, prompts)
+        for i in (2, 3):
+            while llm.chain.state is None:  # a chain runs when the request arrives
+                llm.step()
+            starts = llm.stats()["chain_starts"]
+            ids.append(llm.add_request(prompts[i], params[i]))
+            llm.step()
+            assert llm.chain.state is None  # the chain ended for it
+            while llm.chain.state is None and llm.has_unfinished_requests():
+                llm.step()
+            assert llm.stats()["chain_starts"] > starts
+        assert llm.stats()["chain_joins"] == 0
+        _finish(llm, ids)
         outs = [llm.get_output(r) for r in ids]
         got[join] = [[(c.token_ids, c.finish_reason, c.logprobs is not None) for c in o.outputs]
                      for o in outs]  # fmt: skip
         _check_released(llm)
     assert got[True] == got[False]
-    assert got[True][4] == [([t4], "stop", False)]
     assert got[True][2][0][2] and len(got[True][3]) == 2
+
+
+def test_max_tokens_1_beside_a_chain_finishes_without_joining():
+    prompts = random_prompts(14, (6, 8, 5))
+    params = [_params(0), _params(1), jpaged.SamplingParams(max_tokens=1, temperature=0.0)]
+    llm = make_llm()
+    ids = _chain_of_two(llm, prompts)
+    ids.append(llm.add_request(prompts[2], params[2]))
+    outs = {o.request_id: o for o in llm.step()}
+    assert outs[ids[2]].finished and outs[ids[2]].outputs[0].finish_reason == "length"
+    assert llm.chain.state is not None  # the chain goes on
+    s = llm.stats()
+    assert s["chain_joins"] == 0 and s["steps_beside_chain"] == 1
+    assert [o.token_ids for o in _finish(llm, ids)] == _reference(prompts, params)
+    _check_released(llm)
+
+
+def test_a_join_out_of_pages_decodes_beside_and_joins_next_time(monkeypatch):
+    prompts = random_prompts(15, (6, 8, 5))
+    params = [_params(i) for i in range(3)]
+    llm = make_llm()
+    ids = _chain_of_two(llm, prompts)
+    ids.append(llm.add_request(prompts[2], params[2]))
+    seq_id = llm._requests[ids[2]].seqs[0].seq_id
+    reserve, refused = llm.alloc.reserve, []
+
+    def short_once(sid, n):
+        if sid == seq_id and not refused:
+            refused.append(n)
+            raise OutOfPagesError("simulated: no room for the join's first loop")
+        return reserve(sid, n)
+
+    monkeypatch.setattr(llm.alloc, "reserve", short_once)
+    llm.step()  # its prefill beside the chain; its join's reservation fails
+    assert refused and llm.stats()["chain_joins"] == 0
+    llm.step()  # it decodes one token beside the chain, then joins
+    s = llm.stats()
+    assert s["chain_joins"] == 1 and s["steps_beside_chain"] == 2
+    assert llm.chain.state is not None
+    assert any(it.request.request_id == ids[2] for it in llm.chain.state[0])
+    assert [o.token_ids for o in _finish(llm, ids)] == _reference(prompts, params)
+    _check_released(llm)
+
+
+def test_a_stop_string_on_a_joined_rows_first_token():
+    llm = jpaged.LLM("tests/checkpoints/llama2", **{**ENGINE, "debug": True})
+    greedy = jpaged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The quick brown fox", "Once upon a time", "Hello there, my"]
+    first = llm.generate(prompts[2], greedy)[0].outputs[0]
+    stop = llm.tokenizer.decode(first.token_ids[:1]).strip()
+    assert stop
+    params = [greedy, greedy, jpaged.SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True, stop=[stop])]  # fmt: skip
+    got = {}
+    for join in (True, False):
+        llm = jpaged.LLM("tests/checkpoints/llama2", **ENGINE, join_running=join)
+        ids = [llm.add_request(p, greedy) for p in prompts[:2]]
+        while llm.chain.state is None:
+            llm.step()
+        ids.append(llm.add_request(prompts[2], params[2]))
+        llm.step()
+        assert llm.stats()["chain_joins"] == int(join)
+        _finish(llm, ids)
+        outs = [llm.get_output(r).outputs[0] for r in ids]
+        got[join] = [(o.token_ids, o.text, o.finish_reason) for o in outs]
+        _check_released(llm)
+    assert got[True] == got[False]
+    assert got[True][2][2] == "stop" and len(got[True][2][0]) == 1  # its first token
