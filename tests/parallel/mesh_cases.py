@@ -313,6 +313,31 @@ def test_no_compile_after_warmup_under_tensor_parallelism():
     assert llm.stats()["recompiles"] == warm
 
 
+def test_rows_join_and_the_carry_grows_without_compiles_under_tensor_parallelism():
+    # Two row buckets (16, 20): a chain of 16 rows grows to 20 for rows that join it; the
+    # grown carry and a ragged step's tokens meet the join programs warm-up compiled.
+    kw = dict(num_pages=256, max_num_seqs=20)
+    llm = _llm("llama2", "tp2", **kw)
+    names = [p.name for p in llm.warmup().programs]
+    assert "grow B=16->20" in names and "join B=20 R=16" in names and "join B=20 R=20" in names
+    warm = llm.stats()["recompiles"]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, size=3 + i % 7).tolist() for i in range(20)]
+    params = jpaged.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts[:16]]
+    while llm.chain.state is None:
+        llm.step()
+    ids += [llm.add_request(p, params) for p in prompts[16:]]
+    while llm.has_unfinished_requests():
+        llm.step()
+    s = llm.stats()
+    assert s["recompiles"] == warm
+    assert s["chain_grows"] > 0 and s["chain_joins"] >= 4
+    ref = _llm("llama2", "tp2", join_running=False, **kw).generate(prompts, params)
+    got = [llm.get_output(r).outputs[0].token_ids for r in ids]
+    assert got == [o.outputs[0].token_ids for o in ref]
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_tensor_parallelism(mode):
     rng = np.random.default_rng(3)
