@@ -493,12 +493,13 @@ class LLM:
         decode step per row bucket, the decode loop per row bucket and sampling mode
         (greedy, random, truncated; none with ``num_decode_steps=1``), the ragged step per
         token bucket, the join and grow programs of ``join_running``; then the page programs
-        of copy-on-write and swap (`KVManager.warmup_page_programs`). They are compiled by a thread pool, or loaded
-        from the persistent compilation cache (``compilation_cache``). Beam search's top-k
-        variant and the variants of the sampling features (logprobs, prompt logprobs,
-        penalties, bias, min-p, logits processors: `jpaged.engine.logits_process`) compile
-        on first use, once per combination met in a batch. After this, serving compiles
-        nothing else (``stats()["recompiles"]`` is fixed).
+        of copy-on-write and swap (`KVManager.warmup_page_programs`). They are compiled by a
+        thread pool, or loaded from the persistent compilation cache
+        (``compilation_cache``). Beam search's top-k variant and the variants of the
+        sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
+        processors: `jpaged.engine.logits_process`) compile on first use, once per
+        combination met in a batch. After this, serving compiles nothing else
+        (``stats()["recompiles"]`` is fixed).
 
         Args:
           progress: a progress bar over the programs (tqdm); None: where stderr is a
