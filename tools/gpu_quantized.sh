@@ -35,11 +35,11 @@ case "$PART" in
   bench)
     run 130 "$PY" $B --quick --kv-dtype fp8 --also-scales page --skip-cudnn $COMMON \
       --out "$OUT/decode_quantized_h200.json"
-    run 70 "$PY" $B --cases $H256 --skip-xla $COMMON --variants swap_ab=true \
-      swap_ab=true,num_stages=3 swap_ab=true,num_stages=1 swap_ab=true,num_splits=2 \
-      swap_ab=true,num_splits=4 num_splits=1 --out "$OUT/decode_h256_h200.json"
+    # head dim 256: the default (K Q^T over 8 query columns) beside 64-row tiles and split counts
+    run 70 "$PY" $B --cases $H256 --skip-xla $COMMON --variants swap_ab=false num_splits=1 \
+      num_splits=2 num_splits=4 num_stages=1 --out "$OUT/decode_h256_h200.json"
     run 45 "$PY" $B --cases $H256 --kv-dtype fp8 --skip-cudnn $COMMON \
-      --variants swap_ab=true swap_ab=true,num_stages=2 --out "$OUT/decode_h256_fp8_h200.json"
+      --variants swap_ab=false num_stages=2 --out "$OUT/decode_h256_fp8_h200.json"
     run 45 "$PY" $B --quick --only 3 6 --kv-dtype fp8 --skip-cudnn $COMMON \
       --variants num_stages=2 num_stages=4 --out "$OUT/decode_quantized_stages_h200.json"
     ;;
