@@ -76,6 +76,22 @@ def test_decode_gpu_interpret_modes(kg, vg, knobs):
     assert_matches(out, decode_oracle(q, kv, sm_scale=0.125), f"{kg} {vg} {knobs}")
 
 
+def test_decode_gpu_interpret_head_dim_256_default():
+    # Head dim 256 at G=2 runs the K Q^T tiles by default (8 query columns), fp8 per token.
+    rng = np.random.default_rng(53)
+    q, kv = decode_case(
+        rng, [0, 1, C - 1, C, C + 1, 150], C=C, H=256, dtype="float8_e4m3fn", granularity="token"
+    )
+    cfg, _ = kernel_gpu.make_config(
+        q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, sm_scale=0.125,
+        k_scale=kv.k_scale, v_scale=kv.v_scale, interpret=True,
+    )  # fmt: skip
+    assert cfg.swap_ab
+    out = _decode(q, kv, interpret=True)
+    assert_matches(out, decode_oracle(q, kv, sm_scale=0.125), "fp8 token H=256")
+    assert np.all(np.asarray(out.astype(jnp.float32))[0] == 0.0)  # length 0
+
+
 def test_decode_gpu_interpret_layered():
     # A 5-D pool, scales with their L axis, a traced layer, pages larger than a tile.
     rng = np.random.default_rng(53)
