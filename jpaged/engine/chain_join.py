@@ -3,15 +3,14 @@ loops of the chain, and its row joins the chain's device carry at the next loop.
 
 While a chain runs (`jpaged.engine.decode_chain.DecodeChain`), each of its rounds may carry
 a step planned beside it (`jpaged.engine.beside_plan.schedule_beside`: the next prefill
-chunk, or decode
-token, of running requests outside the chain, and the admission of waiting ones). The round
-runs, in one dispatch and in this order on the device: that step (a ragged or decode step
-of the bucket grid), then, for each request whose step sampled its first token, a small
-program that writes its row (that token, taken on device from the step's output, its
-length, limits, stop ids and sampling settings) into the carry at a free slot (a finished
-row's, or padding), after growing the carry to a larger row bucket when none is free; then
-the next decode loop. Nothing waits for the host: the new rows decode in that loop, and the
-host reads the step's tokens while it runs.
+chunk, or decode token, of running requests outside the chain, and the admission of waiting
+ones). The round runs, in one dispatch and in this order on the device: that step (a
+ragged or decode step of the bucket grid), then, for each request whose step sampled its
+first token, a small program that writes its row (that token, taken on device from the
+step's output, its length, limits, stop ids and sampling settings) into the carry at a free
+slot (a finished row's, or padding), after growing the carry to a larger row bucket when
+none is free; then the next decode loop. Nothing waits for the host: the new rows decode in
+that loop, and the host reads the step's tokens while it runs.
 
 A request joins only where the loop computes exactly what a step would
 (`jpaged.engine.beside_plan.joinable`). A waiting request that would be admitted but cannot
@@ -38,7 +37,6 @@ from jpaged.engine.batches import (
     LoopBatch,
     SamplingArrays,
     StepBatch,
-    build_step_batch,
     sampling_arrays,
     sampling_row,
 )
@@ -46,6 +44,7 @@ from jpaged.engine.beside_plan import JoinRule, joinable, schedule_beside
 from jpaged.engine.buckets import BucketGrid, ProgramKey
 from jpaged.engine.runner import count_trace
 from jpaged.engine.scheduler import PageOp, Scheduled, StepPlan
+from jpaged.engine.step import plan_step_batch
 
 __all__ = [
     "ChainJoin",
@@ -148,7 +147,6 @@ class StepBesideLoop:
       plan: the step's `StepPlan` (its page operations run before it; ``plan.blocked``:
         the chain ends after them, nothing runs).
       batch: its `StepBatch` (None: nothing to run, only page operations).
-      decode: whether it runs the decode step (every row one token).
       rows: per sampled token row, the index in ``plan.scheduled``.
       items: the chain's rows for the next loop (joined rows in their slots).
       num_rows: the next loop's row bucket.
@@ -160,7 +158,6 @@ class StepBesideLoop:
 
     plan: StepPlan
     batch: StepBatch | None
-    decode: bool
     rows: list[int]
     items: list[Scheduled]
     num_rows: int
@@ -228,7 +225,7 @@ class ChainJoin:
         plan = schedule_beside(self.scheduler, chained, rule)
         Bp = self.grid.rows(len(items))  # the chain's row bucket
         if plan.blocked:
-            return StepBesideLoop(plan=plan, batch=None, decode=False, rows=[], items=list(items),
+            return StepBesideLoop(plan=plan, batch=None, rows=[], items=list(items),
                                   num_rows=Bp, grown=False, join=None)  # fmt: skip
         scheduled = plan.scheduled
         rows = [b for b, it in enumerate(scheduled) if it.samples]
@@ -248,10 +245,9 @@ class ChainJoin:
             new_items[slot] = Scheduled(seq, it.request, 1)
             joins.append((slot, b, r, lim))
         new_Bp = self.grid.rows(len(new_items))
-        decode = plan.decode_only
-        batch = self._batch(plan, rows, decode) if scheduled else None
+        batch = self._batch(plan, rows) if scheduled else None
         join = self._join_rows(scheduled, joins, new_Bp, rule.num_stops)
-        return StepBesideLoop(plan=plan, batch=batch, decode=decode, rows=rows, items=new_items,
+        return StepBesideLoop(plan=plan, batch=batch, rows=rows, items=new_items,
                               num_rows=new_Bp, grown=new_Bp > Bp, join=join)  # fmt: skip
 
     def _reserve(self, it: Scheduled, upto: int, plan: StepPlan) -> bool:
@@ -267,21 +263,10 @@ class ChainJoin:
             plan.page_ops.append(PageOp("copy", tuple(copies), it.request.request_id))
         return True
 
-    def _batch(self, plan: StepPlan, rows: list[int], decode: bool):
-        alloc, items = self.kv.alloc, plan.scheduled
-        n = max(len(items), len(rows))
-        if decode:
-            Bp = Tp = self.grid.rows(n)
-        else:
-            Bp, Tp = self.grid.ragged_shape(num_tokens=plan.num_tokens, num_rows=n)
+    def _batch(self, plan: StepPlan, rows: list[int]) -> StepBatch:
+        items = plan.scheduled
         samp = [sampling_row(items[b].request, items[b].seq, items[b].seq.seed) for b in rows]
-        return build_step_batch(
-            [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
-            [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
-            [alloc.block_table(it.seq.seq_id) for it in items], rows,
-            sampling_arrays(np.asarray(samp, np.float64), Bp),
-            width=self.width, num_rows=Bp, num_tokens=Tp,
-        )  # fmt: skip
+        return plan_step_batch(plan, rows, samp, self.kv.alloc, self.grid, width=self.width)[0]
 
     def _join_rows(self, scheduled, joins, Bp: int, num_stops: int) -> JoinRows | None:
         if not joins:
@@ -314,7 +299,7 @@ class ChainJoin:
         join programs: whichever program made them, those meet the sharding warm-up gave."""
         try:
             if beside.batch is not None:
-                out = self.runner.step(cache, beside.batch, decode=beside.decode)
+                out = self.runner.step(cache, beside.batch, decode=beside.plan.decode_only)
                 cache, tok_R, lp_R = out[:3]
                 tok_R.copy_to_host_async()
                 lp_R.copy_to_host_async()

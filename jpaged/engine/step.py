@@ -16,7 +16,13 @@ import jax
 import numpy as np
 
 from jpaged.engine.appender import TokenAppender
-from jpaged.engine.batches import bucket, build_step_batch, sampling_arrays, sampling_row
+from jpaged.engine.batches import (
+    StepBatch,
+    bucket,
+    build_step_batch,
+    sampling_arrays,
+    sampling_row,
+)
 from jpaged.engine.buckets import BucketGrid
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
@@ -26,7 +32,39 @@ from jpaged.engine.requests import Request, Sequence
 from jpaged.engine.runner import Runner
 from jpaged.engine.scheduler import StepPlan
 
-__all__ = ["StepExecutor"]
+__all__ = ["StepExecutor", "plan_step_batch"]
+
+
+def plan_step_batch(plan: StepPlan, rows: list[int], samp: list, alloc, grid: BucketGrid, *,
+                    width: int) -> tuple[StepBatch, int]:  # fmt: skip
+    """The `StepBatch` of ``plan.scheduled``, in the grid's buckets: the decode step's (T == B
+    rows) when every item decodes one token, else a ragged step's.
+
+    Args:
+      plan: the step's plan.
+      rows: per sampled row, its item's index in ``plan.scheduled``.
+      samp: per sampled row, its ``sampling_row``.
+      alloc: the block allocator (slots and block tables).
+      grid: the bucket grid.
+      width: W, block-table width.
+
+    Returns:
+      ``(batch, Bp)``: Bp is the row bucket (the sampled rows' padded count).
+    """
+    items = plan.scheduled
+    n = max(len(items), len(rows))
+    if plan.decode_only:
+        Bp = Tp = grid.rows(n)
+    else:
+        Bp, Tp = grid.ragged_shape(num_tokens=plan.num_tokens, num_rows=n)
+    batch = build_step_batch(
+        [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
+        [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
+        [alloc.block_table(it.seq.seq_id) for it in items], rows,
+        sampling_arrays(np.asarray(samp, np.float64), Bp),
+        width=width, num_rows=Bp, num_tokens=Tp,
+    )  # fmt: skip
+    return batch, Bp
 
 
 class StepExecutor:
@@ -76,21 +114,8 @@ class StepExecutor:
         samp = [sampling_row(items[b].request, items[b].seq, items[b].seq.seed + i)
                 for b, i in rows]  # fmt: skip
         decode = plan.decode_only
-        if decode:  # T == B: the decode kernel
-            Bp = Tp = self.seq_bucket(max(len(items), len(rows)))
-        else:
-            Bp, Tp = self.grid.ragged_shape(num_tokens=plan.num_tokens,
-                                            num_rows=max(len(items), len(rows)))  # fmt: skip
-        batch = build_step_batch(
-            [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
-            [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
-            [alloc.block_table(it.seq.seq_id) for it in items],
-            [b for b, _ in rows],
-            sampling_arrays(np.asarray(samp, np.float64), Bp),
-            width=self.width,
-            num_rows=Bp,
-            num_tokens=Tp,
-        )  # fmt: skip
+        batch, Bp = plan_step_batch(plan, [b for b, _ in rows], samp, alloc, self.grid,
+                                    width=self.width)  # fmt: skip
         num_top = 0
         if any(it.request.is_beam for it in items):
             num_top = bucket(2 * max(it.request.fan_out for it in items if it.request.is_beam),
