@@ -26,6 +26,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _quant
 
 MODES = ("head", "page", "token")
+# The per-token scale copies land at 32- or 64-byte offsets of their ring slot. With the default
+# out-of-bounds mode (zeros) Mosaic GPU issues a tensor-map TMA copy, whose SMEM destination
+# must be 128-byte aligned: misaligned-address faults on sm90. The copies are clamped into the
+# scale array, so they promise in-bounds instead, which makes them plain bulk copies
+# (``cp.async.bulk``: 16-byte alignment, which every offset here has).
+IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)  # what the products read: q and the dequantized tile
 
 

@@ -94,9 +94,8 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, bt_ref, len_ref, base_ref, *
     q_scratch, ring_scratch, p_scratch, out_scratch = _scratch(cfg)
     q_barrier = plgpu.Barrier(num_arrivals=1)
     k_arrivals, v_arrivals = n_cp, n_cp
-    if cfg.quantized:  # per-token scales: one more copy a page copy
-        k_arrivals = _gpu_quant.copies_per_barrier(cfg, cfg.k_scales)
-        v_arrivals = _gpu_quant.copies_per_barrier(cfg, cfg.v_scales)
+    if cfg.quantized:  # per-token scales: more copies on the K barrier
+        k_arrivals, v_arrivals = _gpu_quant.arrivals(cfg)
     k_barrier = plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages)
     ring_barrier = plgpu.Barrier(num_arrivals=v_arrivals, num_barriers=stages)
     tiles = _staged_tiles(cfg) if cfg.staged else ()

@@ -8,8 +8,8 @@ Per mode (``_Config.k_scales`` / ``v_scales``):
   the output, ``_gpu_tile._finish``);
 - ``"page"``: one scalar a page; a tile's are read one tile ahead (their table entries and
   scales in flight during the tile before) and carried through the loop (``page_scales``);
-- ``"token"``: one f32 a key row, copied by TMA beside the tile's pages (``issue``: ``T / C``
-  copies of ``C`` floats, or one of ``T``, arriving on the pages' barrier) into an SMEM ring
+- ``"token"``: one f32 a key row, copied beside the tile's pages (``issue``: ``T / C`` bulk copies of
+  ``C`` floats, or one of ``T``, arriving on the K pages' barrier) into an SMEM ring
   ``[stages, T]`` and loaded in the scores' row layout.
 """
 
@@ -79,27 +79,31 @@ def with_rings(cfg: _Config, qs: UnitScales, rings) -> UnitScales:
     return qs._replace(k_ring=k_ring, v_ring=v_ring)
 
 
-def copies_per_barrier(cfg: _Config, mode: str) -> int:
-    """Arrivals on a slot's K (or V) barrier: the tile's page copies, and in "token" mode as
-    many scale copies."""
-    return cfg.copies_per_tile * (2 if mode == "token" else 1)
+def arrivals(cfg: _Config) -> tuple[int, int]:
+    """Arrivals on a slot's K and V barriers: the tile's page copies, and on K's as many copies
+    again for each of the key and value scales in "token" mode. The value scales ride on the
+    K barrier because they multiply P, which is formed before the V tile is waited for."""
+    tokens = [cfg.k_scales, cfg.v_scales].count("token")
+    return cfg.copies_per_tile * (1 + tokens), cfg.copies_per_tile
 
 
-def issue(cfg: _Config, unit, qs: UnitScales, i, slot, pages, k_bar, v_bar) -> None:
-    """ "token" mode: the TMA copies of tile i's key (and value) scales into ring slot ``slot``,
-    one per page copy (``rows_per_copy`` floats), each one arrival on the slot's barrier."""
+def issue(cfg: _Config, unit, qs: UnitScales, i, slot, pages, k_bar) -> None:
+    """ "token" mode: the bulk copies of tile i's key (and value) scales into ring slot
+    ``slot``, one per page copy (``rows_per_copy`` floats), each one arrival on the slot's K
+    barrier (``arrivals``)."""
     C, r, P = cfg.page_size, cfg.rows_per_copy, cfg.num_pages
     for j, page in enumerate(pages):
         tok = (unit.start + i) * cfg.block_kv + j * r
         offset = jnp.clip(page, 0, P - 1) * C + tok % C
-        for mode, ref, base, ring, bar in (
-            (cfg.k_scales, qs.k_ref, qs.k_base, qs.k_ring, k_bar),
-            (cfg.v_scales, qs.v_ref, qs.v_base, qs.v_ring, v_bar),
+        for mode, ref, base, ring in (
+            (cfg.k_scales, qs.k_ref, qs.k_base, qs.k_ring),
+            (cfg.v_scales, qs.v_ref, qs.v_base, qs.v_ring),
         ):
             if mode == "token":
                 plgpu.copy_gmem_to_smem(
-                    ref.at[pl.ds(base + offset, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
-                )
+                    ref.at[pl.ds(base + offset, r)], ring.at[slot, pl.ds(j * r, r)], k_bar.at[slot],
+                    oob_mode=quant.IN_BOUNDS,
+                )  # fmt: skip
 
 
 def page_scales(cfg: _Config, qs: UnitScales, pages) -> tuple:

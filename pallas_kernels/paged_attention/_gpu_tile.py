@@ -506,7 +506,7 @@ def _attend(
     def issue(i, slot, pages):
         _issue(cfg, unit, i, slot, pages, [k_stream, v_stream])
         if quant is not None:  # per-token scales: TMA copies beside the pages
-            _gpu_quant.issue(cfg, unit, quant[0], i, slot, pages, k_bar, v_bar)
+            _gpu_quant.issue(cfg, unit, quant[0], i, slot, pages, k_bar)
 
     def per_thread_issue(i, slot, live):
         _cp_async.issue(

@@ -73,7 +73,7 @@ def _kernel_body(
             _issue(cfg, v_ref, v_smem, v_bar, rows, slot)
             if ts is not None:  # per-token scales beside the pages
                 _gpu_quant.issue(cfg, ts, t.head_base, rows, slot, 0, k_bar)
-                _gpu_quant.issue(cfg, ts, t.head_base, rows, slot, 1, v_bar)
+                _gpu_quant.issue(cfg, ts, t.head_base, rows, slot, 1, k_bar)
 
         def drain_consumed():
             """Observes each slot's last 'consumed' completion (the refills skipped them).
@@ -201,8 +201,7 @@ def _kernel_body(
     n_cp = cfg.copies_per_tile
     q_arrivals = cfg.group if cfg.direct_io else 1
     ring_tr, ring_dtype = _gpu_quant.ring_transforms(cfg), cfg.kv_dtype or dtype
-    k_arrivals = _gpu_quant.arrivals(cfg, cfg.k_scales) if cfg.quantized else n_cp
-    v_arrivals = _gpu_quant.arrivals(cfg, cfg.v_scales) if cfg.quantized else n_cp
+    k_arrivals, v_arrivals = _gpu_quant.arrivals(cfg) if cfg.quantized else (n_cp, n_cp)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((W, ROWS, H), dtype, transforms=tr),

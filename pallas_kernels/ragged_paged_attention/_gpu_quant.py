@@ -80,14 +80,18 @@ def tile_scales(cfg: _Config, refs, h, rings) -> TileScales:
     )
 
 
-def arrivals(cfg: _Config, mode: str) -> int:
-    """Arrivals on a slot's K (or V) barrier: the page copies, twice in "token" mode."""
-    return cfg.copies_per_tile * (2 if mode == "token" else 1)
+def arrivals(cfg: _Config) -> tuple[int, int]:
+    """Arrivals on a slot's K and V barriers: the page copies, and on K's as many again for each
+    of the key and value scales in "token" mode (the value scales multiply P, which is formed
+    before the V tile is waited for)."""
+    tokens = [cfg.k_scales, cfg.v_scales].count("token")
+    return cfg.copies_per_tile * (1 + tokens), cfg.copies_per_tile
 
 
-def issue(cfg: _Config, ts: TileScales, head_base, rows, slot, which: int, bar) -> None:
-    """ "token" mode: TMA copies of the key (``which`` 0) or value scales of a tile whose page
-    copies start at pool ``rows`` (``_gpu_tile._tile_rows``), onto the pages' barrier."""
+def issue(cfg: _Config, ts: TileScales, head_base, rows, slot, which: int, k_bar) -> None:
+    """ "token" mode: bulk copies of the key (``which`` 0) or value scales of a tile whose page
+    copies start at pool ``rows`` (``_gpu_tile._tile_rows``), onto the K pages' barrier
+    (``arrivals``)."""
     mode, ref, base, ring = (
         (cfg.k_scales, ts.k_ref, ts.k_base, ts.k_ring)
         if which == 0
@@ -98,8 +102,9 @@ def issue(cfg: _Config, ts: TileScales, head_base, rows, slot, which: int, bar) 
     r = cfg.rows_per_copy
     for j, row in enumerate(rows):
         plgpu.copy_gmem_to_smem(
-            ref.at[pl.ds(base + row - head_base, r)], ring.at[slot, pl.ds(j * r, r)], bar.at[slot]
-        )
+            ref.at[pl.ds(base + row - head_base, r)], ring.at[slot, pl.ds(j * r, r)], k_bar.at[slot],
+            oob_mode=quant.IN_BOUNDS,
+        )  # fmt: skip
 
 
 def page_scalars(cfg: _Config, ts: TileScales, t, bt_ref, step) -> tuple[tuple, tuple]:

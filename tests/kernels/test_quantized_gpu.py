@@ -20,8 +20,9 @@ from _quantized_cases import (
     ragged_oracle,
 )
 
-from pallas_kernels.paged_attention import kernel_gpu
+from pallas_kernels.paged_attention import kernel_gpu, paged_attention_xla
 from pallas_kernels.ragged_paged_attention import kernel_gpu as ragged_gpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_xla
 
 C = 16
 PRODUCT = [(d, g) for d in DTYPES for g in GRANULARITIES]
@@ -152,6 +153,8 @@ def test_quantized_configs():
     assert rcfg.quantized and not rcfg.fa3
     with pytest.raises(ValueError, match="fa3=True does not take quantized pages"):
         ragged_gpu.make_config(*ragged_args, sm_scale=0.1, fa3=True, **scales)
+    with pytest.raises(ValueError, match="producer=True does not take quantized pages"):
+        ragged_gpu.make_config(*ragged_args, sm_scale=0.1, producer=True, **scales)
 
 
 _LOWERINGS = {  # id: (op, H, key mode, value mode, pool dtype, knobs)
@@ -241,3 +244,40 @@ def test_ragged_gpu(dtype, granularity):
         *case.args, sm_scale=0.125, k_scale=ks, v_scale=vs
     )
     assert_matches(out, ragged_oracle(case, sm_scale=0.125), f"{dtype} {granularity}")
+
+
+def _xla_agrees(out, ref, what: str) -> None:
+    out, ref = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, ref))
+    assert np.isfinite(out).all(), f"{what}: {np.size(out) - np.isfinite(out).sum()} non-finite"
+    err = np.max(np.abs(out - ref)) / max(1e-6, float(np.max(np.abs(ref))))
+    assert err < 2e-2, f"{what}: max error {err:.3g} of the largest output vs the XLA path"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_decode_gpu_token_scales_busy(dtype):
+    # Per-token scales with many units in flight (128 sequences of 1-3k tokens, 8 KV heads):
+    # the value scales must have landed before they multiply P, which is formed before the V
+    # tile is waited for. Small cases pass even when they have not; this shape did not.
+    rng = np.random.default_rng(59)
+    lengths = [int(x) for x in rng.integers(1024, 3072, size=128)]
+    q, kv = decode_case(rng, lengths, K=8, G=4, H=128, C=16, dtype=dtype, granularity="token")
+    args = (q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
+    scales = dict(sm_scale=0.125, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    out = kernel_gpu.paged_attention_pallas_gpu(*args, **scales)
+    _xla_agrees(out, paged_attention_xla(*args, **scales), f"decode {dtype}")
+
+
+@pytest.mark.gpu
+def test_ragged_gpu_token_scales_busy():
+    rng = np.random.default_rng(60)
+    kv_lens = [int(x) for x in rng.integers(1024, 3072, size=64)]
+    q_lens = [1] * 60 + [200, 37, 500, 1]
+    case, ks, vs = ragged_case(
+        rng, kv_lens, q_lens, K=8, G=4, H=128, C=16, dtype="float8_e4m3fn", granularity="token"
+    )
+    scales = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(*case.args, **scales)
+    rows = sum(q_lens)  # the padding rows past the last sequence are unspecified
+    ref = ragged_paged_attention_xla(*case.args, **scales)
+    _xla_agrees(out[:rows], ref[:rows], "ragged fp8")
