@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _paged_inputs import make_paged_kv
 from _quantized_cases import (
     DTYPES,
     GRANULARITIES,
     assert_matches,
     decode_case,
     decode_oracle,
+    quantize_pool,
     ragged_case,
     ragged_oracle,
 )
@@ -253,17 +255,28 @@ def _xla_agrees(out, ref, what: str) -> None:
     assert err < 2e-2, f"{what}: max error {err:.3g} of the largest output vs the XLA path"
 
 
+def _busy_pool(rng, lengths, dtype):
+    """(k_pages, v_pages, tables, lengths, k_scale, v_scale): a permuted, poisoned pool of 8 KV
+    heads quantized per token (no f64 dense copy: these shapes are checked against XLA)."""
+    kv = make_paged_kv(rng, lengths, num_kv_heads=8, head_dim=128, page_size=16)
+    pools = [quantize_pool(rng, np.asarray(p, np.float32)[None], dtype, "token", False)
+             for p in (kv.k_pages, kv.v_pages)]  # fmt: skip
+    (kq, ks), (vq, vs) = pools
+    return kq[0], vq[0], kv.block_tables, kv.lengths, ks, vs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
 def test_decode_gpu_token_scales_busy(dtype):
-    # Per-token scales with many units in flight (128 sequences of 1-3k tokens, 8 KV heads):
+    # Per-token scales with many units in flight (96 sequences of 0.5-1.5k tokens, 8 KV heads):
     # the value scales must have landed before they multiply P, which is formed before the V
     # tile is waited for. Small cases pass even when they have not; this shape did not.
     rng = np.random.default_rng(59)
-    lengths = [int(x) for x in rng.integers(1024, 3072, size=128)]
-    q, kv = decode_case(rng, lengths, K=8, G=4, H=128, C=16, dtype=dtype, granularity="token")
-    args = (q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
-    scales = dict(sm_scale=0.125, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    lengths = [int(x) for x in rng.integers(512, 1536, size=96)]
+    kq, vq, tables, lens, ks, vs = _busy_pool(rng, lengths, dtype)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 32, 128)), jnp.bfloat16)
+    args = (q, kq, vq, tables, lens)
+    scales = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
     out = kernel_gpu.paged_attention_pallas_gpu(*args, **scales)
     _xla_agrees(out, paged_attention_xla(*args, **scales), f"decode {dtype}")
 
@@ -271,13 +284,12 @@ def test_decode_gpu_token_scales_busy(dtype):
 @pytest.mark.gpu
 def test_ragged_gpu_token_scales_busy():
     rng = np.random.default_rng(60)
-    kv_lens = [int(x) for x in rng.integers(1024, 3072, size=64)]
+    kv_lens = [int(x) for x in rng.integers(512, 1536, size=64)]
     q_lens = [1] * 60 + [200, 37, 500, 1]
-    case, ks, vs = ragged_case(
-        rng, kv_lens, q_lens, K=8, G=4, H=128, C=16, dtype="float8_e4m3fn", granularity="token"
-    )
+    kq, vq, tables, lens, ks, vs = _busy_pool(rng, kv_lens, "float8_e4m3fn")
+    q = jnp.asarray(rng.standard_normal((sum(q_lens), 32, 128)), jnp.bfloat16)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (q, kq, vq, tables, lens, cu, np.int32(len(q_lens)))
     scales = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
-    out = ragged_gpu.ragged_paged_attention_pallas_gpu(*case.args, **scales)
-    rows = sum(q_lens)  # the padding rows past the last sequence are unspecified
-    ref = ragged_paged_attention_xla(*case.args, **scales)
-    _xla_agrees(out[:rows], ref[:rows], "ragged fp8")
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(*args, **scales)
+    _xla_agrees(out, ragged_paged_attention_xla(*args, **scales), "ragged fp8")
