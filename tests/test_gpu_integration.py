@@ -4,7 +4,9 @@ CPU CI covers the kernels in their interpreters and the engine on the XLA path; 
 check that the pieces fit on real hardware, by tokens and not only by ranges: a bf16 Llama whose
 attention dispatches to the decode and ragged Mosaic GPU kernels (stacked pool, traced layer
 index inside the layer loop) picks the XLA path's greedy token at every step, and ``jpaged.LLM``
-generates the same tokens on the kernels as on the XLA path.
+generates the same tokens on the kernels as on the XLA path. Each runs on the Mosaic GPU kernels
+(auto dispatch on Hopper), on the Pallas-Triton kernels forced (the sm80-sm89 path, run on any
+NVIDIA GPU), and with an fp8 cache (per-token scales, the engine's default).
 
 Why not plain equality of free-running generations: the model is random (head dim 64, which
 the kernels need; the checkpoints in tests/checkpoints have head dim 16, which they do not
@@ -68,8 +70,8 @@ class _Paged:
     """Runs a model's paged forward over a batch of prompts: one ragged prefill, then decode
     steps of one token per sequence, on a randomly permuted table over an all-NaN pool."""
 
-    def __init__(self, config, model, prompts, steps, seed=0):
-        self.config, self.prompts = config, prompts
+    def __init__(self, config, model, prompts, steps, seed=0, cache_dtype=jnp.bfloat16):
+        self.config, self.prompts, self.cache_dtype = config, prompts, cache_dtype
         self.graphdef, self.state = nnx.split(model)
         self.lens = np.array([len(p) for p in prompts], np.int32)
         B = len(prompts)
@@ -87,7 +89,7 @@ class _Paged:
         The tokens fed at each step are the previous logits' argmax, or ``feed[step]`` [B]."""
         cfg, lens, B = self.config, self.lens, len(self.prompts)
         cache = jpaged.PagedKVCache.create(cfg.num_layers, cfg.num_kv_heads, self.P, C,
-                                           cfg.head_dim, dtype=jnp.bfloat16)  # fmt: skip
+                                           cfg.head_dim, dtype=self.cache_dtype)  # fmt: skip
         cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         meta = models.AttentionMetadata(
@@ -115,17 +117,31 @@ class _Paged:
         return np.stack(out)
 
 
-@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
-def test_greedy_tokens_match_xla(window):
+# (id, sliding window, the kernels' implementation (None: auto), cache dtype)
+_FORWARD_CASES = [
+    ("full", None, None, jnp.bfloat16),
+    ("window40", 40, None, jnp.bfloat16),
+    ("triton", None, "pallas_triton", jnp.bfloat16),
+    ("triton-window40", 40, "pallas_triton", jnp.bfloat16),
+    ("fp8", None, None, "fp8"),
+    ("triton-fp8", None, "pallas_triton", "fp8"),
+]
+
+
+@pytest.mark.parametrize(
+    "window,implementation,cache_dtype", [c[1:] for c in _FORWARD_CASES],
+    ids=[c[0] for c in _FORWARD_CASES],
+)  # fmt: skip
+def test_greedy_tokens_match_xla(window, implementation, cache_dtype):
     config, model = _model(sliding_window=window)
     rng = np.random.default_rng(0)
     # Prompt lengths around the page size, and past several 64-token tiles.
     prompts = [rng.integers(0, config.vocab_size, n) for n in (1, C - 1, C + 1, 150, 600)]
     steps = 24
-    paged = _Paged(config, model, prompts, steps)
+    paged = _Paged(config, model, prompts, steps, cache_dtype=cache_dtype)
     want = paged.run("xla", steps)  # free-running greedy on the XLA path
     xla_tokens = np.argmax(want, -1).astype(np.int32)  # [steps + 1, B]
-    got = paged.run(None, steps, feed=xla_tokens)  # the kernels, fed the same tokens
+    got = paged.run(implementation, steps, feed=xla_tokens)  # the kernels, fed the same tokens
     ties = 0
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert np.all(np.isfinite(g)), f"step {step}: non-finite logits"
@@ -146,46 +162,53 @@ def test_greedy_tokens_match_xla(window):
     assert ties <= (steps + 1) * len(prompts) // 4, f"{ties} near ties"
 
 
-class _OnXla(nnx.Module):
-    """A model whose attention always takes the XLA path (the engine calls it with auto
+class _Forced(nnx.Module):
+    """A model whose attention always takes ``implementation`` (the engine calls it with auto
     dispatch, which picks the Mosaic GPU kernels on a Hopper GPU)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, implementation):
+        self.model, self.implementation = model, implementation
         self.config = model.config
         self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
         self.head_dim, self.vocab_size = model.head_dim, model.vocab_size
 
     def __call__(self, tokens, positions, cache, metadata, *, decode=False):
-        return self.model(tokens, positions, cache, metadata, decode=decode, implementation="xla")
+        return self.model(tokens, positions, cache, metadata, decode=decode,
+                          implementation=self.implementation)  # fmt: skip
 
 
-def _engine(model):
+def _engine(model, cache_dtype=jnp.bfloat16):
     # A 256-token step budget: the 600-token prompt is prefilled in chunks.
     return jpaged.LLM(model, page_size=C, num_pages=256, max_num_seqs=8, max_model_len=1024,
-                      max_num_batched_tokens=256, eos_token_id=None, cache_dtype=jnp.bfloat16,
+                      max_num_batched_tokens=256, eos_token_id=None, cache_dtype=cache_dtype,
                       debug=True)  # fmt: skip
 
 
-def _rescore(config, model, prompt, common):
+def _rescore(config, model, prompt, common, implementation, cache_dtype):
     """The XLA path's and the kernels' logits [V] for the token after ``prompt + common``,
     computed as the engines did: by the prefill if ``common`` is empty, else by a decode step
     (the prefill of all but the last common token, then that token through the decode kernel)."""
     *head, last = [*prompt, *common] if common else [*prompt, None]
-    paged = _Paged(config, model, [np.asarray(head)], 1)
+    paged = _Paged(config, model, [np.asarray(head)], 1, cache_dtype=cache_dtype)
     if last is None:
-        return paged.run("xla", 0)[0, 0], paged.run(None, 0)[0, 0]
+        return paged.run("xla", 0)[0, 0], paged.run(implementation, 0)[0, 0]
     feed = np.array([[last]], np.int32)
-    return paged.run("xla", 1, feed=feed)[1, 0], paged.run(None, 1, feed=feed)[1, 0]
+    return paged.run("xla", 1, feed=feed)[1, 0], paged.run(implementation, 1, feed=feed)[1, 0]
 
 
-def test_engine_greedy_tokens_match_xla():
+@pytest.mark.parametrize(
+    "implementation,cache_dtype",
+    [(None, jnp.bfloat16), ("pallas_triton", jnp.bfloat16), (None, "fp8")],
+    ids=["mosaic", "triton", "fp8"],
+)
+def test_engine_greedy_tokens_match_xla(implementation, cache_dtype):
     config, model = _model()
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 17, 90, 600)]
     greedy = jpaged.SamplingParams(max_tokens=32, temperature=0.0)
-    on_kernels = _engine(model).generate(prompts, greedy, progress=False)
-    on_xla = _engine(_OnXla(model)).generate(prompts, greedy, progress=False)
+    kernels = model if implementation is None else _Forced(model, implementation)
+    on_kernels = _engine(kernels, cache_dtype).generate(prompts, greedy, progress=False)
+    on_xla = _engine(_Forced(model, "xla"), cache_dtype).generate(prompts, greedy, progress=False)
     compared = 0
     for prompt, k_out, x_out in zip(prompts, on_kernels, on_xla, strict=True):
         got, want = k_out.outputs[0].token_ids, x_out.outputs[0].token_ids
@@ -195,7 +218,7 @@ def test_engine_greedy_tokens_match_xla():
         )
         compared += same
         if same < len(want):
-            w, g = _rescore(config, model, prompt, want[:same])
+            w, g = _rescore(config, model, prompt, want[:same], implementation, cache_dtype)
             # The re-scored logits must agree as in test_greedy_tokens_match_xla (a kernel far
             # off would otherwise excuse any flip as a tie).
             assert _rel_err(g, w) < 2e-2, f"rel err {_rel_err(g, w):.3g} at token {same}"
