@@ -15,14 +15,26 @@ from __future__ import annotations
 from collections import deque
 
 import _baselines
+import jax.numpy as jnp
 
 import jpaged
+from jpaged.kv.cache import pages_for_budget
 
-__all__ = ["RUN_COUNTS", "JpagedSystem", "ReservingJpaged"]
+__all__ = ["RUN_COUNTS", "JpagedSystem", "ReservingJpaged", "equal_memory_pages"]
 
 # What every system counts (``counts()``): model forwards (device passes over the weights),
 # preemptions by recompute and by swap, and bytes swapped out to the host.
 RUN_COUNTS = ("forwards", "preemptions_recompute", "preemptions_swap", "swapped_out_bytes")
+
+
+def equal_memory_pages(model, budget_tokens: int, page_size: int, cache_dtype) -> int:
+    """Pages of a ``cache_dtype`` pool (scales included) in the bytes of ``budget_tokens``
+    tokens of K/V in the model's dtype."""
+    cfg = model.config
+    itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    kv_bytes = budget_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return pages_for_budget(kv_bytes, cfg.num_layers, cfg.num_kv_heads, page_size, cfg.head_dim,
+                            cache_dtype)  # fmt: skip
 
 
 class JpagedSystem:
@@ -31,6 +43,9 @@ class JpagedSystem:
     ``n`` > 1 (parallel sampling) samples at temperature 1; ``n`` == 1 is greedy. No host
     swap space unless ``swap_space`` (bytes) is given: the baselines have none, so the KV
     budget is the same for every system; preemption is then by recompute.
+
+    ``cache_dtype`` (e.g. "fp8", "int8"): a quantized pool in the memory that
+    ``budget_tokens`` model-dtype tokens take, so it holds more tokens (``pool_tokens``).
     """
 
     name = "jpaged"
@@ -38,10 +53,15 @@ class JpagedSystem:
     def __init__(self, model, *, budget_tokens: int, page_size: int, max_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int = 2048,
                  num_decode_steps: int = 8, enable_prefix_caching: bool = False,
-                 swap_space: int = 0, **kw):  # fmt: skip
+                 swap_space: int = 0, cache_dtype=None, **kw):  # fmt: skip
         self.page_size = page_size
+        num_pages = budget_tokens // page_size
+        if cache_dtype is not None:
+            kw["cache_dtype"] = cache_dtype
+            num_pages = equal_memory_pages(model, budget_tokens, page_size, cache_dtype)
+        self.pool_tokens = num_pages * page_size
         self.llm = jpaged.LLM(
-            model, page_size=page_size, num_pages=budget_tokens // page_size,
+            model, page_size=page_size, num_pages=num_pages,
             max_num_seqs=max_num_seqs, max_model_len=max_len,
             max_num_batched_tokens=max_num_batched_tokens, num_decode_steps=num_decode_steps,
             enable_prefix_caching=enable_prefix_caching, eos_token_id=[], swap_space=swap_space,

@@ -55,7 +55,7 @@ import _baselines
 import _workloads
 import jax
 import jax.numpy as jnp
-from _engine_systems import JpagedSystem, ReservingJpaged
+from _engine_systems import JpagedSystem, ReservingJpaged, equal_memory_pages
 from _serving_report import (
     HEADER,
     _downsample,
@@ -172,18 +172,22 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                num_decode_steps: int = 8, swap_space: int = 0):  # fmt: skip
+                num_decode_steps: int = 8, swap_space: int = 0, cache_dtype=None):  # fmt: skip
     """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget
-    (``swap_space``: host bytes for jpaged's swapped-out pages; the baselines have none)."""
+    (``swap_space``: host bytes for jpaged's swapped-out pages; the baselines have none;
+    ``cache_dtype``: jpaged's quantized pool in the same memory, jpaged systems only)."""
     if name == "jpaged" or name.startswith("reserve-"):
         system = JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
                               max_len=spec.max_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              num_decode_steps=num_decode_steps, swap_space=swap_space)  # fmt: skip
+                              num_decode_steps=num_decode_steps, swap_space=swap_space,
+                              cache_dtype=cache_dtype)  # fmt: skip
         if name == "jpaged":
             return system
         return ReservingJpaged(system, policy=name.removeprefix("reserve-"),
-                               budget_tokens=budget_tokens, max_len=spec.max_len)  # fmt: skip
+                               budget_tokens=system.pool_tokens, max_len=spec.max_len)  # fmt: skip
+    if cache_dtype is not None:
+        raise ValueError(f"system={name!r} has a contiguous cache in the model's dtype only")
     if name == "static":
         return _baselines.StaticBatching(model, budget_tokens=budget_tokens,
                                          max_len=spec.max_len,
@@ -320,7 +324,7 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
           num_decode_steps: int = 8, seed: int = 0, max_run_s: float = math.inf,
           warmup: int = 16, progress: bool = True, on_result=None,
           window_s: float | None = None, capacity_requests: int | None = None,
-          swap_space: int = 0, bandwidth: dict | None = None) -> dict:  # fmt: skip
+          swap_space: int = 0, bandwidth: dict | None = None, cache_dtype=None) -> dict:  # fmt: skip
     """Every system at every rate (same lengths, fresh Poisson arrivals per rate).
 
     ``rates``: one tuple for every system, or ``{system: tuple}``. ``window_s``: see
@@ -345,7 +349,8 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
         return make_system(name, model, budget_tokens=budget_tokens, spec=spec,
                            page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           num_decode_steps=num_decode_steps, swap_space=swap_space)  # fmt: skip
+                           num_decode_steps=num_decode_steps, swap_space=swap_space,
+                           cache_dtype=cache_dtype)  # fmt: skip
 
     for name in systems:
         if warmup:
@@ -372,18 +377,22 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
     return results
 
 
-def serving_bandwidth(model, pool_slots: int) -> dict:
+def serving_bandwidth(model, pool_slots: int, cache_dtype=None) -> dict:
     """What a run's MBU needs (`_serving_report.summarize`): the bytes a forward reads of the
-    weights and per live token of K/V, the KV budget in slots, and the HBM read roofline
-    measured now (``_timing.read_roofline_tbs``; 4 GiB on a GPU, 16 MiB elsewhere)."""
+    weights and per live token of K/V (of ``cache_dtype``'s pool, scales included, if given),
+    the KV budget in slots, and the HBM read roofline measured now
+    (``_timing.read_roofline_tbs``; 4 GiB on a GPU, 16 MiB elsewhere)."""
     import _timing
     from diagnostics.decode_step import _weight_bytes
 
     cfg = model.config
     itemsize = jnp.dtype(model.embed_VD[...].dtype).itemsize
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    if cache_dtype is not None:  # codes of one byte and an f32 scale per token and KV head
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
     roof, _ = _timing.read_roofline_tbs((4 << 30) if jax.default_backend() == "gpu" else 1 << 24)
     return {"weight_bytes": _weight_bytes(model), "pool_slots": pool_slots, "roofline_tbs": roof,
-            "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize}  # fmt: skip
+            "kv_bytes_per_token": kv_bytes}  # fmt: skip
 
 
 def realistic_kv_tokens(model, spec: ModelSpec, max_num_seqs: int) -> int:
@@ -416,6 +425,9 @@ def main(argv=None) -> dict:
                     "jpaged.LLM's default memory, at most max-num-seqs x max-len tokens")  # fmt: skip
     ap.add_argument("--swap-gib", type=float, default=0.0,
                     help="host swap space of jpaged (GiB; the baselines have none)")  # fmt: skip
+    ap.add_argument("--cache-dtype", default="bf16", choices=("bf16", "fp8", "int8"),
+                    help="jpaged's KV cache: fp8 / int8 pools hold more tokens in the bytes of "
+                    "the bf16 budget (jpaged systems only)")  # fmt: skip
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=None, help="longest request (tokens)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
@@ -490,10 +502,19 @@ def main(argv=None) -> dict:
         kv_tokens = args.kv_tokens or spec.kv_tokens
     kv_tokens -= kv_tokens % args.page_size
     swap_space = int(args.swap_gib * (1 << 30))
-    bandwidth = serving_bandwidth(model, kv_tokens)
+    cache_dtype = None if args.cache_dtype == "bf16" else args.cache_dtype
+    if cache_dtype is not None and any(s != "jpaged" and not s.startswith("reserve-")
+                                       for s in systems):  # fmt: skip
+        raise ValueError(f"--cache-dtype {cache_dtype}: --systems must be jpaged or reserve-*")
+    pool_slots = kv_tokens
+    if cache_dtype is not None:
+        pool_slots = equal_memory_pages(model, kv_tokens, args.page_size, cache_dtype)
+        pool_slots *= args.page_size
+    bandwidth = serving_bandwidth(model, pool_slots, cache_dtype)
     prompts = _workloads.prompt_tokens(trace, spec.config.vocab_size, seed=args.seed)
     tag = f"{args.model}_{args.dataset if not args.trace else 'trace'}"
     tag += "_realistic" if args.pool == "realistic" else ""
+    tag += f"_{cache_dtype}" if cache_dtype else ""
     out = pathlib.Path(args.out) if args.out else RESULTS / f"serving_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -502,6 +523,8 @@ def main(argv=None) -> dict:
         "workload": {"dataset": None if args.trace else args.dataset, "trace": args.trace,
                      **_workloads.summary(trace)},
         "kv_budget_tokens": kv_tokens,
+        "cache_dtype": args.cache_dtype,
+        "pool_slots": pool_slots,
         "pool": args.pool,
         "swap_space": swap_space,
         "bandwidth": bandwidth,
@@ -533,7 +556,7 @@ def main(argv=None) -> dict:
                     max_run_s=max_run_s, warmup=args.warmup,
                     progress=not args.no_progress, on_result=save, window_s=window,
                     capacity_requests=capacity, swap_space=swap_space,
-                    bandwidth=bandwidth)  # fmt: skip
+                    bandwidth=bandwidth, cache_dtype=cache_dtype)  # fmt: skip
     save(results)
     for name, points in kept.items():
         for p in points:

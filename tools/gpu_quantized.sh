@@ -9,11 +9,14 @@
 #   bash tools/gpu_quantized.sh tests OUT     # -m gpu: tests/kernels/test_quantized_gpu.py
 #                                             # (Mosaic GPU) and test_quantized_triton.py
 #                                             # (Pallas-Triton, forced on any NVIDIA GPU)
+#   bash tools/gpu_quantized.sh capacity OUT  # engine capacity (128 ShareGPT-like requests at
+#                                             # once, llama-8b shapes): bf16 then fp8 in the
+#                                             # same KV memory (benchmarks/serving.py)
 #
 # Benchmarks before tests in one call (tools/gpu_kernels.sh says why). OUT: where JSON goes
 # (default benchmarks/results); at most 8 files come back from a device call.
 set -u
-PART=${1:?part: bench, int8 or tests}
+PART=${1:?part: bench, int8, tests or capacity}
 OUT=${2:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
@@ -52,8 +55,15 @@ case "$PART" in
       -p no:cacheprovider -p no:benchmark -n 4 --durations=5 tests/kernels/test_quantized_gpu.py \
       tests/kernels/test_quantized_triton.py
     ;;
+  capacity)
+    for dtype in bf16 fp8; do
+      run "${CAPACITY_TIMEOUT:-270}" "$PY" benchmarks/serving.py --model llama-8b --quick \
+        --no-progress --rates inf --num-requests 128 --systems jpaged --cache-dtype "$dtype" \
+        --out "$OUT/serving_llama-8b_sharegpt_${dtype}_h200.json"
+    done
+    ;;
   *)
-    echo "unknown part $PART: bench, int8 or tests" >&2
+    echo "unknown part $PART: bench, int8, tests or capacity" >&2
     exit 2
     ;;
 esac

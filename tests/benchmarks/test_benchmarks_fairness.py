@@ -159,3 +159,35 @@ def test_realistic_pool_and_main_with_reserving_systems(tmp_path):
     )
     low = summary["ttft_at_lowest_rate"]["jpaged"]
     assert low["rate"] == 100.0 and low["p50_s"] == saved["results"]["jpaged"][0]["ttft_s"]["p50"]
+
+
+def test_quantized_pool_holds_more_tokens_in_the_same_memory(tmp_path):
+    # --cache-dtype fp8: jpaged's pool in the bytes of the bf16 budget (codes of one byte and
+    # an f32 scale per token and KV head), the reservations of reserve-* over that pool, and
+    # the MBU's K/V bytes per token of that pool; the contiguous baselines refuse it.
+    model = _model()
+    cfg = model.config
+    itemsize = np.dtype(model.embed_VD[...].dtype).itemsize
+    pages = _engine_systems.equal_memory_pages(model, KV, 16, "fp8")
+    want = KV * cfg.head_dim * itemsize // ((cfg.head_dim + 4) * 16)
+    assert pages == want and pages * 16 > KV
+    system = _system("jpaged", cache_dtype="fp8")
+    assert system.pool_tokens == pages * 16
+    assert system.llm.cache.k_pages.dtype.name == "float8_e4m3fn"
+    reserving = _system("reserve-max", cache_dtype="fp8")
+    assert reserving.budget_tokens == pages * 16
+    run = _run(system)
+    assert [len(r["token_times"]) for r in run["requests"]] == [n for _, n in LENGTHS]
+    with pytest.raises(ValueError, match="contiguous cache in the model's dtype only"):
+        _system("orca-max", cache_dtype="fp8")
+    out = tmp_path / "s.json"
+    args = ["--rates", "100", "--num-requests", "3", "--warmup", "0", "--no-progress",
+            "--kv-tokens", str(KV), "--max-len", str(MAX_LEN), "--max-num-seqs", "8",
+            "--cache-dtype", "fp8", "--out", str(out)]  # fmt: skip
+    doc = serving.main(["--systems", "jpaged", *args])
+    assert doc["cache_dtype"] == "fp8" and doc["pool_slots"] == pages * 16
+    assert doc["bandwidth"]["kv_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * (
+        cfg.head_dim + 4
+    )
+    with pytest.raises(ValueError, match="--systems must be jpaged or reserve"):
+        serving.main(["--systems", "jpaged,static", *args])
