@@ -26,11 +26,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _quant
 
 MODES = ("head", "page", "token")
-# The per-token scale copies land at 32- or 64-byte offsets of their ring slot. With the default
+# The per-token scale copies land at multiples of 32 bytes in their ring slot. With the default
 # out-of-bounds mode (zeros) Mosaic GPU issues a tensor-map TMA copy, whose SMEM destination
-# must be 128-byte aligned: misaligned-address faults on sm90. The copies are clamped into the
-# scale array, so they promise in-bounds instead, which makes them plain bulk copies
-# (``cp.async.bulk``: 16-byte alignment, which every offset here has).
+# must be 128-byte aligned: misaligned-address faults on sm90. The copies stay inside the scale
+# array (page ids and the layer are clamped), so they promise in-bounds instead, which makes
+# them plain bulk copies (``cp.async.bulk``: 16-byte alignment, which every offset here has).
 IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)  # what the products read: q and the dequantized tile
 
@@ -73,7 +73,10 @@ def flat_scales(cfg, k_pages, layer, k_scale, v_scale) -> list[jax.Array]:
             s = jnp.broadcast_to(s[:, :, 0, 0], (s.shape[0], K))
         flats.append(s.reshape(-1))
         layered = s.shape[0] > 1
-        bases.append(jnp.asarray(layer, jnp.int32).reshape(()) * per_layer if layered else 0)
+        # Clamped: the per-token copies promise in-bounds reads (``IN_BOUNDS``) whatever
+        # ``layer`` holds (validation reports a bad one where it can).
+        index = jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, s.shape[0] - 1)
+        bases.append(index * per_layer if layered else 0)
     return [*flats, jnp.stack([jnp.asarray(b, jnp.int32) for b in bases])]
 
 

@@ -184,11 +184,6 @@ def make_config(
             "fa3=True does not take quantized pages (the SMEM-operand body dequantizes them): "
             "pass fa3=False or None"
         )
-    if producer and quantized:
-        raise ValueError(
-            "producer=True does not take quantized pages (the per-token scale copies are issued "
-            "by the compute warpgroups): pass producer=False"
-        )
     if fa3 and interpret:
         raise ValueError(
             "fa3=True cannot run in the Mosaic GPU interpreter (it has no register wgmma "

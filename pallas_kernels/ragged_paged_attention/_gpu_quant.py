@@ -5,8 +5,9 @@ and the per-key factors of its scores and probabilities (keys along the columns 
 
 Each compute warpgroup dequantizes the shared ring's slot into a bf16 tile of its own, K and
 then V. Per-page scales are read at the start of the step (their table entries first), per-
-token ones come by TMA beside the pages (one copy a page copy, on the pages' barrier) into a
-ring ``[stages, T]`` shared like the page ring.
+token ones come by bulk copies beside the pages (one copy a page copy, key and value scales
+both on the K pages' barrier: the value scales multiply P before V is waited for) into a ring
+``[stages, T]`` shared like the page ring.
 """
 
 from __future__ import annotations

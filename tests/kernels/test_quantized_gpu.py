@@ -6,6 +6,8 @@ with permuted tables and poisoned free pages, tails and scales."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from _quantized_cases import (
     ragged_case,
     ragged_oracle,
 )
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import kernel_gpu, paged_attention_xla
 from pallas_kernels.ragged_paged_attention import kernel_gpu as ragged_gpu
@@ -131,6 +134,20 @@ def test_ragged_gpu_interpret_two_warpgroups():
     assert_matches(out, ragged_oracle(case, sm_scale=0.125, layer=1))
 
 
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_ragged_gpu_producer_warpgroup(interpret):
+    # A producer warpgroup issues the page copies and the per-token scale copies.
+    rng = np.random.default_rng(57)
+    case, ks, vs = ragged_case(
+        rng, [C - 1, 1, C + 1, 150], [3, 1, C + 1, 20], C=C, dtype="float8_e4m3fn",
+        granularity="token",
+    )  # fmt: skip
+    out = ragged_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=0.125, k_scale=ks, v_scale=vs, interpret=interpret, producer=True
+    )
+    assert_matches(out, ragged_oracle(case, sm_scale=0.125), "producer")
+
+
 def test_quantized_configs():
     # The kernels' choices for quantized pages: wgmma with bf16 products, TMA page copies, the
     # ragged kernel's SMEM-operand body; what they decline, with the reason.
@@ -155,8 +172,6 @@ def test_quantized_configs():
     assert rcfg.quantized and not rcfg.fa3
     with pytest.raises(ValueError, match="fa3=True does not take quantized pages"):
         ragged_gpu.make_config(*ragged_args, sm_scale=0.1, fa3=True, **scales)
-    with pytest.raises(ValueError, match="producer=True does not take quantized pages"):
-        ragged_gpu.make_config(*ragged_args, sm_scale=0.1, producer=True, **scales)
 
 
 _LOWERINGS = {  # id: (op, H, key mode, value mode, pool dtype, knobs)
@@ -173,9 +188,8 @@ def _scale_shape(mode, K, P, C):
     return {"head": (K, 1, 1), "page": (K, P, 1), "token": (K, P, C)}[mode]
 
 
-@pytest.mark.parametrize("variant", list(_LOWERINGS))
-def test_quantized_cross_lowers(variant):
-    op, H, km, vm, dtype, knobs = _LOWERINGS[variant]
+def _lower_for_sm90(op, H, km, vm, dtype, knobs) -> str:
+    """The kernel traced and lowered for CUDA (text) on a [8, 40, 16, H] pool of ``dtype``."""
     K, P = 8, 40
     pool = jax.ShapeDtypeStruct((K, P, C, H), dtype)
     ks = jax.ShapeDtypeStruct(_scale_shape(km, K, P, C), jnp.float32)
@@ -200,9 +214,45 @@ def test_quantized_cross_lowers(variant):
 
         args = (q, pool, pool, tables, lens, jax.ShapeDtypeStruct((5,), jnp.int32),
                 jax.ShapeDtypeStruct((), jnp.int32), ks, vs)  # fmt: skip
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("variant", list(_LOWERINGS))
+def test_quantized_cross_lowers(variant):
+    op, H, km, vm, dtype, knobs = _LOWERINGS[variant]
+    text = _lower_for_sm90(op, H, km, vm, dtype, knobs)
     name = jnp.dtype(dtype).name
     assert f"_{name}_k{km[0]}v{vm[0]}" in text  # the quantized kernel, by its name
+
+
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+@pytest.mark.parametrize("km,vm", [("token", "token"), ("token", "head"), ("page", "token")])
+def test_scale_copies_promise_in_bounds_on_the_k_barrier(op, km, vm, monkeypatch):
+    # Traced for sm90: every per-token scale copy promises in-bounds reads (a bulk copy: a
+    # tensor-map TMA copy to the ring's 32-byte multiples faults on hardware), and key and value
+    # scales alike arrive on the K pages' barrier (the value scales multiply P before the V
+    # tile is waited for), as many as the barriers' arrival counts say.
+    calls = []
+    copy = plgpu.copy_gmem_to_smem
+
+    def record(src, dst, barrier=None, **kw):
+        calls.append((jnp.dtype(src.dtype), barrier, kw.get("oob_mode")))
+        return copy(src, dst, barrier, **kw)
+
+    monkeypatch.setattr(plgpu, "copy_gmem_to_smem", record)
+    jax.clear_caches()  # trace the kernel body again even if another test lowered it
+    _lower_for_sm90(op, 128, km, vm, jnp.float8_e4m3fn, {})
+    assert calls, "the kernel body was not traced"
+    per_barrier = collections.defaultdict(collections.Counter)
+    for d, barrier, mode in calls:
+        if d == jnp.float32:
+            assert mode == plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+        if d.itemsize == 1 or d == jnp.float32:
+            per_barrier[id(getattr(barrier, "ref", barrier))][d.itemsize] += 1
+    pages = sorted((c[1], c[4]) for c in per_barrier.values() if c[1])
+    tokens = [km, vm].count("token")
+    assert len(pages) == 2 and pages[0][0] == pages[1][0]  # K's and V's page copies
+    assert pages == [(pages[0][0], 0), (pages[0][0], tokens * pages[0][0])]
 
 
 GPU_PRODUCT = [
@@ -257,10 +307,14 @@ def _xla_agrees(out, ref, what: str) -> None:
 
 def _busy_pool(rng, lengths, dtype):
     """(k_pages, v_pages, tables, lengths, k_scale, v_scale): a permuted, poisoned pool of 8 KV
-    heads quantized per token (no f64 dense copy: these shapes are checked against XLA)."""
+    heads quantized per token, token magnitudes spread over a log-normal (so a scale read from
+    the wrong tile is far off), and no f64 dense copy: these shapes are checked against XLA."""
     kv = make_paged_kv(rng, lengths, num_kv_heads=8, head_dim=128, page_size=16)
-    pools = [quantize_pool(rng, np.asarray(p, np.float32)[None], dtype, "token", False)
-             for p in (kv.k_pages, kv.v_pages)]  # fmt: skip
+    pools = []
+    for p in (kv.k_pages, kv.v_pages):
+        p = np.asarray(p, np.float32)
+        spread = rng.lognormal(0.0, 1.0, size=(*p.shape[:-1], 1)).astype(np.float32)
+        pools.append(quantize_pool(rng, (p * spread)[None], dtype, "token", False))
     (kq, ks), (vq, vs) = pools
     return kq[0], vq[0], kv.block_tables, kv.lengths, ks, vs
 
@@ -270,7 +324,8 @@ def _busy_pool(rng, lengths, dtype):
 def test_decode_gpu_token_scales_busy(dtype):
     # Per-token scales with many units in flight (96 sequences of 0.5-1.5k tokens, 8 KV heads):
     # the value scales must have landed before they multiply P, which is formed before the V
-    # tile is waited for. Small cases pass even when they have not; this shape did not.
+    # tile is waited for. Small cases passed on an H100 while they had not; the benchmark's
+    # rows of 32-128 sequences of 2k tokens gave NaN outputs.
     rng = np.random.default_rng(59)
     lengths = [int(x) for x in rng.integers(512, 1536, size=96)]
     kq, vq, tables, lens, ks, vs = _busy_pool(rng, lengths, dtype)
