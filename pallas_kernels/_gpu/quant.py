@@ -115,6 +115,18 @@ def dequantize_tile(src, dst, kv_dtype, valid_rows=None, barrier_first: bool = F
     plgpu.commit_smem()
 
 
+def tile_operand(src, kv_dtype):
+    """A tile [T, H] of 8-bit pages (a ring slot) as a bf16 wgmma A operand in registers:
+    loaded in the layout whose 2x upcast is one warp shuffle from wgmma's (``WGMMA_UPCAST_2X``),
+    converted as in ``dequantize_tile``, then re-laid into ``WGMMA``. No SMEM store, fence or
+    barrier: the product reads the registers."""
+    x = plgpu.load(src, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    if jnp.dtype(kv_dtype) != jnp.int8:
+        x = x.astype(jnp.float16).astype(jnp.float32)
+    x = x.astype(COMPUTE_DTYPE)
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
 def row_scales(scalars: list, rows_per_scalar: int, layout, size: int):
     """A [size] vector in ``layout`` whose rows ``[j * rows_per_scalar, (j + 1) *
     rows_per_scalar)`` hold ``scalars[j]`` (a tile's per-page scales); the scalar itself when

@@ -63,6 +63,9 @@ class _Config(AttentionConfig):
       mma: "wgmma" (Hopper) or "tcgen05" (Blackwell: accumulators in tensor memory).
       out_blocks: swap_ab: each unit's output leaves as its whole ``qcols``-row block into a
         staging array and XLA gathers the G real rows (the form newer Mosaic GPU lowers).
+      k_registers: quantized pages with swap_ab: each 8-bit K tile is converted in registers
+        and is the scores' wgmma A operand there (no bf16 K tile in SMEM; GPU only, the
+        interpreter's wgmma reads A from SMEM).
     """
 
     num_seqs: int
@@ -79,6 +82,7 @@ class _Config(AttentionConfig):
     fixed_max: bool = False
     mma: str = "wgmma"
     out_blocks: bool = False
+    k_registers: bool = False
 
     @property
     def tcgen05(self) -> bool:
@@ -223,6 +227,7 @@ def make_config(
     fixed_max: bool | None = None,
     mma: str | None = None,
     out_blocks: bool | None = None,
+    k_registers: bool | None = None,
 ) -> tuple[_Config | None, object]:
     """The kernel instance ``paged_attention_pallas_gpu`` runs these arguments with (every
     default resolved from ``tuning_gpu``, every knob checked) and the layer offset; arguments
@@ -340,6 +345,19 @@ def make_config(
         lf = bool(longest_first)
     if lf:  # the in-kernel count's limits matter only where there is an order to count
         check_order_method("order_method", order_method, B, packed_order(B))
+    if k_registers is None:  # the interpreter's wgmma reads its A operand from SMEM only
+        k_registers = bool(quantized) and not interpret and tuning_gpu.default_k_registers(swap_ab)
+    if k_registers and interpret:
+        raise ValueError(
+            "k_registers=True runs only on a GPU: the Mosaic GPU interpreter's wgmma takes its "
+            "A operand from SMEM only (pass k_registers=None or False there)"
+        )
+    if k_registers and not (quantized and swap_ab):
+        raise ValueError(
+            "k_registers=True converts quantized K tiles into swap_ab's register operand: it "
+            f"needs quantized pages and swap_ab=True (got {k_registers=}, swap_ab={swap_ab}, "
+            f"pages {jnp.dtype(k_pages.dtype).name})"
+        )
     if swap_ab and not lowers and not (out_blocks or fills):
         raise ValueError(
             f"swap_ab=True with out_blocks=False does not lower on jax {jax.__version__}: "
@@ -377,5 +395,6 @@ def make_config(
         fixed_max=bool(fixed_max),
         mma=mma,
         out_blocks=out_blocks,
+        k_registers=bool(k_registers),
     )  # fmt: skip
     return cfg, layer

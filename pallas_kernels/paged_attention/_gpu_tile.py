@@ -271,10 +271,13 @@ def _tile(cfg: _Config, unit: _Unit, i, slot, carry, smem, *, tiles=None, tc=Non
     swap = cfg.swap_ab
     keys = 0 if swap else 1  # the scores' key axis
     k_tile = landed(k_bar, k_smem, slot, k_tile, later)
-    if quant is not None:  # 8-bit K into the bf16 tile (every warp is past the last P @ V)
+    if quant is not None:
         qs, deq, scalars = quant
-        _gpu_quant.dequantize(cfg, k_tile, deq)
-        k_tile = deq
+        if cfg.k_registers:  # 8-bit K into registers, the scores' A operand
+            k_tile = gpu_quant.tile_operand(k_tile, cfg.kv_dtype)
+        else:  # into the bf16 tile (every warp is past the last P @ V)
+            _gpu_quant.dequantize(cfg, k_tile, deq)
+            k_tile = deq
 
     def qk(acc_ref):
         if swap:

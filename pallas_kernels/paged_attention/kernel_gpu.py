@@ -302,7 +302,8 @@ def paged_attention_pallas_gpu(
         each CTA, by two O(B^2) reductions, or by a sort), ``swap_ab`` (scores as K Q^T),
         ``split_merge`` (``"mosaic"`` or ``"xla"``), ``min_split_tiles``, ``fixed_max``,
         ``page_copy`` (``"cp_async"`` or ``"tma"``), ``mma`` (``"wgmma"`` or ``"tcgen05"``),
-        ``out_blocks`` (whole ``qcols``-row output blocks, gathered by XLA), and
+        ``out_blocks`` (whole ``qcols``-row output blocks, gathered by XLA), ``k_registers``
+        (quantized K tiles converted into registers, the scores' A operand), and
         ``profile_dir`` (record each CTA's regions with the Mosaic GPU on-device profiler and
         write the trace there; a GPU diagnostic for ``benchmarks/profile_decode_timeline.py``).
 

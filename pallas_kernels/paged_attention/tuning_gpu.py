@@ -116,6 +116,17 @@ TUNING: dict[str, Measured] = {
         date="2026-12-02",
         commit="c28f7a7",
     ),
+    "default_k_registers": Measured(
+        knob="k_registers",
+        rule="quantized pages with swap_ab: the converted K tile stays in registers as the "
+        "scores' A operand",
+        evidence="fp8 per-token scales, CUPTI us with / without: B=128 ctx=2048 K=8 "
+        "208.4 / 233.9, B=64 ctx=4096 K=8 206.7 / 235.5, B=128 ctx=2048 K=4 H=64 73.3 / 77.5 "
+        "(benchmarks/results/decode_fp8_kregisters_h100.json)",
+        device="H100",
+        date="2026-12-06",
+        commit="PENDING",
+    ),
     "default_mma": Measured(
         knob="mma",
         rule='"tcgen05" on Blackwell (sm100-sm110), else "wgmma"',
@@ -188,6 +199,11 @@ def default_split_merge(num_splits: int, swap_ab: bool) -> str:
     if num_splits < 2 or not swap_ab:
         return "xla"
     return "mosaic" if num_splits <= MOSAIC_MERGE_MAX_SPLITS else "xla"
+
+
+def default_k_registers(swap_ab: bool) -> bool:
+    """Quantized K tiles as register operands (``TUNING["default_k_registers"]``)."""
+    return bool(swap_ab)
 
 
 def default_auto_barriers(staged: bool = False) -> bool:

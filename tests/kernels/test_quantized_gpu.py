@@ -25,6 +25,7 @@ from _quantized_cases import (
 )
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._gpu import quant as gpu_quant
 from pallas_kernels.paged_attention import kernel_gpu, paged_attention_xla
 from pallas_kernels.ragged_paged_attention import kernel_gpu as ragged_gpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_xla
@@ -40,6 +41,7 @@ _MODES = [  # (id, key granularity, value granularity, knobs)
     ("token-head-64rows", "token", "head", dict(swap_ab=False)),
     ("head-page-64rows-split3", "head", "page", dict(swap_ab=False, num_splits=3)),
     ("token-page-T128-st1", "token", "page", dict(block_kv=128, num_stages=1)),
+    ("token-token-smem-k", "token", "token", dict(k_registers=False)),  # K through SMEM on a GPU
 ]
 SLOW_CASES = {
     f"test_decode_gpu_interpret[{d}-{g}]" for d, g in PRODUCT if (d, g) not in _DECODE_CI
@@ -162,6 +164,25 @@ def test_quantized_configs():
         kernel_gpu.make_config(
             q, pages, pages, tables, lengths, sm_scale=0.1, page_copy="cp_async", **scales
         )
+    # K tiles become the scores' register operand on a GPU; the interpreter's wgmma reads SMEM.
+    assert cfg.swap_ab and cfg.k_registers
+    icfg, _ = kernel_gpu.make_config(
+        q, pages, pages, tables, lengths, sm_scale=0.1, interpret=True, **scales
+    )
+    assert not icfg.k_registers
+    with pytest.raises(ValueError, match="k_registers=True runs only on a GPU"):
+        kernel_gpu.make_config(
+            q, pages, pages, tables, lengths, sm_scale=0.1, interpret=True, k_registers=True,
+            **scales,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs quantized pages and swap_ab=True"):
+        kernel_gpu.make_config(
+            q, pages, pages, tables, lengths, sm_scale=0.1, swap_ab=False, k_registers=True,
+            **scales,
+        )  # fmt: skip
+    bf16 = jax.ShapeDtypeStruct((8, 40, 16, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs quantized pages"):
+        kernel_gpu.make_config(q, bf16, bf16, tables, lengths, sm_scale=0.1, k_registers=True)
     small = jax.ShapeDtypeStruct((8, 40, 4, 128), jnp.int8)
     reason = kernel_gpu.unsupported_reason(q, small, small, tables, lengths, check_backend=False)
     assert "multiple of 8 with quantized pages" in reason
@@ -253,6 +274,30 @@ def test_scale_copies_promise_in_bounds_on_the_k_barrier(op, km, vm, monkeypatch
     tokens = [km, vm].count("token")
     assert len(pages) == 2 and pages[0][0] == pages[1][0]  # K's and V's page copies
     assert pages == [(pages[0][0], 0), (pages[0][0], tokens * pages[0][0])]
+
+
+@pytest.mark.parametrize("k_registers", [True, False])
+def test_k_tiles_reach_the_scores_in_registers(k_registers, monkeypatch):
+    # Traced for sm90: with k_registers every tile's 8-bit K is converted into registers (the
+    # scores' wgmma A operand) and only V goes through the bf16 SMEM tile; without it, both.
+    calls = collections.Counter()
+    for name in ("tile_operand", "dequantize_tile"):
+        original = getattr(gpu_quant, name)
+
+        def record(*args, _name=name, _original=original, **kw):
+            calls[_name] += 1
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(gpu_quant, name, record)
+    jax.clear_caches()  # trace the kernel body again even if another test lowered it
+    _lower_for_sm90(
+        "decode", 128, "token", "token", jnp.float8_e4m3fn, dict(k_registers=k_registers)
+    )
+    assert calls["dequantize_tile"] > 0, "the kernel body was not traced"
+    if k_registers:  # once per traced tile body; V's dequantization traces two branches
+        assert calls["tile_operand"] > 0 and calls["dequantize_tile"] == 2 * calls["tile_operand"]
+    else:
+        assert calls["tile_operand"] == 0
 
 
 GPU_PRODUCT = [
