@@ -125,7 +125,7 @@ TUNING: dict[str, Measured] = {
         "(benchmarks/results/decode_fp8_kregisters_h100.json)",
         device="H100",
         date="2026-12-06",
-        commit="PENDING",
+        commit="159b838",
     ),
     "default_mma": Measured(
         knob="mma",
