@@ -85,9 +85,15 @@ def decode_mbu(llm, B: int, *, ctx: int, output_len: int, roofline_tbs: float,
     step_s = wall / steps
     live = B * (ctx + 1 + steps / 2)  # mean tokens in the cache over the window
     host = d["time_schedule_s"] + d["time_step_s"] - d["time_device_wait_s"]
+    # Every counter that moved in the window (single steps, chain starts, preemptions, ...):
+    # where the device calls beyond one per loop of k steps came from.
+    counters = {k: after[k] - before[k] for k in after
+                if isinstance(after[k], int) and not isinstance(after[k], bool)
+                and after[k] != before[k]}  # fmt: skip
     return {"batch": B, "ctx": ctx, "decode_steps": steps, "device_calls": d["device_calls"],
             "step_ms": step_s * 1e3, "host_fraction": host / wall,
-            "mbu": (weight_bytes + live * kv_bytes_per_token) / step_s / (roofline_tbs * 1e12)}  # fmt: skip
+            "mbu": (weight_bytes + live * kv_bytes_per_token) / step_s / (roofline_tbs * 1e12),
+            "window_counters": counters}  # fmt: skip
 
 
 def loop_floor(llm, B: int, *, ctx: int, calls: int = 10, trace: bool = False) -> dict:
@@ -223,7 +229,8 @@ def _child(args) -> None:
             row.update(loop_floor(llm, B, ctx=args.ctx, trace=args.trace))
             out["mbu"].append(row)
             print(f"B={B}: decode step {row['step_ms']:.3f} ms (floor {row['floor_ms']:.3f} ms), "
-                  f"MBU {row['mbu']:.1%}, host {row['host_fraction']:.1%}", flush=True)  # fmt: skip
+                  f"MBU {row['mbu']:.1%}, host {row['host_fraction']:.1%}; in the window: "
+                  f"{row['window_counters']}", flush=True)  # fmt: skip
             if "trace" in row:
                 print(json.dumps(row["trace"], indent=1)[:4000], flush=True)
         after += compiles[0] - before

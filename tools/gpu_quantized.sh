@@ -11,7 +11,9 @@
 #                                             # (Pallas-Triton, forced on any NVIDIA GPU)
 #   bash tools/gpu_quantized.sh capacity OUT  # engine capacity (128 ShareGPT-like requests at
 #                                             # once, llama-8b shapes): bf16 then fp8 in the
-#                                             # same KV memory (benchmarks/serving.py)
+#                                             # same KV memory (benchmarks/serving.py; more
+#                                             # arguments in CAPACITY_ARGS, e.g. a smaller
+#                                             # --kv-tokens so that the bf16 pool is the limit)
 #
 # Benchmarks before tests in one call (tools/gpu_kernels.sh says why). OUT: where JSON goes
 # (default benchmarks/results); at most 8 files come back from a device call.
@@ -22,6 +24,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
 PY=${PYTHON:-python3}
+# Result files are named by the GPU they ran on (h200, h100, ...).
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
+TAG=${TAG:-gpu}
 B=benchmarks/decode_attention.py
 COMMON="--skip-triton --calls 30 --rounds 3"
 H256="32,4096,8,16,256,16"  # B=32, ctx 4k, K=8, C=16, H=256, N=16 (Gemma 2-like)
@@ -37,18 +42,18 @@ run() {  # run SECONDS command...
 case "$PART" in
   bench)
     run 130 "$PY" $B --quick --kv-dtype fp8 --also-scales page --skip-cudnn $COMMON \
-      --out "$OUT/decode_quantized_h200.json"
+      --out "$OUT/decode_quantized_${TAG}.json"
     # head dim 256: the default (K Q^T over 8 query columns) beside 64-row tiles and split counts
     run 70 "$PY" $B --cases $H256 --skip-xla $COMMON --variants swap_ab=false num_splits=1 \
-      num_splits=2 num_splits=4 num_stages=1 --out "$OUT/decode_h256_h200.json"
+      num_splits=2 num_splits=4 num_stages=1 --out "$OUT/decode_h256_${TAG}.json"
     run 45 "$PY" $B --cases $H256 --kv-dtype fp8 --skip-cudnn $COMMON \
-      --variants swap_ab=false num_stages=2 --out "$OUT/decode_h256_fp8_h200.json"
+      --variants swap_ab=false num_stages=2 --out "$OUT/decode_h256_fp8_${TAG}.json"
     run 45 "$PY" $B --quick --only 3 6 --kv-dtype fp8 --skip-cudnn $COMMON \
-      --variants num_stages=2 num_stages=4 --out "$OUT/decode_quantized_stages_h200.json"
+      --variants num_stages=2 num_stages=4 --out "$OUT/decode_quantized_stages_${TAG}.json"
     ;;
   int8)
     run 130 "$PY" $B --quick --kv-dtype int8 --skip-cudnn $COMMON \
-      --out "$OUT/decode_quantized_int8_h200.json"
+      --out "$OUT/decode_quantized_int8_${TAG}.json"
     ;;
   tests)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.19 run "${TEST_TIMEOUT:-420}" "$PY" -m pytest -m gpu -q -rf \
@@ -59,7 +64,7 @@ case "$PART" in
     for dtype in bf16 fp8; do
       run "${CAPACITY_TIMEOUT:-270}" "$PY" benchmarks/serving.py --model llama-8b --quick \
         --no-progress --rates inf --num-requests 128 --systems jpaged --cache-dtype "$dtype" \
-        --out "$OUT/serving_llama-8b_sharegpt_${dtype}_h200.json"
+        ${CAPACITY_ARGS:-} --out "$OUT/serving_llama-8b_capacity_${dtype}_${TAG}.json"
     done
     ;;
   *)

@@ -35,3 +35,6 @@ def test_cold_then_warm_start_and_mbu(tmp_path):
     (row,) = warm["mbu"]
     assert row["batch"] == 4 and row["decode_steps"] >= 16 and row["floor_ms"] > 0
     assert 0 < row["host_fraction"] < 1 and row["mbu"] > 0
+    counters = row["window_counters"]  # what moved while the B rows decoded
+    assert counters["device_calls"] == row["device_calls"]
+    assert counters["tokens_generated"] == pytest.approx(row["decode_steps"] * 4)
