@@ -11,9 +11,10 @@ compiles that still happen (``compiles_after_warmup``: every program of the proc
 ``jax.monitoring`` reports them; the target is zero). The warm process also measures the
 engine's decode bandwidth at each ``--mbu`` batch size: B requests of ``--ctx`` prompt tokens
 arrive at once, and over the window in which all B decode (from the step after the last one
-got its first token until the first one finishes), MBU = (weight bytes + mean live K/V
-bytes) per decode step / step time / the HBM read roofline measured in the same process
-(``_timing.read_roofline_tbs``).
+got its first token, for ``--output-len`` more tokens of that one; no request may end before,
+``finished_in_window`` says if one did), MBU = (weight bytes + the mean of the live K/V bytes
+at the window's ends) per decode step / step time / the HBM read roofline measured in the same
+process (``_timing.read_roofline_tbs``).
 
     python benchmarks/startup.py --model llama-8b --mbu 64,128,256
     python benchmarks/startup.py --model tiny --mbu 4       # CPU smoke run
@@ -50,31 +51,41 @@ def decode_mbu(llm, B: int, *, ctx: int, output_len: int, roofline_tbs: float,
 
     import jpaged
 
-    budget = llm.max_num_batched_tokens
-    # Requests start decoding as their chunked prefill ends, at most `stagger` steps apart:
-    # each may run output_len + stagger tokens, so all B decode for output_len steps.
-    stagger = math.ceil(B * ctx / budget) + 2
+    budget, loop_steps = llm.max_num_batched_tokens, llm.num_decode_steps
+    # The prompts are prefilled in `rounds` chunks of `budget` tokens, and the rows already
+    # running decode beside them (up to k tokens a round: rows join a running chain), so when
+    # the last row starts the first may be k * rounds tokens ahead. max_tokens leaves every
+    # row running through the window that follows.
+    rounds = math.ceil(B * ctx / budget) + 2
+    max_tokens = output_len + loop_steps * (rounds + 1)
     rng = np.random.default_rng(seed + B)
     vocab = llm.model.vocab_size
-    params = jpaged.SamplingParams(max_tokens=output_len + stagger, temperature=0.0,
-                                   ignore_eos=True)  # fmt: skip
-    if ctx + output_len + stagger > llm.max_model_len or llm.max_num_seqs < B:
-        raise ValueError(f"{B=} requests of {ctx=} + {output_len=} + {stagger} tokens exceed "
+    params = jpaged.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if ctx + max_tokens > llm.max_model_len or llm.max_num_seqs < B:
+        raise ValueError(f"{B=} requests of {ctx=} + {max_tokens=} tokens exceed "
                          f"max_model_len={llm.max_model_len} or max_num_seqs={llm.max_num_seqs}")  # fmt: skip
     ids = [llm.add_request(rng.integers(0, vocab, ctx).tolist(), params) for _ in range(B)]
-    started: set[str] = set()
+    mine = set(ids)  # a step also reports requests of an earlier batch (aborted ones)
+    started: list[str] = []
     while len(started) < B:
-        outs = llm.step()
+        outs = [o for o in llm.step() if o.request_id in mine]
         errors = [o.error for o in outs if o.error]
         if errors:
             raise RuntimeError(f"a request failed: {errors[0]}")
-        started |= {o.request_id for o in outs if o.outputs[0].token_ids}
+        started += [o.request_id for o in outs
+                    if o.outputs[0].token_ids and o.request_id not in started]  # fmt: skip
+    last = started[-1]  # every row decodes in each step of the window: count the last one's
+
+    def generated() -> int:
+        return len(llm.get_output(last).outputs[0].token_ids)
+
     before, t0 = llm.stats(), time.perf_counter()
-    done = False
-    while not done and llm.has_unfinished_requests():
-        done = any(o.finished for o in llm.step())
+    target = generated() + output_len
+    while generated() < target and llm.has_unfinished_requests():
+        llm.step()
     wall = time.perf_counter() - t0
     after = llm.stats()
+    finished = sum(llm.get_output(rid).finished for rid in ids)
     for rid in ids:
         if not llm.get_output(rid).finished:
             llm.abort(rid)
@@ -83,7 +94,7 @@ def decode_mbu(llm, B: int, *, ctx: int, output_len: int, roofline_tbs: float,
                                            "time_device_wait_s")}  # fmt: skip
     steps = d["tokens_generated"] / B
     step_s = wall / steps
-    live = B * (ctx + 1 + steps / 2)  # mean tokens in the cache over the window
+    live = (before["live_tokens"] + after["live_tokens"]) / 2  # mean tokens in the cache
     host = d["time_schedule_s"] + d["time_step_s"] - d["time_device_wait_s"]
     # Every counter that moved in the window (single steps, chain starts, preemptions, ...):
     # where the device calls beyond one per loop of k steps came from.
@@ -93,7 +104,7 @@ def decode_mbu(llm, B: int, *, ctx: int, output_len: int, roofline_tbs: float,
     return {"batch": B, "ctx": ctx, "decode_steps": steps, "device_calls": d["device_calls"],
             "step_ms": step_s * 1e3, "host_fraction": host / wall,
             "mbu": (weight_bytes + live * kv_bytes_per_token) / step_s / (roofline_tbs * 1e12),
-            "window_counters": counters}  # fmt: skip
+            "finished_in_window": finished, "window_counters": counters}  # fmt: skip
 
 
 def loop_floor(llm, B: int, *, ctx: int, calls: int = 10, trace: bool = False) -> dict:
