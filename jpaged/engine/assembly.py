@@ -184,6 +184,7 @@ def assemble(
     if compiler_options is None:
         compiler_options = default_compiler_options()
     runner = Runner(model, compiler_options=compiler_options)
+    kv.cache = runner.place_cache(kv.cache)  # committed, as every program's output pool is
     counters = Counters()
     appender = TokenAppender(
         alloc, scheduler, counters,

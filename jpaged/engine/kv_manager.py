@@ -101,7 +101,10 @@ class KVManager:
             except Exception:
                 lost = True
         if lost:
-            self._cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._cache)
+            # Zeros placed as the lost pool was (committed: the placement programs compiled for).
+            self._cache = jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._cache
+            )
         return lost
 
     def apply(self, ops: Iterable[PageOp]) -> None:

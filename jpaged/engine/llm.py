@@ -231,7 +231,8 @@ class LLM:
 
     @cache.setter
     def cache(self, value: PagedKVCache) -> None:
-        self.kv.cache = value
+        # Committed where the programs run, as their outputs are (`Runner.place_cache`).
+        self.kv.cache = self.runner.place_cache(value)
 
     # ------------------------------------------------------------------ public API
 

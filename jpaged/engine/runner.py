@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jpaged.engine.batches import LoopBatch, StepBatch
 from jpaged.engine.logits_process import penalty_state, prompt_logprobs, update_penalty_state
@@ -276,27 +276,42 @@ class Runner:
 
     def __init__(self, model: nnx.Module, *, compiler_options: dict[str, Any] | None = None):
         graphdef, state = nnx.split(model)
-        self.leaves, treedef = jax.tree.flatten(state)
+        leaves, treedef = jax.tree.flatten(state)
         opts = tuple(sorted((compiler_options or {}).items()))
         self.compiler_options = dict(opts)
         self.vocab_size = int(model.vocab_size)
         self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
-        # A model split over a mesh: the batch goes to every device of it (host arrays and a
-        # loop's carry alike, so both hit one compiled program).
+        # Every input of a program is committed to where the programs run: the batch to every
+        # device of a tensor-parallel mesh, else to the model's device. JAX compiles a program
+        # once per placement of its inputs (an uncommitted array and a committed one differ,
+        # and a program's outputs are committed once any input is), so host arrays, a loop's
+        # carry and a pool written by a swap-in must all meet the placement warm-up compiled.
         mesh = model.mesh if isinstance(model, TensorParallelModel) else None
-        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        if mesh is None:
+            self._batch_sharding = SingleDeviceSharding(next(iter(leaves[0].devices())))
+            leaves = jax.device_put(leaves, self._batch_sharding)  # aliases, never copies
+        else:
+            self._batch_sharding = NamedSharding(mesh, PartitionSpec())
+        self.leaves = leaves
 
     def _placed(self, batch):
-        """``batch`` where the programs take it (every device of a tensor-parallel mesh)."""
-        return batch if self._replicated is None else jax.device_put(batch, self._replicated)
+        """``batch`` where the programs take it, committed (see ``__init__``)."""
+        return jax.device_put(batch, self._batch_sharding)
 
     def on_device(self, tree):
         """``tree`` committed where the programs run (every device of a tensor-parallel mesh,
         else the model's device): arrays from any program, or the host, then have one
         sharding, and a program compiled for one of them serves them all."""
-        sharding = self._replicated or self.leaves[0].sharding
-        return jax.device_put(tree, sharding)
+        return jax.device_put(tree, self._batch_sharding)
+
+    def place_cache(self, cache):
+        """A pool made outside the programs (created, or replaced after a loss) committed to
+        the model's device, as the programs' outputs are; a tensor-parallel pool is sharded
+        (committed) already and is returned as it is."""
+        if isinstance(self._batch_sharding, NamedSharding):
+            return cache
+        return jax.device_put(cache, self._batch_sharding)
 
     @property
     def num_compiles(self) -> int:

@@ -83,6 +83,44 @@ def test_warmup_report_and_no_compiles_after_it():
 
 
 @pytest.fixture
+def backend_compiles():
+    """XLA compiles of this process while the test runs (``jax.monitoring``): every placement
+    of a program's inputs compiles anew, which the trace count (``recompiles``) does not see."""
+    count = [0]
+
+    def listen(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield lambda: count[0]
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_no_compiles_after_warmup_through_swaps_joins_and_a_replaced_pool(backend_compiles):
+    # A pool too small for the batch: sequences are swapped out and back in (the swap-in
+    # writes host blocks into the pool), rows join running chains (their carries placed on
+    # the device), and the test's NaN pool replaced the engine's before warm-up.
+    llm = make_llm(num_decode_steps=4, max_num_seqs=7, num_pages=14, watermark=0.0,
+                   preemption_mode="swap", enable_prefix_caching=False)  # fmt: skip
+    llm.warmup(threads=2)
+    before = backend_compiles()
+    prompts = random_prompts(32, (20, 3, 17, 9, 1, 30, 12))
+    params = jpaged.SamplingParams(max_tokens=24, **GREEDY)
+    ids = [llm.add_request(p, params) for p in prompts[:3]]
+    for _ in range(2):  # a chain runs when the others arrive
+        llm.step()
+    ids += [llm.add_request(p, params) for p in prompts[3:]]
+    while llm.has_unfinished_requests():
+        llm.step()
+    outs = [llm.get_output(i) for i in ids]
+    s = llm.stats()
+    assert s["preemptions_swap"] >= 1 and s["swapped_in_bytes"] > 0 and s["chain_joins"] > 0
+    assert backend_compiles() == before
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 24) for p in prompts]
+
+
+@pytest.fixture
 def jax_cache_state():
     """Restores JAX's cache settings (process-wide) and jpaged's record of them."""
     saved = (jax.config.jax_compilation_cache_dir,
