@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from _paged_inputs import make_paged_kv
@@ -123,3 +124,14 @@ def dense_ragged_attention(
             o = p @ v[b, :n, h // G].astype(np.float64)
             out[start : start + ql, h] = np.where(den > 0, o / np.maximum(den, 1e-300), 0.0)
     return out
+
+
+def sds_case(T, B, W, *, N=32, K=8, H=128, C=16):
+    """Shapes of a ragged call (``jax.ShapeDtypeStruct``): T query tokens of B sequences, W
+    table columns each, bf16 pages (B * W of them), in ``ragged_paged_attention``'s order."""
+    sds = jax.ShapeDtypeStruct
+    pool = sds((K, B * W, C, H), jnp.bfloat16)
+    return (
+        sds((T, N, H), jnp.bfloat16), pool, pool, sds((B, W), jnp.int32), sds((B,), jnp.int32),
+        sds((B + 1,), jnp.int32), sds((), jnp.int32),
+    )  # fmt: skip
