@@ -48,6 +48,20 @@ SLOW_CASES = {
         for i in ("M1-mosaic", "M2-window-cap-xla", "M4-bad-ids-mosaic", "M8-layer-xla")
     ),
     "test_interpret_small_pages_match_reference[C2-split2-64-rows]",
+    # Repeats of paths other default cases take: the 64-row tile's f32 split partials
+    # (fixed_max[exact-64-rows-split2-spike]), the negative scale (swap_ab's
+    # C32-G4-negative-scale-window), swap_ab with 2 splits and the merge kernel
+    # (split_merge[mosaic-C16-G2-split2]), G=16 with splits (swap_ab[C16-G16] and splits of
+    # every G), small pages with splits, cap and window (split_merge[xla-C4-G2-split2], cap and
+    # window at C=8), the XLA merge of 18 splits (the merge kernel's case of the same pool and
+    # the XLA merge's other cases), the floor of 8 tiles (floors 1, 2 and 4 stay)
+    "test_interpret_matches_reference[C16-split2-64-rows]",
+    "test_interpret_matches_reference[C16-T64-split2-negative-scale]",
+    "test_interpret_swap_ab_matches_reference[C16-G2-split2]",
+    "test_interpret_swap_ab_matches_reference[C16-G16-split2]",
+    "test_interpret_small_pages_match_reference[C4-split3-cap-window]",
+    "test_interpret_split_merge_matches_reference[xla-C16-G1-split18-layer]",
+    "test_interpret_min_split_tiles[M8-layer-mosaic]",
     "test_kernel_order_is_the_sorted_order[12-128]",
     "test_kernel_order_is_the_sorted_order[128-64]",
     "test_interpret_kernel_order_window_splits",
