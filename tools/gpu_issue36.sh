@@ -15,6 +15,9 @@ MODEL=${3:-llama-8b}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# Result files are named by the GPU they ran on (h200, h100, ...).
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
+TAG=${TAG:-gpu}
 
 run() {  # run SECONDS LOG command...
   local limit=$1 log=$2
@@ -29,7 +32,7 @@ case "$PART" in
     # Two phases of STARTUP_TIMEOUT each at most, in child processes.
     run $((2 * ${STARTUP_TIMEOUT:-300} + 60)) "$DEST/startup.log" "$PY" benchmarks/startup.py \
       --model "$MODEL" --mbu "${MBU_BATCHES:-64,128,256}" --timeout "${STARTUP_TIMEOUT:-300}" \
-      --out "$DEST/startup_${MODEL}_h200.json"
+      --out "$DEST/startup_${MODEL}_${TAG}.json"
     ;;
   serving)
     # Capacity (128 requests at once) and low load (4 req/s, 10 s of arrivals), the paper's
@@ -37,7 +40,7 @@ case "$PART" in
     run "${SERVING_TIMEOUT:-300}" "$DEST/serving.log" "$PY" benchmarks/serving.py \
       --model "$MODEL" --quick --no-progress --rates "${SERVING_RATES:-inf,4}" --window 10 \
       --num-requests 128 --systems "jpaged,reserve-max${SERVING_SYSTEMS:+,$SERVING_SYSTEMS}" \
-      --out "$DEST/serving_${MODEL}_sharegpt_h200.json"
+      --out "$DEST/serving_${MODEL}_sharegpt_${TAG}.json"
     ;;
   *)
     echo "unknown part $PART: startup or serving" >&2

@@ -26,6 +26,9 @@ mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
 PY=${PYTHON:-python3}
+# Result files are named by the GPU they ran on (h200, h100, ...).
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
+TAG=${TAG:-gpu}
 
 run() {  # run SECONDS LOG command...
   local limit=$1 log=$2
@@ -62,14 +65,14 @@ case "$PART" in
     v=()
     [ $# -gt 2 ] && v=(--variants "${@:3}" --variant-lengths ${VARIANT_LENGTHS:-4096 16384 8192 2048})
     run "${BENCH_TIMEOUT:-300}" "$DEST/prefill.log" "$PY" benchmarks/prefill_attention.py \
-      "${v[@]}" --out "$DEST/prefill_h200.json"
+      "${v[@]}" --out "$DEST/prefill_${TAG}.json"
     ;;
   decode)
     v=()
     [ $# -gt 2 ] && v=(--variants "${@:3}")
     [ -n "${RAGGED_VARIANTS:-}" ] && v+=(--ragged-variants $RAGGED_VARIANTS)
     run "${BENCH_TIMEOUT:-300}" "$DEST/decode.log" "$PY" benchmarks/decode_attention.py --quick \
-      ${DECODE_ARGS:-} "${v[@]}" --out "$DEST/decode_quick_h200.json"
+      ${DECODE_ARGS:-} "${v[@]}" --out "$DEST/decode_quick_${TAG}.json"
     ;;
   ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

@@ -17,6 +17,9 @@ mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
 PY=${PYTHON:-python3}
+# Result files are named by the GPU they ran on (h200, h100, ...).
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
+TAG=${TAG:-gpu}
 
 run() {  # run SECONDS LOG command...
   local limit=$1 log=$2
@@ -67,7 +70,7 @@ case "$PART" in
     ;;
   sweep)
     run "${BENCH_TIMEOUT:-300}" "$DEST/sweep.log" "$PY" benchmarks/diagnostics/triton_sweep.py \
-      --old-xla "${OLD_XLA:-}" ${SWEEP_ARGS:-} --out "$DEST/triton_sweep_h200.json"
+      --old-xla "${OLD_XLA:-}" ${SWEEP_ARGS:-} --out "$DEST/triton_sweep_${TAG}.json"
     ;;
   tests)
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18} run "${TEST_TIMEOUT:-240}" "$DEST/tests.log" \
@@ -77,12 +80,12 @@ case "$PART" in
     ;;
   decode)
     run "${BENCH_TIMEOUT:-300}" "$DEST/decode.log" "$PY" benchmarks/decode_attention.py --quick \
-      --calls 30 --rounds 3 ${DECODE_ARGS:-} --out "$DEST/decode_triton_h200.json"
+      --calls 30 --rounds 3 ${DECODE_ARGS:-} --out "$DEST/decode_triton_${TAG}.json"
     ;;
   prefill)
     run "${BENCH_TIMEOUT:-300}" "$DEST/prefill.log" "$PY" benchmarks/prefill_attention.py \
       --impl pallas_triton --also pallas_gpu --lengths ${LENGTHS:-4096 8192 16384} --skip-jax-fa3 \
-      --calls 5 --rounds 3 ${PREFILL_ARGS:-} --out "$DEST/prefill_triton_h200.json"
+      --calls 5 --rounds 3 ${PREFILL_ARGS:-} --out "$DEST/prefill_triton_${TAG}.json"
     ;;
   *) echo "unknown part $PART" && exit 2 ;;
 esac

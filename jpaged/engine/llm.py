@@ -467,7 +467,8 @@ class LLM:
                 del self._requests[rid]
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step (one device call); returns the requests that progressed."""
+        """Runs one scheduling step (one device call); returns the requests that progressed,
+        and those finished since the last step (an aborted one with finish reason "abort")."""
         touched = self._step()
         return [self._output(self._requests[rid]) for rid in sorted(touched, key=id_order)
                 if rid in self._requests]  # fmt: skip
