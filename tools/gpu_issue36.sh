@@ -15,9 +15,7 @@ MODEL=${3:-llama-8b}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# Result files are named by the GPU they ran on (h200, h100, ...).
-TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
-TAG=${TAG:-gpu}
+. "$(dirname "$0")/gpu_tag.sh"  # TAG: the GPU in result file names
 
 run() {  # run SECONDS LOG command...
   local limit=$1 log=$2

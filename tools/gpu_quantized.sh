@@ -24,9 +24,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jpaged_jax_cache}
 PY=${PYTHON:-python3}
-# Result files are named by the GPU they ran on (h200, h100, ...).
-TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "[ABHL][0-9]{2,3}" | head -1 | tr A-Z a-z)
-TAG=${TAG:-gpu}
+. "$(dirname "$0")/gpu_tag.sh"  # TAG: the GPU in result file names
 B=benchmarks/decode_attention.py
 COMMON="--skip-triton --calls 30 --rounds 3"
 H256="32,4096,8,16,256,16"  # B=32, ctx 4k, K=8, C=16, H=256, N=16 (Gemma 2-like)

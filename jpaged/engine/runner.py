@@ -295,10 +295,6 @@ class Runner:
             self._batch_sharding = NamedSharding(mesh, PartitionSpec())
         self.leaves = leaves
 
-    def _placed(self, batch):
-        """``batch`` where the programs take it, committed (see ``__init__``)."""
-        return jax.device_put(batch, self._batch_sharding)
-
     def on_device(self, tree):
         """``tree`` committed where the programs run (every device of a tensor-parallel mesh,
         else the model's device): arrays from any program, or the host, then have one
@@ -332,7 +328,7 @@ class Runner:
           ``batch.prompt_targets``) is None or ``(logprob f32[T], f32[T, num_top],
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
-        return self._step(self.leaves, cache, self._placed(batch), decode=decode,
+        return self._step(self.leaves, cache, self.on_device(batch), decode=decode,
                           num_top=num_top, processors=processors)  # fmt: skip
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
@@ -352,7 +348,7 @@ class Runner:
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+        return self._loop(self.leaves, cache, self.on_device(batch), num_steps=num_steps,
                           mode=mode, num_top=num_top, processors=processors)  # fmt: skip
 
     def trace_step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0,
@@ -360,11 +356,11 @@ class Runner:
         """`step`'s program traced for these inputs (a ``jax.stages.Traced``; nothing runs).
         ``.lower().compile()`` compiles it, and a later `step` on inputs of the same shapes
         and kinds (host or device arrays) runs that executable without compiling again."""
-        return self._step.trace(self.leaves, cache, self._placed(batch), decode=decode,
+        return self._step.trace(self.leaves, cache, self.on_device(batch), decode=decode,
                                 num_top=num_top, processors=processors)  # fmt: skip
 
     def trace_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str,
                    num_top: int = 0, processors: tuple = ()):  # fmt: skip
         """`decode_loop`'s program traced for these inputs (see `trace_step`)."""
-        return self._loop.trace(self.leaves, cache, self._placed(batch), num_steps=num_steps,
+        return self._loop.trace(self.leaves, cache, self.on_device(batch), num_steps=num_steps,
                                 mode=mode, num_top=num_top, processors=processors)  # fmt: skip
