@@ -160,8 +160,9 @@ def loop_floor(llm, B: int, *, ctx: int, calls: int = 10, trace: bool = False) -
     return row
 
 
-def serve_mix(llm, seed: int = 0) -> None:
-    """A few requests of mixed lengths and sampling modes (greedy, random, top-p, n = 2)."""
+def serve_mix(llm, seed: int = 0) -> list[list[int]]:
+    """A few requests of mixed lengths and sampling modes (greedy, random, top-p, n = 2);
+    returns every completion's tokens (seeded: a cold and a warm process give the same)."""
     import numpy as np
 
     import jpaged
@@ -174,7 +175,7 @@ def serve_mix(llm, seed: int = 0) -> None:
              dict(temperature=0.8, top_p=0.9, seed=2), dict(temperature=1.0, n=2, seed=3)]  # fmt: skip
     params = [jpaged.SamplingParams(max_tokens=24, ignore_eos=True, **kinds[i % len(kinds)])
               for i in range(len(prompts))]  # fmt: skip
-    llm.generate(prompts, params)
+    return [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
 
 
 def _child(args) -> None:
@@ -208,13 +209,14 @@ def _child(args) -> None:
     report = llm.warmup(progress=False)
     print(report, flush=True)
     warm_compiles, warm_traces = compiles[0], llm.stats()["recompiles"]
-    serve_mix(llm)
+    mix_tokens = serve_mix(llm)
     after = compiles[0] - warm_compiles
     out = {
         "phase": args.phase, "import_s": imported, "model_s": model_s, "llm_s": llm_s,
         "warmup_s": report.total_s, "start_s": llm_s + report.total_s,
         "threads": report.threads, "cache_dir": report.cache_dir,
         "num_programs": report.num_programs, "cache_hits": report.cache_hits,
+        "num_loaded": report.num_loaded, "mix_tokens": mix_tokens,
         "page_programs_s": report.page_programs_s,
         "programs": [p.__dict__ for p in report.programs],
         "config": {"max_num_seqs": llm.max_num_seqs, "max_model_len": llm.max_model_len,
@@ -299,12 +301,17 @@ def main(argv=None) -> dict:
             print(f"[{phase}] failed: {err}", flush=True)
         else:
             print(f"[{phase}] constructor {res['llm_s']:.1f} s + warm-up {res['warmup_s']:.1f} s"
-                  f" = {res['start_s']:.1f} s ({res['cache_hits']} cache hits; model "
+                  f" = {res['start_s']:.1f} s ({res['num_loaded']} programs loaded compiled, "
+                  f"{res['cache_hits']} cache hits; model "
                   f"{res['model_s']:.1f} s; process {res['process_s']:.1f} s); compiles after "
                   f"warm-up: {res['compiles_after_warmup']}", flush=True)  # fmt: skip
         doc["phases"].append(res)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1))
+    mixes = [p["mix_tokens"] for p in doc["phases"] if "mix_tokens" in p]
+    if len(mixes) == 2:  # the warm process's programs (loaded) give the cold one's tokens
+        doc["warm_tokens_equal_cold"] = mixes[0] == mixes[1]
+        print(f"warm tokens equal cold: {doc['warm_tokens_equal_cold']}", flush=True)
     if not args.cache:  # the fresh directory made here
         shutil.rmtree(cache, ignore_errors=True)
     print(f"wrote {out}")

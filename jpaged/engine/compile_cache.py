@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["ENV_VAR", "configure", "count_cache_hits", "default_cache_dir"]
+__all__ = ["ENV_VAR", "configure", "count_cache_hits", "default_cache_dir", "process_cache_hits"]
 
 # The environment's say over the default cache (``compilation_cache=True``): a directory, or
 # "off" (also "0", "false", "none" or empty) for none. The test suite sets it.
@@ -37,6 +37,7 @@ _SET_BY_JPAGED: list[str | None] = [None]  # the directory jpaged set in this pr
 _LOCK = threading.Lock()
 _HITS = threading.local()
 _LISTENING = [False]
+_PROCESS_HITS = [0]
 
 
 def _version(package: str) -> str:
@@ -120,6 +121,13 @@ def _listen() -> None:
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         _HITS.count = getattr(_HITS, "count", 0) + 1
+        _PROCESS_HITS[0] += 1
+
+
+def process_cache_hits() -> int:
+    """Persistent-cache hits in this process, every thread, since jpaged first configured
+    the cache."""
+    return _PROCESS_HITS[0]
 
 
 @contextlib.contextmanager

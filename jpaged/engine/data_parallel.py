@@ -13,10 +13,11 @@ not import the facade.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jpaged.engine.warmup import ProgramTiming, WarmupReport
+from jpaged.engine.warmup import WarmupReport
 
 __all__ = ["ReplicaSet", "combined_stats", "combined_warmup"]
 
@@ -91,7 +92,7 @@ def combined_warmup(per_replica: Sequence[WarmupReport]) -> WarmupReport:
     """The replicas' warm-up reports in one: every replica's programs (named ``r<i> ...``),
     page programs and seconds summed (the replicas warm up one after another)."""
     programs = tuple(
-        ProgramTiming(f"r{i} {p.name}", p.lower_s, p.compile_s, p.run_s, p.cache_hit)
+        dataclasses.replace(p, name=f"r{i} {p.name}")
         for i, report in enumerate(per_replica)
         for p in report.programs
     )

@@ -20,12 +20,16 @@ Two jitted programs run a model on the paged cache:
 Their inputs are the fixed-shape batches of `jpaged.engine.batches` (every shape from a
 small set of buckets), so after warm-up nothing compiles.
 ``Runner.num_compiles`` counts traces of the step functions (each trace is one compile).
+Warm-up installs each program's executable (``Runner.install``; compiled, or loaded from
+the `jpaged.engine.executable_store` without tracing); a call whose static arguments and
+input shapes match one runs it, any other call goes through ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Any
 
 import jax
@@ -34,6 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jpaged.engine.batches import LoopBatch, StepBatch
+from jpaged.engine.executable_store import describe_tree
 from jpaged.engine.logits_process import penalty_state, prompt_logprobs, update_penalty_state
 from jpaged.engine.sampling import sample_rows, sampling_mode
 from jpaged.models._protocol import AttentionMetadata
@@ -259,6 +264,14 @@ def _programs(graphdef, treedef, compiler_options: tuple = ()):
     )  # fmt: skip
 
 
+def _signature(program: str, statics: dict[str, Any], cache, batch) -> tuple:
+    """What selects an installed executable: the program, its static arguments, and the
+    tree structure, shapes and dtypes of the pool and the batch (host or device arrays)."""
+    leaves, treedef = jax.tree.flatten((cache, batch))
+    return (program, tuple(statics.items()), treedef,
+            tuple((x.shape, x.dtype) for x in leaves))  # fmt: skip
+
+
 class Runner:
     """Holds a model split into (graphdef, state) and calls the jitted step programs.
 
@@ -282,6 +295,7 @@ class Runner:
         self.vocab_size = int(model.vocab_size)
         self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
+        self._installed: dict[tuple, jax.stages.Compiled] = {}
         # Every input of a program is committed to where the programs run: the batch to every
         # device of a tensor-parallel mesh, else to the model's device. JAX compiles a program
         # once per placement of its inputs (an uncommitted array and a committed one differ,
@@ -294,6 +308,9 @@ class Runner:
         else:
             self._batch_sharding = NamedSharding(mesh, PartitionSpec())
         self.leaves = leaves
+        self.devices = tuple(mesh.devices.flat) if mesh is not None else tuple(leaves[0].devices())
+        self.fingerprint = hashlib.sha256(repr((graphdef, describe_tree(leaves), opts))
+                                          .encode()).hexdigest()  # fmt: skip
 
     def on_device(self, tree):
         """``tree`` committed where the programs run (every device of a tensor-parallel mesh,
@@ -328,8 +345,11 @@ class Runner:
           ``batch.prompt_targets``) is None or ``(logprob f32[T], f32[T, num_top],
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
-        return self._step(self.leaves, cache, self.on_device(batch), decode=decode,
-                          num_top=num_top, processors=processors)  # fmt: skip
+        statics = dict(decode=decode, num_top=num_top, processors=processors)
+        installed = self._installed.get(_signature("step", statics, cache, batch))
+        if installed is not None:
+            return installed(self.leaves, cache, self.on_device(batch))
+        return self._step(self.leaves, cache, self.on_device(batch), **statics)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
                     num_top: int = 0, processors: tuple = ()):  # fmt: skip
@@ -348,8 +368,26 @@ class Runner:
         if mode is None:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
-        return self._loop(self.leaves, cache, self.on_device(batch), num_steps=num_steps,
-                          mode=mode, num_top=num_top, processors=processors)  # fmt: skip
+        statics = dict(num_steps=num_steps, mode=mode, num_top=num_top, processors=processors)
+        installed = self._installed.get(_signature("loop", statics, cache, batch))
+        if installed is not None:
+            return installed(self.leaves, cache, self.on_device(batch))
+        return self._loop(self.leaves, cache, self.on_device(batch), **statics)
+
+    def install(self, program: str, statics: dict[str, Any], cache, batch,
+                compiled: jax.stages.Compiled) -> None:  # fmt: skip
+        """Makes ``compiled`` (``step``'s or ``decode_loop``'s program, ``program`` "step"
+        or "loop", for these static arguments and inputs' shapes) the executable that later
+        calls of the same static arguments and shapes run."""
+        self._installed[_signature(program, statics, cache, batch)] = compiled
+
+    def program_parts(self, program: str, statics: dict[str, Any], cache, batch) -> tuple:
+        """What decides one program's executable besides jpaged, JAX and the backend (an
+        `ExecutableStore` key): the model (graphdef, state, compiler options), the program
+        and its static arguments, the pool's and the placed batch's structure, shapes,
+        dtypes and shardings."""
+        return (self.fingerprint, program, sorted(statics.items()), describe_tree(cache),
+                describe_tree(self.on_device(batch)))  # fmt: skip
 
     def trace_step(self, cache, batch: StepBatch, *, decode: bool, num_top: int = 0,
                    processors: tuple = ()):  # fmt: skip

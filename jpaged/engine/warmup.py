@@ -3,6 +3,9 @@
 `warmup_programs` lowers each program of the `BucketGrid` (``BucketGrid.programs``) in the
 calling thread (tracing holds the GIL) and compiles them in a thread pool as they come (XLA
 releases the GIL; with a persistent compilation cache, a compile is a load from disk).
+With a cache directory, each compiled step program is also written to the
+`ExecutableStore` there, and a later warm-up loads it from the store in the pool without
+tracing or lowering it (`Runner.install` makes the runner call it).
 Meanwhile the calling thread runs the page programs of copy-on-write and swap; then it runs
 each step program once on inputs that write nothing (padding rows, slot -1), which also sets
 up its dispatch. A `WarmupReport` says what was compiled and how long each part took.
@@ -22,6 +25,7 @@ from jpaged.engine.batches import LoopBatch, build_step_batch, sampling_arrays
 from jpaged.engine.buckets import BucketGrid, ProgramKey, stop_bucket
 from jpaged.engine.chain_join import lower_join_programs
 from jpaged.engine.compile_cache import count_cache_hits
+from jpaged.engine.executable_store import ExecutableStore
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.runner import SAMPLING_MODES, Runner
 
@@ -39,6 +43,8 @@ class ProgramTiming:
         it from the persistent cache.
       run_s: seconds of its first run (device set-up included).
       cache_hit: whether the persistent compilation cache held it (False without a cache).
+      loaded: whether it came from the `ExecutableStore` (then ``lower_s`` is the time
+        its store key took, and ``compile_s`` the load).
     """
 
     name: str
@@ -46,6 +52,7 @@ class ProgramTiming:
     compile_s: float
     run_s: float
     cache_hit: bool
+    loaded: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,16 +83,22 @@ class WarmupReport:
 
     @property
     def cache_hits(self) -> int:
-        """Step programs loaded from the persistent compilation cache."""
+        """Step programs whose compile was a persistent compilation cache hit."""
         return sum(p.cache_hit for p in self.programs)
+
+    @property
+    def num_loaded(self) -> int:
+        """Step programs loaded from the executable store (neither traced nor lowered)."""
+        return sum(p.loaded for p in self.programs)
 
     def summary(self) -> str:
         """One line: programs, seconds, cache hits."""
         where = f"cache {self.cache_dir}" if self.cache_dir else "no persistent cache"
         return (f"warm-up: {self.num_programs} programs ({len(self.programs)} step programs, "
                 f"{self.num_page_programs} page programs) in {self.total_s:.1f} s on "
-                f"{self.threads} threads; {self.cache_hits} of {len(self.programs)} step "
-                f"programs from the cache ({where})")  # fmt: skip
+                f"{self.threads} threads; of {len(self.programs)} step programs "
+                f"{self.num_loaded} loaded compiled, {self.cache_hits} compiled from the "
+                f"cache ({where})")  # fmt: skip
 
     def __str__(self) -> str:
         lines = [self.summary(), f"{'program':<26} {'lower s':>8} {'compile s':>10} "
@@ -93,6 +106,8 @@ class WarmupReport:
         for p in self.programs:
             lines.append(f"{p.name:<26} {p.lower_s:>8.2f} {p.compile_s:>10.2f} "
                          f"{p.run_s:>7.2f}  {'hit' if p.cache_hit else '-'}")  # fmt: skip
+        lines[2:] = [line + (" loaded" if p.loaded else "")
+                     for line, p in zip(lines[2:], self.programs, strict=True)]  # fmt: skip
         lines.append(f"{'page programs':<26} {'':>8} {'':>10} {self.page_programs_s:>7.2f}")
         return "\n".join(lines)
 
@@ -115,12 +130,36 @@ def _inputs(key: ProgramKey, width: int):
     )  # fmt: skip
 
 
-def _compile(lowered) -> tuple[float, bool]:
-    """Runs in a pool thread: ``(seconds, persistent-cache hit)``."""
+def _compile(lowered, store: ExecutableStore | None = None, key: str | None = None):
+    """Runs in a pool thread: ``(compiled, seconds, persistent-cache hit)``; the executable
+    is written to ``store`` under ``key`` where given, unless it came from JAX's cache (a
+    reloaded executable does not serialize whole on every backend)."""
     with count_cache_hits() as hits:
         t = time.perf_counter()
-        lowered.compile()
-        return time.perf_counter() - t, hits() > 0
+        compiled = lowered.compile()
+        seconds, hit = time.perf_counter() - t, hits() > 0
+    if store is not None and not hit:
+        store.save(key, compiled)
+    return compiled, seconds, hit
+
+
+def _load(store: ExecutableStore, key: str, in_tree):
+    """Runs in a pool thread: ``(compiled or None, seconds)``."""
+    t = time.perf_counter()
+    compiled = store.load(key, in_tree)
+    return compiled, time.perf_counter() - t
+
+
+def _statics(key: ProgramKey, num_decode_steps: int) -> tuple[str, dict]:
+    """The runner program of ``key`` and its static arguments (as warm-up calls it)."""
+    if key.kind == "loop":
+        return "loop", dict(num_steps=num_decode_steps, mode=key.mode, num_top=0, processors=())
+    return "step", dict(decode=key.kind == "decode", num_top=0, processors=())
+
+
+def _lower(runner: Runner, cache, program: str, statics: dict, batch):
+    trace = runner.trace_loop if program == "loop" else runner.trace_step
+    return trace(cache, batch, **statics).lower()
 
 
 def default_threads(num_programs: int) -> int:
@@ -167,23 +206,25 @@ def warmup_programs(
     from tqdm.auto import tqdm
 
     total = len(keys) + len(join_keys)
+    store = ExecutableStore.in_cache_dir(cache_dir, runner.devices)
     bar = tqdm(total=total, desc=f"jpaged warm-up: {total} programs", unit="program",
                disable=None if progress is None else not progress)  # fmt: skip
-    lower_s: list[float] = []
     timings: list[ProgramTiming] = []
     with concurrent.futures.ThreadPoolExecutor(threads, "jpaged-compile") as pool:
-        futures = []
+        planned = []  # (key, program, statics, batch, store key, future, lower seconds)
         for key in keys:
             t = time.perf_counter()
-            if key.kind == "loop":
-                traced = runner.trace_loop(kv.cache, _inputs(key, width),
-                                           num_steps=num_decode_steps, mode=key.mode)  # fmt: skip
+            program, statics = _statics(key, num_decode_steps)
+            batch = _inputs(key, width)
+            skey = store.key(*runner.program_parts(program, statics, kv.cache, batch)) \
+                if store is not None else None  # fmt: skip
+            if skey is not None and skey in store:
+                in_tree = jax.tree.structure(((runner.leaves, kv.cache, batch), {}))
+                fut = pool.submit(_load, store, skey, in_tree)
             else:
-                traced = runner.trace_step(kv.cache, _inputs(key, width),
-                                           decode=key.kind == "decode")  # fmt: skip
-            lowered = traced.lower()
-            lower_s.append(time.perf_counter() - t)
-            futures.append(pool.submit(_compile, lowered))
+                lowered = _lower(runner, kv.cache, program, statics, batch)
+                fut = pool.submit(_compile, lowered, store, skey)
+            planned.append((key, program, statics, batch, skey, fut, time.perf_counter() - t))
         # The join and grow programs (small: a few scatters), on a loop's stop-id columns.
         joins = []
         t = time.perf_counter()
@@ -197,20 +238,29 @@ def warmup_programs(
         num_pages = kv.warmup_page_programs(width)
         jax.block_until_ready(kv.cache)
         page_s = time.perf_counter() - t
-        for key, fut, low in zip(keys, futures, lower_s, strict=True):
-            compile_s, hit = fut.result()
+        for key, program, statics, batch, skey, fut, low in planned:
+            result = fut.result()
+            loaded = len(result) == 2
+            if loaded and result[0] is None:  # unreadable entry (removed): compile it here
+                t = time.perf_counter()
+                lowered = _lower(runner, kv.cache, program, statics, batch)
+                low = time.perf_counter() - t
+                result = _compile(lowered, store, skey)
+                loaded = False
+            compiled, compile_s, hit = result if not loaded else (*result, False)
+            runner.install(program, statics, kv.cache, batch, compiled)
             t = time.perf_counter()
-            if key.kind == "loop":
-                out = runner.decode_loop(kv.cache, _inputs(key, width),
-                                         num_steps=num_decode_steps, mode=key.mode)  # fmt: skip
+            if program == "loop":
+                out = runner.decode_loop(kv.cache, batch, **statics)
             else:
-                out = runner.step(kv.cache, _inputs(key, width), decode=key.kind == "decode")
+                out = runner.step(kv.cache, batch, **statics)
             kv.cache = out[0]
             jax.block_until_ready(out)
-            timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
+            timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit,
+                                         loaded))  # fmt: skip
             bar.update(1)
         for key, fut, low, run in joins:
-            compile_s, hit = fut.result()
+            _, compile_s, hit = fut.result()
             t = time.perf_counter()
             jax.block_until_ready(run())
             timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))
@@ -219,6 +269,7 @@ def warmup_programs(
         programs=tuple(timings), num_page_programs=num_pages, page_programs_s=page_s,
         total_s=time.perf_counter() - t0, threads=threads, cache_dir=cache_dir,
     )  # fmt: skip
-    bar.set_postfix_str(f"{report.total_s:.1f} s, {report.cache_hits} from the cache")
+    bar.set_postfix_str(f"{report.total_s:.1f} s, {report.num_loaded} loaded, "
+                        f"{report.cache_hits} from the cache")  # fmt: skip
     bar.close()
     return report

@@ -1,0 +1,54 @@
+"""One process of the executable-store tests (``test_executable_store.py`` runs it fresh, so
+that what one process stored is loaded by another, as in use).
+
+``python tests/engine/store_process.py DIR run``: an engine warmed up with its cache in DIR,
+then greedy tokens; prints a JSON line: programs loaded, step-program traces, tokens.
+``... DIR keys``: after a warm-up from DIR, warm-ups under another jpaged source, JAX flag
+and compiler options; prints how many programs each loaded.
+"""
+
+import json
+import sys
+
+sys.path.insert(0, "tests")
+
+import jax
+from _engine_helpers import make_llm, random_prompts
+
+import jpaged
+from jpaged.engine import executable_store, runner
+
+PROMPTS = random_prompts(41, (5, 13, 1, 22))
+GREEDY = jpaged.SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+
+
+def warm(directory, **kw):
+    llm = make_llm(num_decode_steps=2, max_num_seqs=6, compilation_cache=directory, **kw)
+    before = runner._TRACES[0]
+    report = llm.warmup(threads=2)
+    return llm, report, runner._TRACES[0] - before
+
+
+def main(directory: str, mode: str) -> dict:
+    llm, report, traces = warm(directory)
+    out = dict(loaded=report.num_loaded, traces=traces, summary=report.summary(),
+               programs=[p.name for p in report.programs if p.loaded])  # fmt: skip
+    if mode == "run":
+        before = llm.stats()["recompiles"]
+        out["tokens"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        out["recompiles_after_warmup"] = llm.stats()["recompiles"] - before
+        return out
+    real = executable_store._packages_fingerprint
+    executable_store._packages_fingerprint = lambda: "edited"
+    out["edited_source"] = warm(directory)[1].num_loaded
+    executable_store._packages_fingerprint = real
+    with jax.default_matmul_precision("highest"):
+        out["other_jax_flag"] = warm(directory)[1].num_loaded
+    options = {"xla_cpu_enable_fast_math": False}
+    out["other_options"] = warm(directory, compiler_options=options)[1].num_loaded
+    out["again"] = warm(directory)[1].num_loaded
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*sys.argv[1:3])))

@@ -1,0 +1,99 @@
+"""The executable store: compiled step programs that a later process's warm-up loads without
+tracing or lowering them. Each case runs engines in fresh processes (store_process.py), as
+a user's restarts do."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_engine import dense_greedy
+
+from jpaged.engine import executable_store
+
+STEP_PROGRAMS = ["decode B=6", "loop B=6 greedy", "loop B=6 random", "loop B=6 truncate",
+                 "ragged T=32 B=6"]  # fmt: skip
+
+
+def _process(directory, mode: str = "run") -> tuple[dict, str]:
+    """A fresh process's JSON line and its stderr."""
+    done = subprocess.run(
+        [sys.executable, "tests/engine/store_process.py", str(directory), mode],
+        env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
+        timeout=300, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _store_files(directory) -> list[str]:
+    path = os.path.join(directory, executable_store.SUBDIR)
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A cache directory a cold process filled, and that process's results."""
+    directory = tmp_path_factory.mktemp("stored")
+    cold, _ = _process(directory)
+    return directory, cold
+
+
+def _copy(stored, tmp_path):
+    shutil.copytree(stored[0], tmp_path / "c")
+    return tmp_path / "c"
+
+
+def test_a_fresh_process_loads_every_step_program_without_tracing(stored, tmp_path):
+    directory, cold = stored
+    assert cold["loaded"] == 0 and cold["traces"] >= len(STEP_PROGRAMS)
+    assert len(_store_files(directory)) == len(STEP_PROGRAMS)
+    prompts = [[int(t) for t in p] for p in _prompts()]
+    assert cold["tokens"] == [dense_greedy(p, 7) for p in prompts]
+    warm, _ = _process(_copy(stored, tmp_path))
+    assert warm["loaded"] == len(STEP_PROGRAMS) and warm["programs"] == STEP_PROGRAMS
+    assert warm["traces"] <= 1  # the join program (a few scatters) goes through jax.jit
+    assert "5 loaded compiled" in warm["summary"]
+    # Decode loops, ragged and decode steps ran loaded: the same tokens, nothing traced.
+    assert warm["tokens"] == cold["tokens"] and warm["recompiles_after_warmup"] == 0
+
+
+def test_anything_that_decides_the_program_is_in_the_key(stored, tmp_path):
+    # Another jpaged source, another JAX flag, other compiler options: nothing loads.
+    out, _ = _process(_copy(stored, tmp_path), "keys")
+    assert out["loaded"] == len(STEP_PROGRAMS)
+    assert out["edited_source"] == out["other_jax_flag"] == out["other_options"] == 0
+    assert out["again"] == len(STEP_PROGRAMS)
+
+
+def test_an_unreadable_entry_is_removed_and_compiled(stored, tmp_path):
+    directory = _copy(stored, tmp_path)
+    store = directory / executable_store.SUBDIR
+    names = _store_files(directory)
+    (store / names[0]).write_bytes(b"torn write")
+    (store / names[1]).write_bytes((store / names[1]).read_bytes()[:1000])
+    out, err = _process(directory)
+    assert out["loaded"] == len(STEP_PROGRAMS) - 2
+    assert err.count("removing unreadable compiled program") == 2
+    assert out["tokens"] == stored[1]["tokens"]
+    # A CPU process that loaded programs stores none (module docstring): the two are gone.
+    assert _store_files(directory) == names[2:]
+    for name in os.listdir(directory):  # JAX's entries gone too: a clean process stores all
+        if name.endswith("-cache"):
+            os.remove(directory / name)
+    shutil.rmtree(store)
+    out, _ = _process(directory)
+    assert out["loaded"] == 0 and _store_files(directory) == names
+
+
+def test_no_store_without_a_cache_directory():
+    import jax
+
+    assert executable_store.ExecutableStore.in_cache_dir(None, jax.devices()[:1]) is None
+
+
+def _prompts():
+    from _engine_helpers import random_prompts
+
+    return random_prompts(41, (5, 13, 1, 22))
