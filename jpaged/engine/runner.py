@@ -264,12 +264,12 @@ def _programs(graphdef, treedef, compiler_options: tuple = ()):
     )  # fmt: skip
 
 
-def _signature(program: str, statics: dict[str, Any], cache, batch) -> tuple:
+def _signature(program: str, statics: dict[str, Any], cache, placed_batch) -> tuple:
     """What selects an installed executable: the program, its static arguments, and the
-    tree structure, shapes and dtypes of the pool and the batch (host or device arrays)."""
-    leaves, treedef = jax.tree.flatten((cache, batch))
-    return (program, tuple(statics.items()), treedef,
-            tuple((x.shape, x.dtype) for x in leaves))  # fmt: skip
+    tree structure, shapes, dtypes and shardings of the pool and the placed batch."""
+    leaves, treedef = jax.tree.flatten((cache, placed_batch))
+    return (program, tuple(sorted(statics.items())), treedef,
+            tuple((x.shape, x.dtype, x.sharding) for x in leaves))  # fmt: skip
 
 
 class Runner:
@@ -346,10 +346,11 @@ class Runner:
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
         statics = dict(decode=decode, num_top=num_top, processors=processors)
+        batch = self.on_device(batch)
         installed = self._installed.get(_signature("step", statics, cache, batch))
         if installed is not None:
-            return installed(self.leaves, cache, self.on_device(batch))
-        return self._step(self.leaves, cache, self.on_device(batch), **statics)
+            return installed(self.leaves, cache, batch)
+        return self._step(self.leaves, cache, batch, **statics)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
                     num_top: int = 0, processors: tuple = ()):  # fmt: skip
@@ -369,17 +370,22 @@ class Runner:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
         statics = dict(num_steps=num_steps, mode=mode, num_top=num_top, processors=processors)
+        batch = self.on_device(batch)
         installed = self._installed.get(_signature("loop", statics, cache, batch))
         if installed is not None:
-            return installed(self.leaves, cache, self.on_device(batch))
-        return self._loop(self.leaves, cache, self.on_device(batch), **statics)
+            return installed(self.leaves, cache, batch)
+        return self._loop(self.leaves, cache, batch, **statics)
 
     def install(self, program: str, statics: dict[str, Any], cache, batch,
-                compiled: jax.stages.Compiled) -> None:  # fmt: skip
+                compiled: jax.stages.Compiled | None) -> None:  # fmt: skip
         """Makes ``compiled`` (``step``'s or ``decode_loop``'s program, ``program`` "step"
         or "loop", for these static arguments and inputs' shapes) the executable that later
-        calls of the same static arguments and shapes run."""
-        self._installed[_signature(program, statics, cache, batch)] = compiled
+        calls of the same static arguments and shapes run (``compiled`` None: uninstalls)."""
+        signature = _signature(program, statics, cache, self.on_device(batch))
+        if compiled is None:
+            self._installed.pop(signature, None)
+        else:
+            self._installed[signature] = compiled
 
     def program_parts(self, program: str, statics: dict[str, Any], cache, batch) -> tuple:
         """What decides one program's executable besides jpaged, JAX and the backend (an

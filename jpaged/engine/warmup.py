@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jpaged.engine.batches import LoopBatch, build_step_batch, sampling_arrays
+from jpaged.engine.batches import LoopBatch, StepBatch, build_step_batch, sampling_arrays
 from jpaged.engine.buckets import BucketGrid, ProgramKey, stop_bucket
 from jpaged.engine.chain_join import lower_join_programs
 from jpaged.engine.compile_cache import count_cache_hits
@@ -131,23 +131,67 @@ def _inputs(key: ProgramKey, width: int):
 
 
 def _compile(lowered, store: ExecutableStore | None = None, key: str | None = None):
-    """Runs in a pool thread: ``(compiled, seconds, persistent-cache hit)``; the executable
-    is written to ``store`` under ``key`` where given, unless it came from JAX's cache (a
-    reloaded executable does not serialize whole on every backend)."""
+    """Runs in a pool thread: ``(compiled, seconds, persistent-cache hit, False)``; the
+    executable is written to ``store`` under ``key`` where given."""
     with count_cache_hits() as hits:
         t = time.perf_counter()
         compiled = lowered.compile()
         seconds, hit = time.perf_counter() - t, hits() > 0
-    if store is not None and not hit:
-        store.save(key, compiled)
-    return compiled, seconds, hit
+    if store is not None:
+        store.save(key, compiled, from_jax_cache=hit)
+    return compiled, seconds, hit, False
 
 
 def _load(store: ExecutableStore, key: str, in_tree):
-    """Runs in a pool thread: ``(compiled or None, seconds)``."""
+    """Runs in a pool thread: ``(compiled or None, seconds, False, True)``."""
     t = time.perf_counter()
     compiled = store.load(key, in_tree)
-    return compiled, time.perf_counter() - t
+    return compiled, time.perf_counter() - t, False, True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A step program on its way: compiling or loading in the pool (``future``)."""
+
+    key: ProgramKey
+    program: str  # "step" or "loop"
+    statics: dict
+    batch: LoopBatch | StepBatch
+    store_key: str | None
+    future: concurrent.futures.Future
+    lower_s: float
+
+
+def _run_once(runner: Runner, kv: KVManager, p: _Planned, compiled) -> float:
+    """Installs ``compiled`` as ``p``'s program and runs it once; returns the seconds."""
+    runner.install(p.program, p.statics, kv.cache, p.batch, compiled)
+    t = time.perf_counter()
+    call = runner.decode_loop if p.program == "loop" else runner.step
+    out = call(kv.cache, p.batch, **p.statics)
+    kv.cache = out[0]
+    jax.block_until_ready(out)
+    return time.perf_counter() - t
+
+
+def _finish(runner: Runner, kv: KVManager, store: ExecutableStore | None, p: _Planned):
+    """``p``'s compile or load done, its first run: a `ProgramTiming`. A stored program that
+    cannot be loaded, or whose first run fails, is removed and compiled here instead."""
+    compiled, compile_s, hit, loaded = p.future.result()
+    lower_s = p.lower_s
+    if loaded and compiled is not None:
+        try:
+            return ProgramTiming(p.key.name, lower_s, compile_s,
+                                 _run_once(runner, kv, p, compiled), hit, True)  # fmt: skip
+        except Exception as e:  # any failure of a loaded program: compile it instead
+            store.remove(p.store_key, f"its first run failed: {type(e).__name__}: {e}")
+            runner.install(p.program, p.statics, kv.cache, p.batch, None)
+            kv.replace_lost_pool()
+    if loaded:
+        t = time.perf_counter()
+        lowered = _lower(runner, kv.cache, p.program, p.statics, p.batch)
+        lower_s = time.perf_counter() - t
+        compiled, compile_s, hit, _ = _compile(lowered, store, p.store_key)
+    return ProgramTiming(p.key.name, lower_s, compile_s, _run_once(runner, kv, p, compiled), hit)
 
 
 def _statics(key: ProgramKey, num_decode_steps: int) -> tuple[str, dict]:
@@ -211,7 +255,7 @@ def warmup_programs(
                disable=None if progress is None else not progress)  # fmt: skip
     timings: list[ProgramTiming] = []
     with concurrent.futures.ThreadPoolExecutor(threads, "jpaged-compile") as pool:
-        planned = []  # (key, program, statics, batch, store key, future, lower seconds)
+        planned: list[_Planned] = []
         for key in keys:
             t = time.perf_counter()
             program, statics = _statics(key, num_decode_steps)
@@ -224,7 +268,8 @@ def warmup_programs(
             else:
                 lowered = _lower(runner, kv.cache, program, statics, batch)
                 fut = pool.submit(_compile, lowered, store, skey)
-            planned.append((key, program, statics, batch, skey, fut, time.perf_counter() - t))
+            planned.append(_Planned(key, program, statics, batch, skey, fut,
+                                    time.perf_counter() - t))  # fmt: skip
         # The join and grow programs (small: a few scatters), on a loop's stop-id columns.
         joins = []
         t = time.perf_counter()
@@ -238,29 +283,11 @@ def warmup_programs(
         num_pages = kv.warmup_page_programs(width)
         jax.block_until_ready(kv.cache)
         page_s = time.perf_counter() - t
-        for key, program, statics, batch, skey, fut, low in planned:
-            result = fut.result()
-            loaded = len(result) == 2
-            if loaded and result[0] is None:  # unreadable entry (removed): compile it here
-                t = time.perf_counter()
-                lowered = _lower(runner, kv.cache, program, statics, batch)
-                low = time.perf_counter() - t
-                result = _compile(lowered, store, skey)
-                loaded = False
-            compiled, compile_s, hit = result if not loaded else (*result, False)
-            runner.install(program, statics, kv.cache, batch, compiled)
-            t = time.perf_counter()
-            if program == "loop":
-                out = runner.decode_loop(kv.cache, batch, **statics)
-            else:
-                out = runner.step(kv.cache, batch, **statics)
-            kv.cache = out[0]
-            jax.block_until_ready(out)
-            timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit,
-                                         loaded))  # fmt: skip
+        for p in planned:
+            timings.append(_finish(runner, kv, store, p))
             bar.update(1)
         for key, fut, low, run in joins:
-            _, compile_s, hit = fut.result()
+            _, compile_s, hit, _ = fut.result()
             t = time.perf_counter()
             jax.block_until_ready(run())
             timings.append(ProgramTiming(key.name, low, compile_s, time.perf_counter() - t, hit))

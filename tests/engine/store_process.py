@@ -5,6 +5,8 @@ that what one process stored is loaded by another, as in use).
 then greedy tokens; prints a JSON line: programs loaded, step-program traces, tokens.
 ``... DIR keys``: after a warm-up from DIR, warm-ups under another jpaged source, JAX flag
 and compiler options; prints how many programs each loaded.
+``... DIR badrun``: as ``run``, but the first decode loop loaded fails when run.
+``... DIR mesh``: as ``run``, on a 2 x 2 ("data", "model") mesh of 4 CPU devices.
 """
 
 import json
@@ -22,18 +24,48 @@ PROMPTS = random_prompts(41, (5, 13, 1, 22))
 GREEDY = jpaged.SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
 
 
-def warm(directory, **kw):
-    llm = make_llm(num_decode_steps=2, max_num_seqs=6, compilation_cache=directory, **kw)
+def warm(directory, mesh: bool = False, **kw):
+    if mesh:  # as tests/parallel/mesh_cases.py builds its engines
+        from jpaged.parallel import make_mesh
+
+        llm = jpaged.LLM("tests/checkpoints/llama2", mesh=make_mesh(2, 2), page_size=8,
+                         num_pages=64, max_num_seqs=8, max_model_len=64,
+                         max_num_batched_tokens=32, compilation_cache=directory)  # fmt: skip
+    else:
+        llm = make_llm(num_decode_steps=2, max_num_seqs=6, compilation_cache=directory, **kw)
     before = runner._TRACES[0]
     report = llm.warmup(threads=2)
     return llm, report, runner._TRACES[0] - before
 
 
+class FailingProgram:
+    """Stands in for a loaded executable that fails on the device."""
+
+    def __call__(self, *args):
+        raise RuntimeError("INTERNAL: injected failure of a loaded program")
+
+
+def fail_first_loop_load() -> None:
+    load = executable_store.ExecutableStore.load
+    failed = []
+
+    def patched(self, key, in_tree):
+        compiled = load(self, key, in_tree)
+        if compiled is not None and not failed and "LoopBatch" in str(in_tree):
+            failed.append(key)
+            return FailingProgram()
+        return compiled
+
+    executable_store.ExecutableStore.load = patched
+
+
 def main(directory: str, mode: str) -> dict:
-    llm, report, traces = warm(directory)
+    if mode == "badrun":
+        fail_first_loop_load()
+    llm, report, traces = warm(directory, mesh=mode == "mesh")
     out = dict(loaded=report.num_loaded, traces=traces, summary=report.summary(),
                programs=[p.name for p in report.programs if p.loaded])  # fmt: skip
-    if mode == "run":
+    if mode in ("run", "badrun", "mesh"):
         before = llm.stats()["recompiles"]
         out["tokens"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         out["recompiles_after_warmup"] = llm.stats()["recompiles"] - before

@@ -17,11 +17,12 @@ STEP_PROGRAMS = ["decode B=6", "loop B=6 greedy", "loop B=6 random", "loop B=6 t
                  "ragged T=32 B=6"]  # fmt: skip
 
 
-def _process(directory, mode: str = "run") -> tuple[dict, str]:
+def _process(directory, mode: str = "run", env: dict | None = None) -> tuple[dict, str]:
     """A fresh process's JSON line and its stderr."""
     done = subprocess.run(
         [sys.executable, "tests/engine/store_process.py", str(directory), mode],
-        env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd(), executable_store.CPU_ENV_VAR: "1",
+             **(env or {})}, capture_output=True, text=True,
         timeout=300, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -75,7 +76,7 @@ def test_an_unreadable_entry_is_removed_and_compiled(stored, tmp_path):
     (store / names[1]).write_bytes((store / names[1]).read_bytes()[:1000])
     out, err = _process(directory)
     assert out["loaded"] == len(STEP_PROGRAMS) - 2
-    assert err.count("removing unreadable compiled program") == 2
+    assert err.count("removing stored compiled program") == 2
     assert out["tokens"] == stored[1]["tokens"]
     # A CPU process that loaded programs stores none (module docstring): the two are gone.
     assert _store_files(directory) == names[2:]
@@ -87,10 +88,55 @@ def test_an_unreadable_entry_is_removed_and_compiled(stored, tmp_path):
     assert out["loaded"] == 0 and _store_files(directory) == names
 
 
-def test_no_store_without_a_cache_directory():
+def test_a_loaded_program_that_fails_its_first_run_is_removed_and_compiled(stored, tmp_path):
+    directory = _copy(stored, tmp_path)
+    out, err = _process(directory, "badrun")
+    assert out["loaded"] == len(STEP_PROGRAMS) - 1 and "loop B=6 greedy" not in out["programs"]
+    assert "its first run failed: RuntimeError: INTERNAL: injected" in err
+    assert out["tokens"] == stored[1]["tokens"] and out["recompiles_after_warmup"] == 0
+    assert len(_store_files(directory)) == len(STEP_PROGRAMS) - 1
+
+
+def test_data_parallel_replicas_each_load_their_own_programs(tmp_path):
+    # A 2 x 2 ("data", "model") mesh of CPU devices: each replica stores its programs for its
+    # own 2-device mesh, and the next process's replicas load them onto the same devices.
+    env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " "
+                        "--xla_force_host_platform_device_count=4"}  # fmt: skip
+    cold, _ = _process(tmp_path, "mesh", env)
+    warm, _ = _process(tmp_path, "mesh", env)
+    assert cold["loaded"] == 0 and len(_store_files(tmp_path)) == 2 * len(STEP_PROGRAMS)
+    assert warm["loaded"] == 2 * len(STEP_PROGRAMS) and warm["traces"] <= 2
+    assert warm["tokens"] == cold["tokens"] and warm["recompiles_after_warmup"] == 0
+
+
+def test_no_store_without_a_local_cache_directory(tmp_path, monkeypatch):
     import jax
 
-    assert executable_store.ExecutableStore.in_cache_dir(None, jax.devices()[:1]) is None
+    devices = jax.devices()[:1]
+    monkeypatch.setenv(executable_store.CPU_ENV_VAR, "1")
+    assert executable_store.ExecutableStore.in_cache_dir(None, devices) is None
+    assert executable_store.ExecutableStore.in_cache_dir("gs://bucket/jax", devices) is None
+    store = executable_store.ExecutableStore.in_cache_dir(str(tmp_path), devices)
+    assert store.directory == tmp_path / executable_store.SUBDIR
+    monkeypatch.delenv(executable_store.CPU_ENV_VAR)  # off on the CPU by default
+    assert executable_store.ExecutableStore.in_cache_dir(str(tmp_path), devices) is None
+
+
+def test_a_failed_write_is_logged_and_warmup_goes_on(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv(executable_store.CPU_ENV_VAR, "1")
+    import jax
+    import jax.numpy as jnp
+
+    (tmp_path / executable_store.SUBDIR).write_text("a file where the store's directory goes")
+    store = executable_store.ExecutableStore.in_cache_dir(str(tmp_path), jax.devices()[:1])
+    compiled = jax.jit(lambda x: x + 1).trace(jnp.zeros(3)).lower().compile()
+    # The suite's process may have loaded programs (then a CPU store writes nothing at all).
+    monkeypatch.setattr(executable_store, "_LOADED_IN_PROCESS", [False])
+    monkeypatch.setattr(executable_store, "process_cache_hits", lambda: 0)
+    with caplog.at_level("WARNING", logger="jpaged.engine.executable_store"):
+        assert not store.save(store.key("x"), compiled, from_jax_cache=False)
+    assert "cannot store a compiled program" in caplog.text
+    assert os.listdir(tmp_path) == [executable_store.SUBDIR]  # no temporary file left
 
 
 def _prompts():
