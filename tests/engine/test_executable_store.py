@@ -143,3 +143,15 @@ def _prompts():
     from _engine_helpers import random_prompts
 
     return random_prompts(41, (5, 13, 1, 22))
+
+
+@pytest.mark.gpu
+def test_a_fresh_gpu_process_loads_what_another_stored(tmp_path):
+    # On a GPU the store is on by default (no environment variable): the second process
+    # loads every step program and gives the first one's tokens.
+    env = {executable_store.CPU_ENV_VAR: "0"}
+    cold, _ = _process(tmp_path, env=env)
+    warm, _ = _process(tmp_path, env=env)
+    assert cold["loaded"] == 0 and len(_store_files(tmp_path)) == len(STEP_PROGRAMS)
+    assert warm["loaded"] == len(STEP_PROGRAMS) and warm["traces"] <= 1
+    assert warm["tokens"] == cold["tokens"] and warm["recompiles_after_warmup"] == 0
