@@ -90,15 +90,19 @@ def xla_sweep(ns, results):
         nbytes = dec.live_bytes(case, inp.lengths_np)
         args = (inp.q, inp.k_pages, inp.v_pages, inp.block_tables, inp.lengths)
         scale = 1.0 / math.sqrt(case.H)
+        ref = None
         impls = [(f"xla_new R={r}", xla.paged_attention_xla, r) for r in ns.xla_chunks]
-        if old is not None:
-            impls.insert(0, ("xla_old", old.paged_attention_xla, None))
+        if old is not None:  # the other module at its default and at each chunk size
+            impls[:0] = [(f"xla_old R={r}", old.paged_attention_xla, r)
+                         for r in [None, *ns.xla_chunks]]  # fmt: skip
         for name, fn, r in impls:
             kw = {} if r is None else {"pages_per_chunk": r}
             f = jax.jit(
                 lambda q, k, v, t, n, fn=fn, kw=kw, s=scale: fn(q, k, v, t, n, sm_scale=s, **kw)
             )
-            row, _ = _time(f"xla[{i}] {case.label} {name}", f, args, nbytes=nbytes)
+            row, out = _time(f"xla[{i}] {case.label} {name}", f, args, nbytes=nbytes, ref=ref)
+            if ref is None and out is not None:  # the first one is the others' reference
+                ref = np.asarray(out.astype(jnp.float32))
             results.append(row)
 
 

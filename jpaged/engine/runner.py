@@ -264,6 +264,13 @@ def _programs(graphdef, treedef, compiler_options: tuple = ()):
     )  # fmt: skip
 
 
+# Executables installed by warm-up (loaded from the store, or compiled there), by runner
+# fingerprint and call signature: shared by every runner over a model of the same structure,
+# placement and compiler options, as the jitted programs are (`_programs`), so an engine
+# rebuilt over the same model runs them too instead of tracing and compiling on demand.
+_INSTALLED: dict[tuple[str, tuple], jax.stages.Compiled] = {}
+
+
 def _signature(program: str, statics: dict[str, Any], cache, placed_batch) -> tuple:
     """What selects an installed executable: the program, its static arguments, and the
     tree structure, shapes, dtypes and shardings of the pool and the placed batch."""
@@ -285,6 +292,8 @@ class Runner:
 
     Attributes:
       num_compiles: step-program compiles (traces) in this process since this runner was built.
+      fingerprint: sha256 of the graphdef, the state's shapes, dtypes and shardings, and the
+        compiler options: runners of one fingerprint share installed executables (`install`).
     """
 
     def __init__(self, model: nnx.Module, *, compiler_options: dict[str, Any] | None = None):
@@ -295,7 +304,6 @@ class Runner:
         self.vocab_size = int(model.vocab_size)
         self._step, self._loop = _programs(graphdef, treedef, opts)
         self._start = _TRACES[0]
-        self._installed: dict[tuple, jax.stages.Compiled] = {}
         # Every input of a program is committed to where the programs run: the batch to every
         # device of a tensor-parallel mesh, else to the model's device. JAX compiles a program
         # once per placement of its inputs (an uncommitted array and a committed one differ,
@@ -347,7 +355,7 @@ class Runner:
         """
         statics = dict(decode=decode, num_top=num_top, processors=processors)
         batch = self.on_device(batch)
-        installed = self._installed.get(_signature("step", statics, cache, batch))
+        installed = _INSTALLED.get((self.fingerprint, _signature("step", statics, cache, batch)))
         if installed is not None:
             return installed(self.leaves, cache, batch)
         return self._step(self.leaves, cache, batch, **statics)
@@ -371,7 +379,7 @@ class Runner:
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
         statics = dict(num_steps=num_steps, mode=mode, num_top=num_top, processors=processors)
         batch = self.on_device(batch)
-        installed = self._installed.get(_signature("loop", statics, cache, batch))
+        installed = _INSTALLED.get((self.fingerprint, _signature("loop", statics, cache, batch)))
         if installed is not None:
             return installed(self.leaves, cache, batch)
         return self._loop(self.leaves, cache, batch, **statics)
@@ -380,12 +388,13 @@ class Runner:
                 compiled: jax.stages.Compiled | None) -> None:  # fmt: skip
         """Makes ``compiled`` (``step``'s or ``decode_loop``'s program, ``program`` "step"
         or "loop", for these static arguments and inputs' shapes) the executable that later
-        calls of the same static arguments and shapes run (``compiled`` None: uninstalls)."""
-        signature = _signature(program, statics, cache, self.on_device(batch))
+        calls of the same static arguments and shapes run, on this runner and on every runner
+        of the same `fingerprint` (``compiled`` None: uninstalls)."""
+        signature = (self.fingerprint, _signature(program, statics, cache, self.on_device(batch)))
         if compiled is None:
-            self._installed.pop(signature, None)
+            _INSTALLED.pop(signature, None)
         else:
-            self._installed[signature] = compiled
+            _INSTALLED[signature] = compiled
 
     def program_parts(self, program: str, statics: dict[str, Any], cache, batch) -> tuple:
         """What decides one program's executable besides jpaged, JAX and the backend (an

@@ -58,6 +58,9 @@ def test_a_fresh_process_loads_every_step_program_without_tracing(stored, tmp_pa
     assert "5 loaded compiled" in warm["summary"]
     # Decode loops, ragged and decode steps ran loaded: the same tokens, nothing traced.
     assert warm["tokens"] == cold["tokens"] and warm["recompiles_after_warmup"] == 0
+    # An engine rebuilt over the same model runs the loaded programs too (never traced here).
+    for out in (cold, warm):
+        assert out["rebuilt_tokens"] == cold["tokens"] and out["rebuilt_traces"] == 0
 
 
 def test_anything_that_decides_the_program_is_in_the_key(stored, tmp_path):
@@ -155,3 +158,4 @@ def test_a_fresh_gpu_process_loads_what_another_stored(tmp_path):
     assert cold["loaded"] == 0 and len(_store_files(tmp_path)) == len(STEP_PROGRAMS)
     assert warm["loaded"] == len(STEP_PROGRAMS) and warm["traces"] <= 1
     assert warm["tokens"] == cold["tokens"] and warm["recompiles_after_warmup"] == 0
+    assert warm["rebuilt_tokens"] == cold["tokens"] and warm["rebuilt_traces"] == 0
