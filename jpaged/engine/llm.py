@@ -76,7 +76,13 @@ class LLM:
         or "swap".
       swap_space: bytes of host memory for swapped-out pages.
       num_decode_steps: k, decode steps per device call when every scheduled sequence is
-        decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it.
+        decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it. A request
+        arriving while a loop runs waits for that loop and the next (the host dispatches one
+        ahead), so k trades time to first token for host work per token: on an H100 with
+        Llama-3-8B shapes, 2 served 128 ShareGPT-like requests at once as fast as 8 (3168
+        against 3176 output tok/s) with a third of the time to first token at 4 req/s (29
+        against 91 ms; BENCHMARKS.md). Raise it where the host cannot keep up with short
+        steps (small models).
       join_running: admit requests while a chain of decode loops runs: a request's prefill
         runs between two loops and its row joins the next one (`jpaged.engine.chain_join`;
         rows with beam search, ``n > 1``, logits processing or log-probabilities end the
@@ -137,7 +143,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "auto",
         swap_space: int = 1 << 30,
-        num_decode_steps: int = 8,
+        num_decode_steps: int = 2,
         join_running: bool = True,
         dtype: Any = None,
         cache_dtype: Any = None,

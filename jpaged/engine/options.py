@@ -97,7 +97,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     swap_space: int = 1 << 30
-    num_decode_steps: int = 8
+    num_decode_steps: int = 2
     join_running: bool = True
     dtype: Any = None
     cache_dtype: Any = None
