@@ -203,7 +203,8 @@ def _child(args) -> None:
     jax.block_until_ready(jax.tree.leaves(model))
     model_s = time.perf_counter() - t
     t = time.perf_counter()
-    llm = jpaged.LLM(model, eos_token_id=[], compilation_cache=args.cache)
+    steps = {} if args.decode_steps is None else {"num_decode_steps": args.decode_steps}
+    llm = jpaged.LLM(model, eos_token_id=[], compilation_cache=args.cache, **steps)
     jax.block_until_ready(llm.cache)
     llm_s = time.perf_counter() - t
     report = llm.warmup(progress=False)
@@ -265,6 +266,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-min-compile-s", type=float, default=None,
                     help="JAX's threshold for caching a program (default JAX's, 1 s)")  # fmt: skip
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--decode-steps", type=int, default=None, help="num_decode_steps (default: jpaged.LLM's)"
+    )
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -282,6 +286,8 @@ def main(argv=None) -> dict:
                "--launched", str(time.time())]  # fmt: skip
         if args.cache_min_compile_s is not None:
             cmd += ["--cache-min-compile-s", str(args.cache_min_compile_s)]
+        if args.decode_steps is not None:
+            cmd += ["--decode-steps", str(args.decode_steps)]
         if phase == "warm" and args.mbu:
             cmd += ["--mbu", args.mbu] + (["--trace"] if args.trace else [])
         t = time.perf_counter()

@@ -21,6 +21,8 @@ import _fast_lowering
 import jax
 import pytest
 
+from jpaged.engine import runner
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Cross-lowering for CUDA spends half its time naming layout-inference variables: an
 # output-identical shortcut (tests/_fast_lowering.py; checked in tests/test_lowered_ir.py).
@@ -51,6 +53,7 @@ def _release_compiled_programs():
     yield
     if _num_mappings() > _MAX_MAPPINGS:
         jax.clear_caches()
+        runner.clear_installed()  # the engine's installed executables (warm-up's)
         gc.collect()
 
 

@@ -266,16 +266,32 @@ def _programs(graphdef, treedef, compiler_options: tuple = ()):
 
 # Executables installed by warm-up (loaded from the store, or compiled there), by runner
 # fingerprint and call signature: shared by every runner over a model of the same structure,
-# placement and compiler options, as the jitted programs are (`_programs`), so an engine
-# rebuilt over the same model runs them too instead of tracing and compiling on demand.
+# devices and compiler options, as the jitted programs are (`_programs`), so an engine rebuilt
+# over the same model runs them too instead of tracing and compiling on demand. They live as
+# long as the process, or until `clear_installed`.
 _INSTALLED: dict[tuple[str, tuple], jax.stages.Compiled] = {}
+
+# JAX settings that change what a traced program computes and that callers may set around a
+# call (context managers) or for the process: read at every call, as jax.jit's cache key does,
+# so a call under other settings than warm-up's traces its own program.
+_TRACE_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_numpy_dtype_promotion",
+                   "jax_numpy_rank_promotion", "jax_default_prng_impl",
+                   "jax_threefry_partitionable", "jax_softmax_custom_jvp", "jax_debug_nans",
+                   "jax_debug_infs")  # fmt: skip
+
+
+def clear_installed() -> None:
+    """Forgets every installed executable (as ``jax.clear_caches`` does the jitted ones)."""
+    _INSTALLED.clear()
 
 
 def _signature(program: str, statics: dict[str, Any], cache, placed_batch) -> tuple:
-    """What selects an installed executable: the program, its static arguments, and the
-    tree structure, shapes, dtypes and shardings of the pool and the placed batch."""
+    """What selects an installed executable: the program, its static arguments, the JAX
+    settings of the call, and the tree structure, shapes, dtypes and shardings of the pool
+    and the placed batch."""
     leaves, treedef = jax.tree.flatten((cache, placed_batch))
-    return (program, tuple(sorted(statics.items())), treedef,
+    settings = tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
+    return (program, tuple(sorted(statics.items())), settings, treedef,
             tuple((x.shape, x.dtype, x.sharding) for x in leaves))  # fmt: skip
 
 
@@ -292,8 +308,9 @@ class Runner:
 
     Attributes:
       num_compiles: step-program compiles (traces) in this process since this runner was built.
-      fingerprint: sha256 of the graphdef, the state's shapes, dtypes and shardings, and the
-        compiler options: runners of one fingerprint share installed executables (`install`).
+      fingerprint: sha256 of the graphdef, the state's shapes, dtypes and shardings, the
+        compiler options and the devices' ids: runners of one fingerprint share installed
+        executables (`install`).
     """
 
     def __init__(self, model: nnx.Module, *, compiler_options: dict[str, Any] | None = None):
@@ -317,7 +334,8 @@ class Runner:
             self._batch_sharding = NamedSharding(mesh, PartitionSpec())
         self.leaves = leaves
         self.devices = tuple(mesh.devices.flat) if mesh is not None else tuple(leaves[0].devices())
-        self.fingerprint = hashlib.sha256(repr((graphdef, describe_tree(leaves), opts))
+        self.fingerprint = hashlib.sha256(repr((graphdef, describe_tree(leaves), opts,
+                                                [d.id for d in self.devices]))
                                           .encode()).hexdigest()  # fmt: skip
 
     def on_device(self, tree):
@@ -384,17 +402,19 @@ class Runner:
             return installed(self.leaves, cache, batch)
         return self._loop(self.leaves, cache, batch, **statics)
 
+    def run_compiled(self, compiled: jax.stages.Compiled, cache, batch):
+        """Runs ``compiled`` (an executable of ``step``'s or ``decode_loop``'s program for
+        these inputs) as `step` and `decode_loop` run an installed one; returns its outputs."""
+        return compiled(self.leaves, cache, self.on_device(batch))
+
     def install(self, program: str, statics: dict[str, Any], cache, batch,
-                compiled: jax.stages.Compiled | None) -> None:  # fmt: skip
+                compiled: jax.stages.Compiled) -> None:  # fmt: skip
         """Makes ``compiled`` (``step``'s or ``decode_loop``'s program, ``program`` "step"
-        or "loop", for these static arguments and inputs' shapes) the executable that later
-        calls of the same static arguments and shapes run, on this runner and on every runner
-        of the same `fingerprint` (``compiled`` None: uninstalls)."""
+        or "loop", for these static arguments and inputs' shapes, under the caller's JAX
+        settings) the executable that later calls of the same static arguments, settings and
+        shapes run, on this runner and on every runner of the same `fingerprint`."""
         signature = (self.fingerprint, _signature(program, statics, cache, self.on_device(batch)))
-        if compiled is None:
-            _INSTALLED.pop(signature, None)
-        else:
-            _INSTALLED[signature] = compiled
+        _INSTALLED[signature] = compiled
 
     def program_parts(self, program: str, statics: dict[str, Any], cache, batch) -> tuple:
         """What decides one program's executable besides jpaged, JAX and the backend (an

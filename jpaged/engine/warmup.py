@@ -163,14 +163,15 @@ class _Planned:
 
 
 def _run_once(runner: Runner, kv: KVManager, p: _Planned, compiled) -> float:
-    """Installs ``compiled`` as ``p``'s program and runs it once; returns the seconds."""
-    runner.install(p.program, p.statics, kv.cache, p.batch, compiled)
+    """Runs ``compiled`` (``p``'s program) once, then installs it (so no other engine runs
+    a program that failed here); returns the seconds of the run."""
     t = time.perf_counter()
-    call = runner.decode_loop if p.program == "loop" else runner.step
-    out = call(kv.cache, p.batch, **p.statics)
+    out = runner.run_compiled(compiled, kv.cache, p.batch)
     kv.cache = out[0]
     jax.block_until_ready(out)
-    return time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    runner.install(p.program, p.statics, kv.cache, p.batch, compiled)
+    return seconds
 
 
 def _finish(runner: Runner, kv: KVManager, store: ExecutableStore | None, p: _Planned):
@@ -184,7 +185,6 @@ def _finish(runner: Runner, kv: KVManager, store: ExecutableStore | None, p: _Pl
                                  _run_once(runner, kv, p, compiled), hit, True)  # fmt: skip
         except Exception as e:  # any failure of a loaded program: compile it instead
             store.remove(p.store_key, f"its first run failed: {type(e).__name__}: {e}")
-            runner.install(p.program, p.statics, kv.cache, p.batch, None)
             kv.replace_lost_pool()
     if loaded:
         t = time.perf_counter()

@@ -79,6 +79,11 @@ def main(directory: str, mode: str) -> dict:
             out["rebuilt_tokens"] = [o.outputs[0].token_ids
                                      for o in rebuilt.generate(PROMPTS, GREEDY)]  # fmt: skip
             out["rebuilt_traces"] = runner._TRACES[0] - before
+            # Under another matmul precision it traces its own programs, as jax.jit would.
+            with jax.default_matmul_precision("highest"):
+                before = runner._TRACES[0]
+                rebuilt.generate(PROMPTS, GREEDY)
+                out["rebuilt_highest_traces"] = runner._TRACES[0] - before
         return out
     real = executable_store._packages_fingerprint
     executable_store._packages_fingerprint = lambda: "edited"
