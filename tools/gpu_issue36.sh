@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_issue36.sh startup OUT [MODEL]   # cold + warm start, MBU at 64/128/256
 #   bash tools/gpu_issue36.sh serving OUT [MODEL]   # capacity and low-load TTFT: jpaged,
-#     reserve-max (jpaged's engine, Orca-Max's admission) and SERVING_SYSTEMS (e.g. orca-max)
+#     reserve-max (jpaged's engine, Orca-Max's admission), orca-max (the TTFT anchor) and
+#     SERVING_SYSTEMS (more, e.g. static)
 #
 # OUT: where JSON and logs go (default benchmarks/results). MODEL: llama-8b (default).
 # Timeouts: STARTUP_TIMEOUT (300 s per phase), SERVING_TIMEOUT (300 s).
@@ -37,7 +38,7 @@ case "$PART" in
     # pool; results are saved after each run.
     run "${SERVING_TIMEOUT:-300}" "$DEST/serving.log" "$PY" benchmarks/serving.py \
       --model "$MODEL" --quick --no-progress --rates "${SERVING_RATES:-inf,4}" --window 10 \
-      --num-requests 128 --systems "jpaged,reserve-max${SERVING_SYSTEMS:+,$SERVING_SYSTEMS}" \
+      --num-requests 128 --systems "jpaged,reserve-max,orca-max${SERVING_SYSTEMS:+,$SERVING_SYSTEMS}" \
       --out "$DEST/serving_${MODEL}_sharegpt_${TAG}.json"
     ;;
   *)
