@@ -3,9 +3,9 @@
 JAX's persistent compilation cache (`compile_cache`) skips XLA's compile, but it finds an
 entry by the lowered program, so a hit still traces and lowers it: for a Llama-3-8B step
 program 1.2-2.4 s of single-threaded Python (H100, JAX 0.11.2, 2026-12-06), most of it the
-attention kernel's lowering. The
-store keeps each warm-up program's executable (``jax.experimental.serialize_executable``)
-under a key made of everything that decides the program, computed without tracing it:
+attention kernel's lowering. The store keeps each warm-up program's executable
+(``jax.experimental.serialize_executable``) under a key made of everything that decides the
+program, computed without tracing it:
 
 - the store's format; the versions of JAX, jaxlib, its plugins, flax and jpaged; a hash of
   every source file of ``jpaged`` and ``pallas_kernels`` (an edited checkout is a new key);
