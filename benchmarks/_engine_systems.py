@@ -52,7 +52,7 @@ class JpagedSystem:
 
     def __init__(self, model, *, budget_tokens: int, page_size: int, max_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                 num_decode_steps: int = 2, enable_prefix_caching: bool = False,
+                 num_decode_steps: int = 1, enable_prefix_caching: bool = False,
                  swap_space: int = 0, cache_dtype=None, **kw):  # fmt: skip
         self.page_size = page_size
         num_pages = budget_tokens // page_size

@@ -89,10 +89,11 @@ def _page_owners(llm) -> tuple[list[int], dict[int, list[int]]]:
 def measure_sharing(model, spec, trace, prompts, *, kind: str, width: int, budget_tokens,
                     page_size, max_num_seqs, progress=True) -> dict:  # fmt: skip
     """Pages saved by sharing for parallel sampling (``kind="n"``) or beam search ("beam")."""
-    # One token per step (no multi-step decode), so averaging over steps averages over time.
+    # One synchronous step per call (no decode chains), so averaging over steps averages
+    # over time.
     system = serving.JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
                                   max_len=spec.max_len, max_num_seqs=max_num_seqs,
-                                  num_decode_steps=1)  # fmt: skip
+                                  chain_decode=False)  # fmt: skip
     llm = system.llm
     for i, r in enumerate(trace):
         if kind == "beam":

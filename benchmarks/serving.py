@@ -172,7 +172,7 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                num_decode_steps: int = 2, swap_space: int = 0, cache_dtype=None):  # fmt: skip
+                num_decode_steps: int = 1, swap_space: int = 0, cache_dtype=None):  # fmt: skip
     """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget
     (``swap_space``: host bytes for jpaged's swapped-out pages; the baselines have none;
     ``cache_dtype``: jpaged's quantized pool in the same memory, jpaged systems only)."""
@@ -321,7 +321,7 @@ def requests_for_rate(rate: float, num: int, window_s: float | None) -> int:
 
 def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_tokens: int,
           page_size: int, max_num_seqs: int, max_num_batched_tokens: int = 2048,
-          num_decode_steps: int = 2, seed: int = 0, max_run_s: float = math.inf,
+          num_decode_steps: int = 1, seed: int = 0, max_run_s: float = math.inf,
           warmup: int = 16, progress: bool = True, on_result=None,
           window_s: float | None = None, capacity_requests: int | None = None,
           swap_space: int = 0, bandwidth: dict | None = None, cache_dtype=None) -> dict:  # fmt: skip
@@ -432,7 +432,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-len", type=int, default=None, help="longest request (tokens)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--decode-steps", type=int, default=2, help="jpaged num_decode_steps")
+    ap.add_argument("--decode-steps", type=int, default=1, help="jpaged num_decode_steps")
     ap.add_argument("--slo", type=float, default=None, help="normalised latency bound (s/tok)")
     ap.add_argument(
         "--max-run-s",

@@ -123,9 +123,9 @@ def demo(model: pathlib.Path) -> int:
     right, total = right + n, total + len(pairs)
     print(f"  {n}/{len(pairs)} right")
 
-    # One decode step per call: a decode loop reserves pages ahead, which would keep
+    # One synchronous step per call: a decode chain reserves pages ahead, which would keep
     # sequences from outgrowing the pool (and so from being preempted) in so short a run.
-    tiny = engine(model, num_pages=12, max_num_seqs=8, num_decode_steps=1)
+    tiny = engine(model, num_pages=12, max_num_seqs=8, chain_decode=False)
     print(f"\n== the same batch in a tiny pool ({tiny.stats()['pages_total']} pages of "
           f"{tiny.page_size} tokens: sequences are admitted, outgrow the pool and are "
           "preempted)")  # fmt: skip

@@ -18,6 +18,12 @@ ENGINE = dict(
     page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
     debug=True,
 )  # fmt: skip
+# The engine's decode paths, by name: synchronous single steps, and chains of k-step loops.
+DECODE_PATHS = {
+    "single-steps": dict(chain_decode=False),
+    "chains-k1": dict(num_decode_steps=1),
+    "chains-k4": dict(num_decode_steps=4),
+}
 
 
 @functools.cache

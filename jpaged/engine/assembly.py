@@ -178,7 +178,7 @@ def assemble(
         swap_space_bytes=opts.swap_space,
         # A decode loop reserves k positions ahead (a chain, 2k: the loop in flight and the
         # next one; `DecodeChain`); admission keeps the pages of one loop free.
-        lookahead_tokens=k if k > 1 else 0,
+        lookahead_tokens=k if opts.chain_decode else 0,
     )
     compiler_options = opts.compiler_options
     if compiler_options is None:
@@ -197,12 +197,12 @@ def assemble(
         max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=max_tokens,
     )  # fmt: skip
     joins = None
-    if opts.join_running and k > 1:
+    if opts.join_running and opts.chain_decode:
         joins = ChainJoin(kv, runner, scheduler, appender, counters, grid=executor.grid,
                           num_decode_steps=k, max_model_len=max_model_len, width=W)  # fmt: skip
     chain = DecodeChain(
         kv, runner, scheduler, appender, counters, joins=joins,
-        num_decode_steps=k, max_model_len=max_model_len, width=W,
+        num_decode_steps=k, enabled=opts.chain_decode, max_model_len=max_model_len, width=W,
         seq_bucket=executor.seq_bucket,
         # On GPU a loop's dispatching call can last until the loop has run: it is made from
         # a worker thread (elsewhere dispatch is asynchronous already, and thread-local JAX

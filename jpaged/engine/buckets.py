@@ -142,18 +142,18 @@ class BucketGrid:
     def _rows_of_tokens(self, T: int, num_rows: int = 0) -> int:
         return max(min(self.rows(T), self.row_buckets[-1]), self.rows(num_rows))
 
-    def programs(self, *, num_decode_steps: int, modes: tuple[str, ...],
+    def programs(self, *, loops: bool, modes: tuple[str, ...],
                  join: bool = False) -> list[ProgramKey]:  # fmt: skip
         """Every step program this configuration can meet (beam search's top-k variant
-        aside): with ``num_decode_steps > 1`` the decode loop per row bucket and sampling
+        aside): with ``loops`` (decode chains) the decode loop per row bucket and sampling
         mode, and the single decode step per row bucket (beam search, a pool too short for
-        a loop's lookahead); with 1, the single decode step only; and the ragged step per
+        a loop's lookahead); without, the single decode step only; and the ragged step per
         token bucket. With ``join`` (and loops), the programs that let rows join a running
         chain: a join per pair of row buckets (the carry's, the step's) and a grow per
         larger row bucket.
 
         >>> g = BucketGrid(max_num_seqs=64, max_num_batched_tokens=64)
-        >>> [k.name for k in g.programs(num_decode_steps=8, modes=("greedy",), join=True)]
+        >>> [k.name for k in g.programs(loops=True, modes=("greedy",), join=True)]
         ... # doctest: +NORMALIZE_WHITESPACE
         ['decode B=16', 'decode B=64', 'loop B=16 greedy', 'loop B=64 greedy',
          'ragged T=64 B=64', 'join B=16 R=16', 'join B=16 R=64', 'join B=64 R=16',
@@ -161,10 +161,10 @@ class BucketGrid:
         """
         rows = self.row_buckets
         keys = [ProgramKey("decode", B, B) for B in rows]
-        if num_decode_steps > 1:
+        if loops:
             keys += [ProgramKey("loop", B, B, m) for B in rows for m in modes]
         keys += [ProgramKey("ragged", self._rows_of_tokens(T), T) for T in self.token_buckets]
-        if join and num_decode_steps > 1:
+        if join and loops:
             keys += [ProgramKey("join", B, R) for B in rows for R in rows]
             keys += [ProgramKey("grow", B2, B1) for B1 in rows for B2 in rows if B2 > B1]
         return keys

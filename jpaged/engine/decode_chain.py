@@ -65,6 +65,7 @@ class DecodeChain:
       appender: applies the loops' tokens.
       counters: device calls, loop steps and timing are added to.
       num_decode_steps: k.
+      enabled: whether chains run at all (False: every plan runs as a single step).
       max_model_len: longest sequence.
       width: W, block-table width.
       seq_bucket: the sequence bucket of n rows (the single step's).
@@ -87,6 +88,7 @@ class DecodeChain:
         counters: Counters,
         *,
         num_decode_steps: int,
+        enabled: bool = True,
         max_model_len: int,
         width: int,
         seq_bucket,
@@ -100,6 +102,7 @@ class DecodeChain:
         self.beside_request_ids: list[str] = []  # requests the step beside this round changes
         self.appender, self.counters = appender, counters
         self.num_decode_steps = num_decode_steps
+        self.enabled = enabled
         self.max_model_len = max_model_len
         self.width = width
         self._seq_bucket = seq_bucket
@@ -111,7 +114,7 @@ class DecodeChain:
         """Whether ``plan`` can run as a decode loop (every row decodes and samples alone)."""
         # Waiting requests that were not admitted this step (no pages or seats) wait for the
         # loop to end: at most k - 1 steps later than with single steps.
-        if self.num_decode_steps <= 1 or not plan.decode_only:
+        if not (self.enabled and plan.decode_only):
             return False
         return all(
             it.samples and not it.request.is_beam and (it.request.forked or it.request.fan_out == 1)

@@ -101,7 +101,10 @@ class EngineStep:
         if plan.scheduled:
             self.counters.steps += 1
             try:
-                if not (self.chain.can_loop(plan) and self.chain.start(plan)):
+                if self.chain.can_loop(plan) and self.chain.start(plan):
+                    # Its rows progress when the next step processes the loop.
+                    touched -= {s.request.request_id for s in plan.scheduled}
+                else:
                     self.executor.run(plan)
             except Exception as e:
                 self.fail([s.request for s in plan.scheduled], e)

@@ -75,14 +75,18 @@ class LLM:
       preemption_mode: "auto" (per request, cheaper of recompute and swap), "recompute"
         or "swap".
       swap_space: bytes of host memory for swapped-out pages.
-      num_decode_steps: k, decode steps per device call when every scheduled sequence is
-        decoding (a ``lax.fori_loop`` over pages reserved ahead); 1 disables it. A request
-        arriving while a loop runs waits for that loop and the next (the host dispatches one
-        ahead), so k trades time to first token for host work per token: on an H100 with
-        Llama-3-8B shapes, 2 served 128 ShareGPT-like requests at once as fast as 8 (3168
-        against 3176 output tok/s) with a third of the time to first token at 4 req/s (29
-        against 91 ms; BENCHMARKS.md). Raise it where the host cannot keep up with short
-        steps (small models).
+      num_decode_steps: k, decode steps per device call of a decode chain (a
+        ``lax.fori_loop`` over pages reserved ahead). A request arriving while a chain runs
+        waits for the call in flight and the next (the host dispatches one ahead), so k
+        trades time to first token for host work per token: on an H100 with Llama-3-8B
+        shapes, 1 served 128 ShareGPT-like requests at once as fast as 2 and 8 (3214, 3209
+        and 3176 output tok/s), with 20 ms to the first token at 4 req/s against 29 and 91
+        ms (BENCHMARKS.md). Raise it where the host cannot keep up with short steps (small
+        models).
+      chain_decode: when every scheduled sequence decodes, run decode chains: each call's
+        successor is dispatched from its device carry before the host reads its tokens, so
+        host work overlaps the device. False: one synchronous step per call, no decode loop
+        programs (fewer to compile); ``num_decode_steps`` must then be 1.
       join_running: admit requests while a chain of decode loops runs: a request's prefill
         runs between two loops and its row joins the next one (`jpaged.engine.chain_join`;
         rows with beam search, ``n > 1``, logits processing or log-probabilities end the
@@ -143,7 +147,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "auto",
         swap_space: int = 1 << 30,
-        num_decode_steps: int = 2,
+        num_decode_steps: int = 1,
+        chain_decode: bool = True,
         join_running: bool = True,
         dtype: Any = None,
         cache_dtype: Any = None,
@@ -166,7 +171,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             swap_space=swap_space, num_decode_steps=num_decode_steps,
-            join_running=join_running, dtype=dtype,
+            chain_decode=chain_decode, join_running=join_running, dtype=dtype,
             cache_dtype=cache_dtype, watermark=watermark, seed=seed, debug=debug,
             swap_bytes_per_s=swap_bytes_per_s, recompute_tokens_per_s=recompute_tokens_per_s,
             compiler_options=compiler_options, keep_finished=keep_finished,
@@ -499,7 +504,7 @@ class LLM:
 
         The programs come from the engine's shape buckets (``grid``, `BucketGrid`): the
         decode step per row bucket, the decode loop per row bucket and sampling mode
-        (greedy, random, truncated; none with ``num_decode_steps=1``), the ragged step per
+        (greedy, random, truncated; none with ``chain_decode=False``), the ragged step per
         token bucket, the join and grow programs of ``join_running``; then the page programs
         of copy-on-write and swap (`KVManager.warmup_page_programs`). They are compiled by a
         thread pool, or loaded from the persistent compilation cache
@@ -523,7 +528,8 @@ class LLM:
                                     for r in self.replicas])  # fmt: skip
         return warmup_programs(
             self.kv, self.runner, self.grid, width=self.width,
-            num_decode_steps=self.num_decode_steps, join=self.chain.joins is not None,
+            num_decode_steps=self.num_decode_steps if self.chain.enabled else None,
+            join=self.chain.joins is not None,
             cache_dir=self.compilation_cache_dir, progress=progress, threads=threads,
         )  # fmt: skip
 

@@ -97,7 +97,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     swap_space: int = 1 << 30
-    num_decode_steps: int = 2
+    num_decode_steps: int = 1
+    chain_decode: bool = True
     join_running: bool = True
     dtype: Any = None
     cache_dtype: Any = None
@@ -135,9 +136,14 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, float | int) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name}={v!r} must be a number > 0")
-        for name in ("enable_prefix_caching", "debug", "join_running"):
+        for name in ("enable_prefix_caching", "debug", "chain_decode", "join_running"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if not self.chain_decode and self.num_decode_steps != 1:
+            raise ValueError(
+                f"num_decode_steps={self.num_decode_steps!r} needs chain_decode=True (decode "
+                "loops run only in chains); with chain_decode=False it must be 1"
+            )
         for name, quantized in (("dtype", False), ("cache_dtype", True)):
             problem = _dtype_problem(name, getattr(self, name), quantized=quantized)
             if problem is not None:

@@ -217,7 +217,7 @@ def warmup_programs(
     grid: BucketGrid,
     *,
     width: int,
-    num_decode_steps: int,
+    num_decode_steps: int | None,
     join: bool = False,
     cache_dir: str | None = None,
     progress: bool | None = None,
@@ -232,7 +232,7 @@ def warmup_programs(
       runner: the step programs.
       grid: the configuration's buckets.
       width: W, block-table width.
-      num_decode_steps: k (1: no decode loop programs).
+      num_decode_steps: k of the decode loops (None: no decode loop programs).
       join: also the join and grow programs of rows joining a running chain (compiled in
         the pool with the others, on inputs placed as at run time; `lower_join_programs`).
       cache_dir: the persistent compilation cache in use (reported).
@@ -243,7 +243,7 @@ def warmup_programs(
       The `WarmupReport`.
     """
     t0 = time.perf_counter()
-    keys = grid.programs(num_decode_steps=num_decode_steps, modes=SAMPLING_MODES, join=join)
+    keys = grid.programs(loops=num_decode_steps is not None, modes=SAMPLING_MODES, join=join)
     join_keys = [key for key in keys if key.kind in ("join", "grow")]
     keys = [key for key in keys if key.kind not in ("join", "grow")]
     threads = threads or default_threads(len(keys) + len(join_keys))

@@ -198,6 +198,11 @@ def test_max_model_len_beyond_the_model_positions_raises():
         (dict(cache_dtype="fp4"), r"cache_dtype='fp4' must be None, a float dtype"),
         (dict(enable_prefix_caching="no"), r"enable_prefix_caching='no' must be a bool"),
         (dict(debug=1), r"debug=1 must be a bool"),
+        (dict(chain_decode="yes"), r"chain_decode='yes' must be a bool"),
+        (
+            dict(chain_decode=False, num_decode_steps=4),
+            r"num_decode_steps=4 needs chain_decode=True .* with chain_decode=False it must be 1",
+        ),
         (dict(page_size=8.0), r"page_size=8\.0 must be an int >= 1"),
         (dict(max_model_len=True), r"max_model_len=True must be None or an int >= 1"),
         (dict(preemption_mode="never"), r"preemption_mode='never' must be one of"),
@@ -245,7 +250,7 @@ def test_a_failed_ragged_step_fails_its_requests_only(monkeypatch, after):
     """The device call of a prefill step raises: the requests of that step fail (error
     message kept), a request queued behind them is served as it would be alone, the
     allocator stays consistent after every step (``debug=True``) and so does the next call."""
-    llm = make_llm(max_num_seqs=2, num_decode_steps=1)
+    llm = make_llm(max_num_seqs=2, chain_decode=False)
     _fail_on(monkeypatch, llm.runner, "step", 1, after=after, message="simulated step failure")
     prompts = random_prompts(34, (9, 11, 6))
     outs = llm.generate(prompts, GREEDY)
@@ -261,7 +266,7 @@ def test_a_failed_ragged_step_fails_its_requests_only(monkeypatch, after):
 def test_a_failed_copy_on_write_fails_the_request_whose_pages_move(monkeypatch):
     """n=2 completions fork and then copy their shared last page: the copy fails; that
     request fails, another running request is served unchanged."""
-    llm = make_llm(num_decode_steps=1)
+    llm = make_llm(chain_decode=False)
     _fail_on(monkeypatch, llm.kv, "copy", 1, message="simulated copy failure")
     forked, other = random_prompts(35, (5, 7))
     sampled = jpaged.SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3)
@@ -273,7 +278,7 @@ def test_a_failed_copy_on_write_fails_the_request_whose_pages_move(monkeypatch):
 
 
 def test_a_failure_in_the_appender_fails_that_step_and_not_the_next(monkeypatch):
-    llm = make_llm(num_decode_steps=1)
+    llm = make_llm(chain_decode=False)
     _fail_on(monkeypatch, llm.appender, "append", 3, message="simulated append failure")
     prompts = random_prompts(36, (4, 8))
     ids = [llm.add_request(p, GREEDY) for p in prompts]
@@ -335,7 +340,7 @@ def test_a_failed_swap_in_leaves_no_unwritten_page_in_the_prefix_cache(monkeypat
     """Swap-in registers the pages' hashes again before the device copy runs: when that copy
     fails, the request fails and its pages must leave the prefix cache, or the next request
     with its prompt would read pages that were never written (the pool starts NaN)."""
-    llm = make_llm(num_pages=8, watermark=0.0, preemption_mode="swap", num_decode_steps=1)
+    llm = make_llm(num_pages=8, watermark=0.0, preemption_mode="swap", chain_decode=False)
     _fail_on(monkeypatch, llm.kv, "swap_in", 1, message="simulated swap-in failure")
     a, b = random_prompts(39, (17, 17))
     long = jpaged.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

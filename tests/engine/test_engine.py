@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _engine_helpers import CKPT, ENGINE, C, make_llm, random_prompts
+from _engine_helpers import CKPT, DECODE_PATHS, ENGINE, C, make_llm, random_prompts
 from _engine_helpers import model as _model
 
 import jpaged
@@ -42,9 +42,9 @@ def dense_greedy(prompt, max_tokens, S=64):
 LENGTHS = (1, C - 1, C, C + 1, 21)  # 0 is a bad-input case below
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_greedy_matches_dense_decode(num_decode_steps):
-    llm = make_llm(num_decode_steps=num_decode_steps, enable_prefix_caching=False)
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_greedy_matches_dense_decode(path):
+    llm = make_llm(**DECODE_PATHS[path], enable_prefix_caching=False)
     prompts = random_prompts(0, LENGTHS)
     greedy = jpaged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, greedy)
@@ -54,10 +54,12 @@ def test_greedy_matches_dense_decode(num_decode_steps):
         assert o.outputs[0].token_ids == dense_greedy(p, 10), f"prompt length {len(p)}"
     s = llm.stats()
     assert s["pages_used"] == 0 and s["pages_free"] + s["pages_evictable"] == 64
-    if num_decode_steps > 1:
+    if path == "chains-k4":
         assert s["device_calls"] < s["tokens_generated"] // len(prompts) + len(prompts)
-        # Chained loops: some steps advanced a loop in flight without scheduling.
-        assert llm.scheduler.step_index < s["steps"]
+    if path != "single-steps":  # some steps advanced a loop in flight without scheduling
+        assert llm.scheduler.step_index < s["steps"] and s["loop_decode_steps"] > 0
+    else:
+        assert s["loop_decode_steps"] == 0
 
 
 def test_text_prompt_and_tokenizer_roundtrip():
@@ -157,7 +159,7 @@ def test_abort_frees_everything_and_others_finish():
 
 
 def test_stream_yields_growing_outputs():
-    llm = make_llm(num_decode_steps=1)
+    llm = make_llm()
     prompt = random_prompts(8, (9,))[0]
     seen = []
     for out in llm.stream([prompt], jpaged.SamplingParams(max_tokens=4, temperature=0.0,
@@ -167,19 +169,19 @@ def test_stream_yields_growing_outputs():
     assert seen[-1] == dense_greedy(prompt, 4)
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_stop_tokens_and_min_tokens(num_decode_steps):
+@pytest.mark.parametrize("path", ["single-steps", "chains-k4"])
+def test_stop_tokens_and_min_tokens(path):
     prompt = random_prompts(9, (11,))[0]
     full = dense_greedy(prompt, 16)
     # A token whose first occurrence is at index k >= 2.
     k = next(i for i in range(2, 16) if full[i] not in full[:i])
     stop = full[k]
-    llm = make_llm(num_decode_steps=num_decode_steps)
+    llm = make_llm(**DECODE_PATHS[path])
     out = llm.generate([prompt], jpaged.SamplingParams(max_tokens=16, temperature=0.0,
                                                        stop_token_ids=[stop]))[0]  # fmt: skip
     assert out.outputs[0].token_ids == full[: k + 1]
     assert out.outputs[0].finish_reason == "stop"
-    if num_decode_steps > 1:  # the loop stopped on device at the stop token
+    if path == "chains-k4":  # the loop stopped on device at the stop token
         assert llm.stats()["loop_decode_steps"] == k
     # With min_tokens past k, the first occurrence does not stop generation.
     sp = jpaged.SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop],
@@ -220,12 +222,11 @@ def test_decode_loop_matches_single_steps_at_length_limits_and_truncated_samplin
         jpaged.SamplingParams(max_tokens=9, temperature=0.8, top_p=0.6, seed=4, ignore_eos=True),
     ]
     outs = {}
-    for k in (1, 4):
-        llm = make_llm(num_decode_steps=k, enable_prefix_caching=False)
-        outs[k] = llm.generate(prompts, params)
-        if k > 1:
-            assert llm.stats()["loop_decode_steps"] > 0
-    for a, b, p in zip(outs[1], outs[4], params, strict=True):
+    for path in ("single-steps", "chains-k4"):
+        llm = make_llm(**DECODE_PATHS[path], enable_prefix_caching=False)
+        outs[path] = llm.generate(prompts, params)
+        assert (llm.stats()["loop_decode_steps"] > 0) == (path == "chains-k4")
+    for a, b, p in zip(outs["single-steps"], outs["chains-k4"], params, strict=True):
         ca, cb = a.outputs[0], b.outputs[0]
         assert cb.token_ids == ca.token_ids
         assert cb.finish_reason == ca.finish_reason == "length"
@@ -277,7 +278,7 @@ def test_rejected_prompt_aborts_earlier_prompts_of_the_same_call():
 
 
 def test_stream_broken_early_aborts_its_requests():
-    llm = make_llm(num_decode_steps=1)
+    llm = make_llm()
     prompts = random_prompts(13, (9, 10))
     params = jpaged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     gen = llm.stream(prompts, params)
@@ -363,7 +364,7 @@ def test_preemption_events_are_bounded():
 
 
 def test_page_tables_and_utilisation_follow_the_pool():
-    llm = make_llm(num_decode_steps=1)
+    llm = make_llm(chain_decode=False)
     stats = llm.stats()
     assert stats["kv_utilisation"] == 0.0 and stats["kv_page_fill"] == 0.0
     assert llm.page_tables() == {}

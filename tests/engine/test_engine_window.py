@@ -18,6 +18,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _engine_helpers import DECODE_PATHS
 
 import jpaged
 from jpaged.engine.assembly import release_window
@@ -74,27 +75,27 @@ def test_release_window_only_when_every_layer_has_one():
     assert release_window(object()) is None  # a user's model without a ModelConfig
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_mistral_greedy_matches_transformers_within_the_window_bound(num_decode_steps):
+@pytest.mark.parametrize("decode", ["single-steps", "chains-k4"])
+def test_mistral_greedy_matches_transformers_within_the_window_bound(decode):
     gold = _golden("mistral")
     prompt, expected = gold["prompt_ids"], gold["greedy"]["tokens"]
     assert len(expected) == 4 * WINDOW
     greedy = jpaged.SamplingParams(max_tokens=len(expected), temperature=0.0, ignore_eos=True)
-    llm = _engine(num_decode_steps=num_decode_steps)
+    llm = _engine(**DECODE_PATHS[decode])
     (out,), peak = _run(llm, [prompt], greedy)
     assert out.outputs[0].token_ids == expected
     assert peak["tokens"] <= WINDOW // C + 2
     # A decode loop reserves up to 2k positions ahead (the loop in flight and the next).
-    ahead = 0 if num_decode_steps == 1 else math.ceil(2 * num_decode_steps / C)
+    ahead = 0 if decode == "single-steps" else math.ceil(2 * llm.num_decode_steps / C)
     assert peak["all"] <= WINDOW // C + 2 + ahead
     s = llm.stats()
     # 50 computed tokens (the last one sampled is never computed): keys 0..42 are unseen by
     # any later query, pages 0..9.
     assert s["pages_released_by_window"] == 10 and s["pages_used"] == 0
 
-    if num_decode_steps > 1:  # without release the sequence keeps every page (13 at the end;
+    if decode == "chains-k4":  # without release the sequence keeps every page (13 at the end;
         # the last loop of a chain may finish before a step observes them all)
-        ref, ref_peak = _run(_engine(release=False, num_decode_steps=num_decode_steps),
+        ref, ref_peak = _run(_engine(release=False, **DECODE_PATHS[decode]),
                              [prompt], greedy)  # fmt: skip
         assert ref[0].outputs[0].token_ids == expected and ref_peak["tokens"] >= 12
 
@@ -150,7 +151,7 @@ def test_preemption_with_released_pages(mode):
                                     seed=i, n=2 if i == 3 else 1, ignore_eos=True)
               for i in range(len(prompts))]  # fmt: skip
     ref, _ = _run(_engine(), prompts, params)
-    llm = _engine(num_pages=16, watermark=0.0, preemption_mode=mode, num_decode_steps=1)
+    llm = _engine(num_pages=16, watermark=0.0, preemption_mode=mode, chain_decode=False)
     outs, _ = _run(llm, prompts, params)
     assert _tokens(outs) == _tokens(ref)
     s = llm.stats()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _engine_helpers import CKPT, ENGINE, make_llm, random_prompts
+from _engine_helpers import CKPT, DECODE_PATHS, ENGINE, make_llm, random_prompts
 from _engine_helpers import model as _model
 from test_sampling_processing import ban_even, ban_last, np_ban_even, np_ban_last, np_process
 
@@ -22,9 +22,9 @@ import jpaged
 # Slow cases (left out of `make test`): the loop path of each is covered by a default case.
 SLOW_CASES = (
     "test_seeded_sampling_with_every_feature_loop_equals_single_steps",
-    "test_greedy_with_processing_matches_numpy[penalties-1]",
-    "test_greedy_with_processing_matches_numpy[bias-1]",
-    "test_stop_strings_cut_text_and_tokens[1]",
+    "test_greedy_with_processing_matches_numpy[penalties-single-steps]",
+    "test_greedy_with_processing_matches_numpy[bias-single-steps]",
+    "test_stop_strings_cut_text_and_tokens[single-steps]",
 )
 GOLDEN = json.loads(pathlib.Path("tests/goldens/llama2_sampling.json").read_text())
 
@@ -67,13 +67,13 @@ FEATURES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
+@pytest.mark.parametrize("path", ["single-steps", "chains-k4"])
 @pytest.mark.parametrize(("name", "kw", "procs_np"), FEATURES, ids=[f[0] for f in FEATURES])
-def test_greedy_with_processing_matches_numpy(num_decode_steps, name, kw, procs_np):
+def test_greedy_with_processing_matches_numpy(path, name, kw, procs_np):
     prompts = random_prompts(20, (3, 9))
     params = jpaged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0,
                                    **kw)  # fmt: skip
-    llm = make_llm(num_decode_steps=num_decode_steps)
+    llm = make_llm(**DECODE_PATHS[path])
     outs = llm.generate(prompts, params)
     for p, o in zip(prompts, outs, strict=True):
         ref, ref_lps = reference_greedy(p, 10, params, procs_np)
@@ -85,14 +85,14 @@ def test_greedy_with_processing_matches_numpy(num_decode_steps, name, kw, procs_
         if name == "processors":
             assert all(t % 2 == 1 for t in c.token_ids)
             assert all(a != b for a, b in zip(c.token_ids, c.token_ids[1:], strict=False))
-    if num_decode_steps > 1:
+    if path == "chains-k4":
         assert llm.stats()["loop_decode_steps"] > 0
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_repetition_penalty_and_logprobs_match_transformers(num_decode_steps):
+@pytest.mark.parametrize("path", ["single-steps", "chains-k4"])
+def test_repetition_penalty_and_logprobs_match_transformers(path):
     g = GOLDEN["repetition"]
-    llm = make_llm(num_decode_steps=num_decode_steps)
+    llm = make_llm(**DECODE_PATHS[path])
     params = jpaged.SamplingParams(max_tokens=g["max_new_tokens"], temperature=0.0,
                                    ignore_eos=True, repetition_penalty=g["repetition_penalty"],
                                    logprobs=5)  # fmt: skip
@@ -164,7 +164,8 @@ def test_seeded_sampling_with_every_feature_loop_equals_single_steps():
                                    repetition_penalty=1.3, presence_penalty=0.3,
                                    logit_bias={4: 2.0}, logits_processors=[ban_last],
                                    logprobs=2, ignore_eos=True)  # fmt: skip
-    outs = [make_llm(num_decode_steps=k).generate(prompts, params) for k in (1, 4)]
+    outs = [make_llm(**DECODE_PATHS[path]).generate(prompts, params)
+            for path in ("single-steps", "chains-k4")]  # fmt: skip
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -177,9 +178,9 @@ def _text_llm(**kw):
     return jpaged.LLM(CKPT, **{**ENGINE, **kw})
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_stop_strings_cut_text_and_tokens(num_decode_steps):
-    llm = _text_llm(num_decode_steps=num_decode_steps)
+@pytest.mark.parametrize("path", ["single-steps", "chains-k4"])
+def test_stop_strings_cut_text_and_tokens(path):
+    llm = _text_llm(**DECODE_PATHS[path])
     prompt = "The quick brown fox jumps"
     base = jpaged.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     full = llm.generate(prompt, base)[0].outputs[0]

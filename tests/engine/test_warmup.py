@@ -30,7 +30,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def test_bucket_grid(seqs, tokens, rows, toks):
     grid = BucketGrid(seqs, tokens)
     assert grid.row_buckets == rows and grid.token_buckets == toks
-    ragged = {(k.rows, k.tokens) for k in grid.programs(num_decode_steps=8, modes=("greedy",))
+    ragged = {(k.rows, k.tokens) for k in grid.programs(loops=True, modes=("greedy",))
               if k.kind == "ragged"}  # fmt: skip
     assert len(ragged) == len(toks)
     # Every step the scheduler can plan (at most `tokens` tokens, `seqs` rows) lands on a
@@ -47,15 +47,15 @@ def test_bucket_grid(seqs, tokens, rows, toks):
 def test_program_list_follows_the_configuration():
     grid = BucketGrid(256, 2048)
     modes = runner.SAMPLING_MODES
-    with_loops = grid.programs(num_decode_steps=8, modes=modes)
+    with_loops = grid.programs(loops=True, modes=modes)
     assert len(with_loops) == 4 + 4 * 3 + 6
-    joining = grid.programs(num_decode_steps=8, modes=modes, join=True)
+    joining = grid.programs(loops=True, modes=modes, join=True)
     # A join per (carry, step) pair of row buckets, a grow per larger row bucket.
     assert joining[: len(with_loops)] == with_loops
     assert [k.kind for k in joining[len(with_loops) :]] == ["join"] * 16 + ["grow"] * 6
-    single = grid.programs(num_decode_steps=1, modes=modes)
+    single = grid.programs(loops=False, modes=modes)
     assert [k.kind for k in single] == ["decode"] * 4 + ["ragged"] * 6
-    assert grid.programs(num_decode_steps=1, modes=modes, join=True) == single
+    assert grid.programs(loops=False, modes=modes, join=True) == single
     assert [stop_bucket(n) for n in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 32]
     with pytest.raises(ValueError, match="max_num_seqs=0 must be an int >= 1"):
         BucketGrid(0, 16)
@@ -139,7 +139,7 @@ def test_the_persistent_cache_serves_a_second_warmup(tmp_path, jax_cache_state):
     # Programs compiled by earlier tests in this process would come from memory, unwritten.
     jax.clear_caches()
     runner._programs.cache_clear()
-    kw = dict(num_decode_steps=1, max_num_seqs=3, compilation_cache=tmp_path / "c")
+    kw = dict(chain_decode=False, max_num_seqs=3, compilation_cache=tmp_path / "c")
     llm = make_llm(**kw)
     assert llm.compilation_cache_dir == str(tmp_path / "c")
     cold = llm.warmup()
