@@ -204,6 +204,7 @@ def _kept_results(out: pathlib.Path, doc: dict) -> dict:
         "page_size",
         "max_len",
         "max_num_seqs",
+        "jpaged_decode",
         "window_s",
         "capacity_requests",
         "pool",

@@ -172,16 +172,18 @@ def precompile_jpaged(llm, *, threads: int | None = None) -> int:
 
 def make_system(name: str, model, *, budget_tokens: int, spec: ModelSpec, page_size: int,
                 max_num_seqs: int, max_num_batched_tokens: int = 2048,
-                num_decode_steps: int = 1, swap_space: int = 0, cache_dtype=None):  # fmt: skip
+                num_decode_steps: int = 1, chain_decode: bool = True, swap_space: int = 0,
+                cache_dtype=None):  # fmt: skip
     """Builds the named system (one of ``SYSTEMS``) over ``model`` with the given budget
     (``swap_space``: host bytes for jpaged's swapped-out pages; the baselines have none;
-    ``cache_dtype``: jpaged's quantized pool in the same memory, jpaged systems only)."""
+    ``cache_dtype``: jpaged's quantized pool in the same memory, jpaged systems only;
+    ``num_decode_steps``, ``chain_decode``: `jpaged.LLM`'s, jpaged systems only)."""
     if name == "jpaged" or name.startswith("reserve-"):
         system = JpagedSystem(model, budget_tokens=budget_tokens, page_size=page_size,
                               max_len=spec.max_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              num_decode_steps=num_decode_steps, swap_space=swap_space,
-                              cache_dtype=cache_dtype)  # fmt: skip
+                              num_decode_steps=num_decode_steps, chain_decode=chain_decode,
+                              swap_space=swap_space, cache_dtype=cache_dtype)  # fmt: skip
         if name == "jpaged":
             return system
         return ReservingJpaged(system, policy=name.removeprefix("reserve-"),
@@ -321,7 +323,8 @@ def requests_for_rate(rate: float, num: int, window_s: float | None) -> int:
 
 def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_tokens: int,
           page_size: int, max_num_seqs: int, max_num_batched_tokens: int = 2048,
-          num_decode_steps: int = 1, seed: int = 0, max_run_s: float = math.inf,
+          num_decode_steps: int = 1, chain_decode: bool = True, seed: int = 0,
+          max_run_s: float = math.inf,
           warmup: int = 16, progress: bool = True, on_result=None,
           window_s: float | None = None, capacity_requests: int | None = None,
           swap_space: int = 0, bandwidth: dict | None = None, cache_dtype=None) -> dict:  # fmt: skip
@@ -349,8 +352,8 @@ def sweep(model, spec: ModelSpec, trace, prompts, *, systems, rates, budget_toke
         return make_system(name, model, budget_tokens=budget_tokens, spec=spec,
                            page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           num_decode_steps=num_decode_steps, swap_space=swap_space,
-                           cache_dtype=cache_dtype)  # fmt: skip
+                           num_decode_steps=num_decode_steps, chain_decode=chain_decode,
+                           swap_space=swap_space, cache_dtype=cache_dtype)  # fmt: skip
 
     for name in systems:
         if warmup:
@@ -433,6 +436,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--decode-steps", type=int, default=1, help="jpaged num_decode_steps")
+    ap.add_argument(
+        "--chain-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="jpaged chain_decode (--no-chain-decode: one synchronous step a call)",
+    )
     ap.add_argument("--slo", type=float, default=None, help="normalised latency bound (s/tok)")
     ap.add_argument(
         "--max-run-s",
@@ -531,6 +540,8 @@ def main(argv=None) -> dict:
         "page_size": args.page_size,
         "max_len": spec.max_len,
         "max_num_seqs": max_num_seqs,
+        "jpaged_decode": {"num_decode_steps": args.decode_steps,
+                          "chain_decode": args.chain_decode},
         "window_s": window,
         "capacity_requests": capacity,
         "rates": sorted({r for g in rates.values() for r in g}) if isinstance(rates, dict)
@@ -552,7 +563,8 @@ def main(argv=None) -> dict:
                     budget_tokens=kv_tokens, page_size=args.page_size,
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    num_decode_steps=args.decode_steps, seed=args.seed,
+                    num_decode_steps=args.decode_steps, chain_decode=args.chain_decode,
+                    seed=args.seed,
                     max_run_s=max_run_s, warmup=args.warmup,
                     progress=not args.no_progress, on_result=save, window_s=window,
                     capacity_requests=capacity, swap_space=swap_space,

@@ -55,7 +55,7 @@ STATS_MEANING = {
     "recompiles": "XLA programs compiled by the engine so far",
     "steps": "scheduling steps run",
     "device_calls": "calls into compiled step programs",
-    "loop_decode_steps": "decode steps run inside multi-step decode loops",
+    "loop_decode_steps": "decode steps run inside decode loops (chains)",
     "tokens_generated": "tokens sampled, over all sequences",
     "time_schedule_s": "host seconds spent scheduling",
     "time_step_s": "seconds spent in steps (host work and device waits)",

@@ -112,8 +112,8 @@ class DecodeChain:
 
     def can_loop(self, plan: StepPlan) -> bool:
         """Whether ``plan`` can run as a decode loop (every row decodes and samples alone)."""
-        # Waiting requests that were not admitted this step (no pages or seats) wait for the
-        # loop to end: at most k - 1 steps later than with single steps.
+        # Waiting requests that were not admitted this step (no pages or seats) are scheduled
+        # again when the chain ends (or join it, once they would be admitted).
         if not (self.enabled and plan.decode_only):
             return False
         return all(

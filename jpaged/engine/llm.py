@@ -91,6 +91,7 @@ class LLM:
         runs between two loops and its row joins the next one (`jpaged.engine.chain_join`;
         rows with beam search, ``n > 1``, logits processing or log-probabilities end the
         chain instead). False: an admission ends the chain and runs as a single step.
+        Without ``chain_decode`` there is nothing to join.
       dtype: parameter dtype when loading a checkpoint (None: as stored).
       cache_dtype: K/V dtype (default: the model's); "fp8" / "fp8_e5m2" / "int8": quantized.
       tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer (wrapped in
@@ -201,6 +202,7 @@ class LLM:
         self.max_num_batched_tokens = parts.max_num_batched_tokens
         self.enable_prefix_caching = opts.enable_prefix_caching
         self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.chain_decode = opts.chain_decode
         self.keep_finished = opts.keep_finished
         self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
         self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
@@ -229,6 +231,7 @@ class LLM:
         self.max_num_batched_tokens = replica.max_num_batched_tokens
         self.enable_prefix_caching = opts.enable_prefix_caching
         self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
+        self.chain_decode = opts.chain_decode
         self.keep_finished, self.intake = opts.keep_finished, replica.intake
         self.alloc = self.kv = self.scheduler = self.runner = self.counters = None
         self.appender = self.executor = self.chain = self.engine_step = None
@@ -508,10 +511,10 @@ class LLM:
         token bucket, the join and grow programs of ``join_running``; then the page programs
         of copy-on-write and swap (`KVManager.warmup_page_programs`). They are compiled by a
         thread pool, or loaded from the persistent compilation cache
-        (``compilation_cache``). Beam search's top-k variant and the variants of the
-        sampling features (logprobs, prompt logprobs, penalties, bias, min-p, logits
-        processors: `jpaged.engine.logits_process`) compile on first use, once per
-        combination met in a batch. After this, serving compiles nothing else
+        (``compilation_cache``). Beam search's top-k variant, loops whose rows have more
+        than 8 stop ids, and the variants of the sampling features (logprobs, prompt
+        logprobs, penalties, bias, min-p, logits processors: `jpaged.engine.logits_process`)
+        compile on first use, once per combination met in a batch. After this, serving compiles nothing else
         (``stats()["recompiles"]`` is fixed).
 
         Args:

@@ -10,7 +10,7 @@ most ``max_num_seqs`` sequences:
    ``_preempt``.
 2. If nothing was preempted, waiting requests (swapped ones first, then new ones, FCFS)
    are admitted while the pool has room above the watermark and the running sequences'
-   lookahead (``lookahead_tokens`` each: the engine's multi-step decode reserves that many
+   lookahead (``lookahead_tokens`` each: the engine's decode chains reserve that many
    positions ahead; admitting into that room would turn every decode loop back into single
    steps once the pool fills).
 
@@ -120,7 +120,7 @@ class Scheduler:
         undersized pool cannot livelock.
       max_events: preemption events kept in ``events`` (the latest ones).
       lookahead_tokens: positions each running sequence may reserve ahead of its length
-        (multi-step decode); admission keeps the pages they need free.
+        (decode chains); admission keeps the pages they need free.
 
     Raises:
       ValueError: an unknown ``preemption_mode`` or a negative ``lookahead_tokens``.

@@ -98,6 +98,7 @@ def test_repetition_penalty_and_logprobs_match_transformers(path):
                                    logprobs=5)  # fmt: skip
     c = llm.generate([g["prompt_ids"]], params)[0].outputs[0]
     assert c.token_ids == g["tokens"]
+    assert (llm.stats()["loop_decode_steps"] > 0) == (path == "chains-k4")
     ref = log_softmax(np.asarray(g["logits"]))
     for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
         top = np.argsort(-ref[i], kind="stable")[:5]
@@ -164,8 +165,11 @@ def test_seeded_sampling_with_every_feature_loop_equals_single_steps():
                                    repetition_penalty=1.3, presence_penalty=0.3,
                                    logit_bias={4: 2.0}, logits_processors=[ban_last],
                                    logprobs=2, ignore_eos=True)  # fmt: skip
-    outs = [make_llm(**DECODE_PATHS[path]).generate(prompts, params)
-            for path in ("single-steps", "chains-k4")]  # fmt: skip
+    outs = []
+    for path in ("single-steps", "chains-k4"):
+        llm = make_llm(**DECODE_PATHS[path])
+        outs.append(llm.generate(prompts, params))
+        assert (llm.stats()["loop_decode_steps"] > 0) == (path == "chains-k4")
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -206,6 +210,7 @@ def test_stop_strings_cut_text_and_tokens(path):
     assert late.outputs[0].token_ids[:n] == full.token_ids[:n]
     assert len(late.outputs[0].token_ids) > n
     assert llm.stats()["pages_used"] == 0
+    assert (llm.stats()["loop_decode_steps"] > 0) == (path == "chains-k4")
 
 
 def test_engine_level_checks():

@@ -62,7 +62,7 @@ def test_program_list_follows_the_configuration():
 
 
 def test_warmup_report_and_no_compiles_after_it():
-    llm = make_llm(num_decode_steps=2, max_num_seqs=5)  # a row bucket no other test uses
+    llm = make_llm(max_num_seqs=5)  # the default decode (chains); a row bucket no other test uses
     report = llm.warmup(threads=2)
     assert report.threads == 2 and report.cache_dir is None
     assert [p.name for p in report.programs] == [
@@ -155,7 +155,10 @@ def test_the_persistent_cache_serves_a_second_warmup(tmp_path, jax_cache_state):
     llm = make_llm(**kw)
     warm = llm.warmup()
     assert warm.cache_hits == 2 and all(p.cache_hit for p in warm.programs)
+    traced = llm.stats()["recompiles"]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == first
+    # Single steps: the decode step and the ragged step were all it needed.
+    assert llm.stats()["recompiles"] == traced and llm.stats()["loop_decode_steps"] == 0
 
 
 def test_cache_directory_rules(tmp_path, monkeypatch, jax_cache_state):
