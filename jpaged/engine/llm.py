@@ -514,8 +514,8 @@ class LLM:
         (``compilation_cache``). Beam search's top-k variant, loops whose rows have more
         than 8 stop ids, and the variants of the sampling features (logprobs, prompt
         logprobs, penalties, bias, min-p, logits processors: `jpaged.engine.logits_process`)
-        compile on first use, once per combination met in a batch. After this, serving compiles nothing else
-        (``stats()["recompiles"]`` is fixed).
+        compile on first use, once per combination met in a batch. After this, serving
+        compiles nothing else (``stats()["recompiles"]`` is fixed).
 
         Args:
           progress: a progress bar over the programs (tqdm); None: where stderr is a
