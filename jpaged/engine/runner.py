@@ -372,11 +372,7 @@ class Runner:
           i32[T, num_top], rank i32[T])`` of each row's target token.
         """
         statics = dict(decode=decode, num_top=num_top, processors=processors)
-        batch = self.on_device(batch)
-        installed = _INSTALLED.get((self.fingerprint, _signature("step", statics, cache, batch)))
-        if installed is not None:
-            return installed(self.leaves, cache, batch)
-        return self._step(self.leaves, cache, batch, **statics)
+        return self._call("step", self._step, statics, cache, batch)
 
     def decode_loop(self, cache, batch: LoopBatch, *, num_steps: int, mode: str | None = None,
                     num_top: int = 0, processors: tuple = ()):  # fmt: skip
@@ -396,11 +392,19 @@ class Runner:
             s = batch.sampling
             mode = sampling_mode(s.temperature, s.top_k, s.top_p, self.vocab_size)
         statics = dict(num_steps=num_steps, mode=mode, num_top=num_top, processors=processors)
+        return self._call("loop", self._loop, statics, cache, batch)
+
+    def _installed_key(self, program: str, statics: dict[str, Any], cache, placed_batch):
+        return self.fingerprint, _signature(program, statics, cache, placed_batch)
+
+    def _call(self, program: str, jitted, statics: dict[str, Any], cache, batch):
+        """Runs the installed executable of these statics, settings and shapes, else the
+        jitted ``program`` (traced and compiled on first use)."""
         batch = self.on_device(batch)
-        installed = _INSTALLED.get((self.fingerprint, _signature("loop", statics, cache, batch)))
+        installed = _INSTALLED.get(self._installed_key(program, statics, cache, batch))
         if installed is not None:
             return installed(self.leaves, cache, batch)
-        return self._loop(self.leaves, cache, batch, **statics)
+        return jitted(self.leaves, cache, batch, **statics)
 
     def run_compiled(self, compiled: jax.stages.Compiled, cache, batch):
         """Runs ``compiled`` (an executable of ``step``'s or ``decode_loop``'s program for
@@ -413,8 +417,7 @@ class Runner:
         or "loop", for these static arguments and inputs' shapes, under the caller's JAX
         settings) the executable that later calls of the same static arguments, settings and
         shapes run, on this runner and on every runner of the same `fingerprint`."""
-        signature = (self.fingerprint, _signature(program, statics, cache, self.on_device(batch)))
-        _INSTALLED[signature] = compiled
+        _INSTALLED[self._installed_key(program, statics, cache, self.on_device(batch))] = compiled
 
     def program_parts(self, program: str, statics: dict[str, Any], cache, batch) -> tuple:
         """What decides one program's executable besides jpaged, JAX and the backend (an
