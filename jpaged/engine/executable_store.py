@@ -32,6 +32,13 @@ process that has loaded none (from the store or JAX's cache, counted from jpaged
 cache configuration). On GPU and TPU an executable is self-contained, and one that came
 from JAX's cache is stored too, so a store key that changed while the program did not (an
 edited docstring) is filled again by the next start.
+
+A stored executable's pickle holds JAX's ``AutoLayout`` marker, an instance of a class with no
+``__eq__`` or ``__reduce__``: unpickled, it is a second instance that equals nothing. On JAX
+0.12 arrays a loaded executable returned from a donated input carry it into the next trace,
+where a scan over them failed ("the layouts do not match"). Before it pickles or unpickles,
+the store makes the marker pickle by name (`_pickle_auto_layout_by_name`), so that it loads
+as JAX's own instance.
 """
 
 from __future__ import annotations
@@ -66,6 +73,21 @@ _ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT
                 "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")  # fmt: skip
 _LOADED_IN_PROCESS = [False]  # any executable loaded from a store in this process
 CPU_ENV_VAR = "JPAGED_EXECUTABLE_STORE_ON_CPU"
+
+
+@functools.cache
+def _pickle_auto_layout_by_name() -> None:
+    """Makes ``jax._src.layout.AutoLayout`` pickle as a reference to itself (module
+    docstring); nothing where JAX has no such singleton or already pickles it so."""
+    try:
+        from jax._src import layout
+    except ImportError:
+        return
+    cls = getattr(layout, "AutoLayoutSingleton", None)
+    marker = getattr(layout, "AutoLayout", None)
+    if cls is None or type(marker) is not cls or "__reduce__" in vars(cls):
+        return
+    cls.__reduce__ = lambda self: "AutoLayout"  # a name in the class's module: the singleton
 
 
 @functools.cache
@@ -166,6 +188,7 @@ class ExecutableStore:
         cannot be read or loaded (then it is removed)."""
         from jax.experimental import serialize_executable
 
+        _pickle_auto_layout_by_name()
         path = self._path(key)
         try:
             with open(path, "rb") as f:
@@ -201,6 +224,7 @@ class ExecutableStore:
         """
         from jax.experimental import serialize_executable
 
+        _pickle_auto_layout_by_name()
         cpu = self.devices[0].platform == "cpu"
         if cpu and (from_jax_cache or _LOADED_IN_PROCESS[0] or process_cache_hits()):
             return False

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, make_single_device_sharding
 
 from jpaged.engine.batches import LoopBatch, StepBatch
 from jpaged.engine.executable_store import describe_tree
@@ -328,7 +328,7 @@ class Runner:
         # carry and a pool written by a swap-in must all meet the placement warm-up compiled.
         mesh = model.mesh if isinstance(model, TensorParallelModel) else None
         if mesh is None:
-            self._batch_sharding = SingleDeviceSharding(next(iter(leaves[0].devices())))
+            self._batch_sharding = make_single_device_sharding(next(iter(leaves[0].devices())))
             leaves = jax.device_put(leaves, self._batch_sharding)  # aliases, never copies
         else:
             self._batch_sharding = NamedSharding(mesh, PartitionSpec())

@@ -67,6 +67,16 @@ def _swizzled_offset(row: ir.Value, piece: ir.Value, row_bytes: int) -> ir.Value
 
 
 @functools.cache
+def _read_only_ref() -> plgpu.RefType:
+    """A ref ``issue`` only reads (the table and the pools): JAX 0.12 checks that a kernel
+    writes no input passed as an array, and counts every ref an ``inline_mgpu`` function takes
+    as written unless its type says otherwise; 0.11's ``RefType`` has no ``write`` field."""
+    try:
+        return plgpu.RefType(write=False)
+    except TypeError:
+        return plgpu.RefType()
+
+
 def _issue_fn(page_size: int, num_pages: int, block_kv: int, head_dim: int, itemsize: int, tr):
     pieces = head_dim * itemsize // PIECE  # 16-byte pieces of a row
     rows_per_pass = THREADS // pieces
@@ -75,7 +85,12 @@ def _issue_fn(page_size: int, num_pages: int, block_kv: int, head_dim: int, item
     smem = plgpu.RefType(tr)
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), (plgpu.RefType(), plgpu.RefType()), (smem, smem), *[splat] * 6)
+        arg_types=(
+            _read_only_ref(),
+            (_read_only_ref(), _read_only_ref()),
+            (smem, smem),
+            *[splat] * 6,
+        )
     )
     def issue(ctx, bt, srcs, rings, live, b, tile_tok, last_page, head_base, slot):
         del ctx

@@ -126,6 +126,29 @@ def test_no_store_without_a_local_cache_directory(tmp_path, monkeypatch):
     assert executable_store.ExecutableStore.in_cache_dir(str(tmp_path), devices) is None
 
 
+def test_a_loaded_programs_donated_output_traces_like_any_array(tmp_path, monkeypatch):
+    """JAX's AutoLayout marker loads as JAX's own instance (the store's module docstring): on
+    JAX 0.12 a scan over a loaded program's output from a donated input failed to trace."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src import layout
+
+    monkeypatch.setattr(executable_store, "_LOADED_IN_PROCESS", [False])
+    monkeypatch.setattr(executable_store, "process_cache_hits", lambda: 0)
+    store = executable_store.ExecutableStore(tmp_path, jax.devices()[:1])
+    double = jax.jit(lambda x, y: (x * 2, y + 1), donate_argnums=0)
+    y = jnp.ones(3)
+    assert store.save("k", double.lower(jnp.ones((2, 3, 4)), y).compile(), from_jax_cache=False)
+    loaded = store.load("k", jax.tree.structure(((jnp.ones((2, 3, 4)), y), {})))
+    assert loaded is not None
+    out, _ = loaded(jnp.ones((2, 3, 4)), y)
+    twice = jax.jit(lambda a: jax.lax.scan(lambda c, _: (c * 2, None), a, None, length=2)[0])
+    assert (twice(out) == 8).all()
+    assert pickle.loads(pickle.dumps(layout.AutoLayout)) is layout.AutoLayout
+
+
 def test_a_failed_write_is_logged_and_warmup_goes_on(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv(executable_store.CPU_ENV_VAR, "1")
     import jax
