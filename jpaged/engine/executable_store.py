@@ -35,10 +35,10 @@ edited docstring) is filled again by the next start.
 
 A stored executable's pickle holds JAX's ``AutoLayout`` marker, an instance of a class with no
 ``__eq__`` or ``__reduce__``: unpickled, it is a second instance that equals nothing. On JAX
-0.12 arrays a loaded executable returned from a donated input carry it into the next trace,
-where a scan over them failed ("the layouts do not match"). Before it pickles or unpickles,
-the store makes the marker pickle by name (`_pickle_auto_layout_by_name`), so that it loads
-as JAX's own instance.
+0.12 the arrays a loaded executable returns from donated inputs carry that instance into the
+next trace, where a scan over them failed ("the layouts do not match"). Before it pickles or
+unpickles, the store makes the marker pickle by name (`_pickle_auto_layout_by_name`), so that
+it loads as JAX's own instance.
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ def _swizzled_offset(row: ir.Value, piece: ir.Value, row_bytes: int) -> ir.Value
     return arith.addi(off, arith.muli(swizzled, _i32(PIECE)))
 
 
-@functools.cache
 def _read_only_ref() -> plgpu.RefType:
     """A ref ``issue`` only reads (the table and the pools): JAX 0.12 checks that a kernel
     writes no input passed as an array, and counts every ref an ``inline_mgpu`` function takes
@@ -77,6 +76,7 @@ def _read_only_ref() -> plgpu.RefType:
         return plgpu.RefType()
 
 
+@functools.cache
 def _issue_fn(page_size: int, num_pages: int, block_kv: int, head_dim: int, itemsize: int, tr):
     pieces = head_dim * itemsize // PIECE  # 16-byte pieces of a row
     rows_per_pass = THREADS // pieces
