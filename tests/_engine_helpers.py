@@ -26,6 +26,11 @@ DECODE_PATHS = {
 }
 
 
+def assert_took_path(stats: dict, path: str) -> None:
+    """Decode loops ran (``stats``: ``LLM.stats()``) exactly when ``path`` chains them."""
+    assert (stats["loop_decode_steps"] > 0) == DECODE_PATHS[path].get("chain_decode", True)
+
+
 @functools.cache
 def model():
     """The tiny llama2 test checkpoint, loaded once."""
