@@ -293,7 +293,10 @@ def _parse_variant(text):
     for item in text.split(","):
         k, v = item.split("=")
         v = v.strip()
-        out[k.strip()] = int(v) if v.lstrip("-").isdigit() else v
+        if v.lower() in ("true", "false"):
+            out[k.strip()] = v.lower() == "true"
+        else:
+            out[k.strip()] = int(v) if v.lstrip("-").isdigit() else v
     return out
 
 

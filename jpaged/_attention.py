@@ -49,7 +49,8 @@ def _lookup(op: str, table: Mapping[str, Callable], impl: str) -> Callable:
 
 def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | None, args, kwargs):
     """The implementation that runs this call: ``implementation`` if given (checked), else the
-    platform's Pallas kernel where it can run the arguments, else ``"xla"``. ``dispatch``: the
+    platform's Pallas kernel where it can run the arguments, else its second kernel where it
+    has one and that can (``AutoRoute.fallback``), else ``"xla"``. ``dispatch``: the
     op's module of tables (``IMPLEMENTATIONS``, ``UNSUPPORTED_REASONS``)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be None (auto) or one of {IMPLEMENTATIONS}")
@@ -69,13 +70,16 @@ def _resolve(op: str, dispatch, implementation: str | None, interpret: bool | No
                 )
         return implementation
     route = _backend.auto_route()
-    impl, why = "xla", route.reason
-    if route.kernel is not None and route.kernel in dispatch.IMPLEMENTATIONS:
-        reason = reasons[route.kernel](*args, **kwargs)
+    impl, refusals = "xla", []
+    for kernel in (k for k in route.kernels if k in dispatch.IMPLEMENTATIONS):
+        reason = reasons[kernel](*args, **kwargs)
         if reason is None:
-            impl = route.kernel
-        else:
-            why = f"{route.reason}; {route.kernel} cannot run this call ({reason}): the XLA path"
+            impl = kernel
+            break
+        refusals.append(f"{kernel} cannot run this call ({reason})")
+    why = "; ".join([route.reason, *refusals])
+    if refusals:
+        why += f": {'the XLA path' if impl == 'xla' else impl}"
     _LAST_AUTO[op] = (impl, why)
     _log.debug("%s: implementation=None picked %r: %s", op, impl, why)
     return impl

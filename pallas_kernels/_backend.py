@@ -55,10 +55,19 @@ class AutoRoute:
     Attributes:
       kernel: "pallas_gpu", "pallas_triton", "pallas_tpu", or None (the XLA path only).
       reason: one sentence naming the backend fact that chose it.
+      fallback: the kernel tried next for a call ``kernel`` cannot run (on Hopper the
+        Pallas-Triton kernels, which take f32, any page size and head dims the Mosaic GPU
+        kernels refuse), before the XLA path; None where no second kernel was verified.
     """
 
     kernel: str | None
     reason: str
+    fallback: str | None = None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels to try, in order (the XLA path runs when none can)."""
+        return tuple(k for k in (self.kernel, self.fallback) if k is not None)
 
 
 def _rocm() -> bool:
@@ -90,7 +99,10 @@ def auto_route() -> AutoRoute:
         return AutoRoute(None, "GPU of unknown compute capability: the XLA path")
     sm = f"sm{cc[0]}{cc[1]}"
     if has_mosaic_gpu():
-        return AutoRoute("pallas_gpu", f"{sm}: Mosaic GPU kernels (Hopper and newer)")
+        # Hopper's second choice: the Pallas-Triton kernels ran their GPU tests on an H100 and
+        # were timed on the H200; on Blackwell they were never compiled.
+        fallback = "pallas_triton" if cc[0] == 9 and triton_route_reason() is None else None
+        return AutoRoute("pallas_gpu", f"{sm}: Mosaic GPU kernels (Hopper and newer)", fallback)
     lo, hi = TRITON_AUTO_CAPABILITIES
     if lo <= cc < hi:
         missing = triton_route_reason()

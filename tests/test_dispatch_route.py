@@ -41,6 +41,51 @@ def test_auto_route_per_generation(monkeypatch, cc, kernel, says):
     assert says in route.reason
 
 
+@pytest.mark.parametrize(
+    "cc,fallback", [((9, 0), "pallas_triton"), ((10, 0), None), ((8, 9), None), ((7, 5), None)]
+)
+def test_only_hopper_has_a_second_kernel(monkeypatch, cc, fallback):
+    _gpu(monkeypatch, cc)
+    route = _backend.auto_route()
+    assert route.fallback == fallback
+    assert route.kernels == tuple(k for k in (route.kernel, fallback) if k is not None)
+    monkeypatch.setattr(_backend, "triton_route_reason", lambda: "this JAX has none")
+    assert _backend.auto_route().fallback is None
+
+
+@pytest.mark.parametrize("triton_refuses", [False, True])
+def test_a_call_the_mosaic_kernel_refuses_tries_triton_before_xla(monkeypatch, triton_refuses):
+    """On Hopper, a call the Mosaic GPU kernel cannot run (f32, an odd page size, ...) runs the
+    Pallas-Triton kernel if that one can, else the XLA path; the reason names both refusals."""
+    _gpu(monkeypatch, (9, 0))
+    monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, "pallas_gpu", lambda *a, **k: "f32")
+    monkeypatch.setitem(
+        dispatch.UNSUPPORTED_REASONS, "pallas_triton",
+        lambda *a, **k: "head dim 96" if triton_refuses else None,
+    )  # fmt: skip
+    ran = []
+
+    def runs(name):
+        def fn(*a, **k):
+            ran.append(name)
+            return dispatch.IMPLEMENTATIONS["xla"](
+                *a, **{x: y for x, y in k.items() if x != "interpret"}
+            )
+
+        return fn
+
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", runs("pallas_triton"))
+    jpaged.paged_attention(*_args())
+    impl, why = _attention.last_auto_choice("paged_attention")
+    assert "pallas_gpu cannot run this call (f32)" in why
+    if triton_refuses:
+        assert impl == "xla" and ran == []
+        assert why.endswith("pallas_triton cannot run this call (head dim 96): the XLA path")
+    else:
+        assert impl == "pallas_triton" and ran == ["pallas_triton"]
+        assert why.endswith(": pallas_triton")
+
+
 def test_auto_route_other_backends(monkeypatch):
     assert _backend.auto_route().kernel in (None, "pallas_gpu", "pallas_triton", "pallas_tpu")
     monkeypatch.setattr(_backend, "default_platform", lambda: "cpu")

@@ -148,9 +148,11 @@ def chunk_schedule(
     """Which pages each sequence walks, and how many loop steps the batch needs.
 
     Sequence b reads table columns ``[first_page_B[b], pages_used_B[b])``, in steps of
-    ``pages_per_chunk`` columns; the loop runs ``num_chunks`` steps, the most any
-    sequence needs. With a sliding window, ``first_page_B`` is the page of the first
-    visible key, so pages before the window cost nothing.
+    ``pages_per_chunk`` columns; ``num_chunks`` is the most steps any sequence needs. The
+    XLA path's loop runs a static ``ceil(W / R)`` steps instead (a trip count computed on
+    the device is a loop condition read back to the host on GPU); steps past a sequence's
+    last page re-read that page and mask it. With a sliding window, ``first_page_B`` is the
+    page of the first visible key, so pages before the window cost nothing.
 
     Args:
       lengths_B: i32[B] sequence lengths (clipped to [0, W * C]).

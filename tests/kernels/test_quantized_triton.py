@@ -1,7 +1,7 @@
 """Quantized pages in the Pallas-Triton decode and ragged kernels: in Pallas's interpreter on the
 CPU (every dtype x granularity for decode; ragged: each granularity in CI, dtypes rotating, the
 product slow; mixed key / value granularities, splits, windows, soft caps, 5-D pools), lowered
-for CUDA as for the A100, L4 and H200 (float8_e4m3fn refused below sm89), the dispatcher's
+for CUDA as for the A100, A10, L4 and H200 (float8_e4m3fn refused below sm89), the dispatcher's
 reasons, and compiled on a GPU (``pytest -m gpu``: any NVIDIA GPU, the kernels forced), always
 against the f64 oracle on the dequantized values with permuted tables and poisoned free pages,
 tails and scales (``_quantized_cases``)."""
@@ -254,6 +254,7 @@ _LOWERINGS = {  # id: (op, device kind, pool dtype, key mode, value mode, knobs)
         dict(num_splits=2),
     ),
     "decode-A100-int8-page-token": ("decode", "NVIDIA A100", jnp.int8, "page", "token", {}),
+    "decode-A10-e5m2-page-token": ("decode", "NVIDIA A10", jnp.float8_e5m2, "page", "token", {}),
     "decode-L4-e4m3-page-page": ("decode", "NVIDIA L4", jnp.float8_e4m3fn, "page", "page", {}),
     "ragged-A100-int8-token-page": ("ragged", "NVIDIA A100", jnp.int8, "token", "page", {}),
     "ragged-H200-e4m3-head-token": (

@@ -1,6 +1,6 @@
 """The Pallas-Triton decode kernel (``pallas_kernels/paged_attention/kernel_triton.py``) against
 the f64 dense reference: in Pallas's interpreter on the CPU (tiny shapes), lowered for CUDA on
-the CPU for the A100, L4 and T4 (abstract devices: Pallas -> Triton IR for each compute
+the CPU for the A100, A10, L4 and T4 (abstract devices: Pallas -> Triton IR for each compute
 capability), and compiled on a GPU (``pytest -m gpu``; forced on any NVIDIA GPU, the H200
 included). Inputs: page sizes 1..256 and odd ones, GQA 1/4/8 (and 6, 16, 64), head dims
 64/128/256, lengths 0, 1, C-1, C, C+1 and 32k, randomly permuted tables, NaN in free pages, in
@@ -157,7 +157,7 @@ def test_unsupported_reasons():
 
 # (device kind, what it stands for): the lowering asks the abstract device's compute
 # capability (Pallas -> Triton IR); XLA compiles the IR for the real device later.
-_TARGETS = ["NVIDIA A100", "NVIDIA L4", "Tesla T4", "NVIDIA H200"]
+_TARGETS = ["NVIDIA A100", "NVIDIA A10", "NVIDIA L4", "Tesla T4", "NVIDIA H200"]
 _LOWER_VARIANTS = [
     dict(),
     dict(num_splits=4, logits_soft_cap=30.0, sliding_window=100),

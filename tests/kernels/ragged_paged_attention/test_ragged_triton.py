@@ -1,6 +1,6 @@
 """The Pallas-Triton ragged kernel (``pallas_kernels/ragged_paged_attention/kernel_triton.py``)
 against the f64 dense oracle: in Pallas's interpreter on the CPU, lowered for CUDA on the CPU
-for the A100, L4 and T4, and compiled on a GPU (``pytest -m gpu``, forced on any NVIDIA GPU).
+for the A100, A10, L4 and T4, and compiled on a GPU (``pytest -m gpu``, forced on any NVIDIA GPU).
 Mixed batches of decodes, short chunks and prefills over page sizes 1..256, GQA 1/4/8, head
 dims 64/128/256, kv lengths 0, 1, C-1, C, C+1, padding rows and dead sequences, permuted
 NaN-poisoned pools (``_ragged_inputs``).
@@ -140,7 +140,7 @@ def _ragged_shapes(T=40, B=5, N=8, K=2, H=128, C=16, W=8, dtype=BF16, L=None):
     )
 
 
-@pytest.mark.parametrize("device_kind", ["NVIDIA A100", "NVIDIA L4", "Tesla T4"])
+@pytest.mark.parametrize("device_kind", ["NVIDIA A100", "NVIDIA A10", "NVIDIA L4", "Tesla T4"])
 @pytest.mark.parametrize(
     "variant",
     [

@@ -40,3 +40,41 @@ def test_decode_window_static_trips(window, pages_per_chunk):
     ref = dense_attention(q, kv.k_dense, kv.v_dense, kv.lengths, sm_scale=0.25,
                           sliding_window=window)  # fmt: skip
     assert_close(out, ref, np.float32)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive's name in a closed jaxpr, sub-jaxprs (loop bodies, branches) included."""
+    import jax.extend.core as jex
+
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jex.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jex.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_no_loop_condition_or_branch_is_read_back(window):
+    """XLA on GPU reads a ``while`` condition (and a ``cond`` predicate) back to the host each
+    time: both paths' loops must be static-trip scans."""
+    import jax
+
+    rng = np.random.default_rng(1)
+    case = make_ragged_case(rng, (150, 40, 1), (30, 1, 1), page_size=4, num_q_heads=4)
+    ragged = jax.make_jaxpr(
+        lambda *a: ragged_paged_attention_xla(*a, sm_scale=0.25, sliding_window=window)
+    )(*case.args)
+    kv = make_paged_kv(rng, [0, 9, 200], num_kv_heads=2, head_dim=16, page_size=8)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    decode = jax.make_jaxpr(
+        lambda *a: paged_attention_xla(*a, sm_scale=0.25, sliding_window=window)
+    )(q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths)
+    for name, closed in (("ragged", ragged), ("decode", decode)):
+        found = _primitives(closed.jaxpr)
+        assert "scan" in found, name  # the chunk loop is there
+        assert not {"while", "cond"} & found, (name, sorted(found))
