@@ -61,9 +61,12 @@ def test_program_list_follows_the_configuration():
         BucketGrid(0, 16)
 
 
-def test_warmup_report_and_no_compiles_after_it():
+def test_warmup_report_and_no_compiles_after_it(capsys):
     llm = make_llm(max_num_seqs=5)  # the default decode (chains); a row bucket no other test uses
-    report = llm.warmup(threads=2)
+    report = llm.warmup(threads=2, progress=True)
+    bar = capsys.readouterr().err  # tqdm's bar over the step programs
+    assert "jpaged warm-up: 6 programs" in bar and "6/6" in bar, bar[-500:]
+    assert "0 loaded, 0 from the cache" in bar, bar[-500:]
     assert report.threads == 2 and report.cache_dir is None
     assert [p.name for p in report.programs] == [
         "decode B=5", "loop B=5 greedy", "loop B=5 random", "loop B=5 truncate",
