@@ -63,26 +63,16 @@ def test_a_call_the_mosaic_kernel_refuses_tries_triton_before_xla(monkeypatch, t
         dispatch.UNSUPPORTED_REASONS, "pallas_triton",
         lambda *a, **k: "head dim 96" if triton_refuses else None,
     )  # fmt: skip
-    ran = []
-
-    def runs(name):
-        def fn(*a, **k):
-            ran.append(name)
-            return dispatch.IMPLEMENTATIONS["xla"](
-                *a, **{x: y for x, y in k.items() if x != "interpret"}
-            )
-
-        return fn
-
-    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", runs("pallas_triton"))
+    calls = []
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", _xla_standing_in(calls))
     jpaged.paged_attention(*_args())
     impl, why = _attention.last_auto_choice("paged_attention")
     assert "pallas_gpu cannot run this call (f32)" in why
     if triton_refuses:
-        assert impl == "xla" and ran == []
+        assert impl == "xla" and calls == []
         assert why.endswith("pallas_triton cannot run this call (head dim 96): the XLA path")
     else:
-        assert impl == "pallas_triton" and ran == ["pallas_triton"]
+        assert impl == "pallas_triton" and len(calls) == 1
         assert why.endswith(": pallas_triton")
 
 
@@ -105,6 +95,18 @@ def test_auto_route_without_the_triton_backend(monkeypatch):
     monkeypatch.setattr(_backend, "triton_route_reason", lambda: "this JAX has none")
     route = _backend.auto_route()
     assert route.kernel is None and "this JAX has none" in route.reason
+
+
+def _xla_standing_in(calls: list):
+    """A kernel entry that records its keyword arguments in ``calls`` and runs the XLA path
+    (without ``interpret``, which only kernels take)."""
+    xla = dispatch.IMPLEMENTATIONS["xla"]
+
+    def fn(*a, **k):
+        calls.append(k)
+        return xla(*a, **{x: y for x, y in k.items() if x != "interpret"})
+
+    return fn
 
 
 def _args(B=2, N=8, K=2, P=6, C=4, H=16, W=3):
@@ -130,15 +132,8 @@ def test_a_call_records_and_logs_its_choice(monkeypatch, caplog):
     assert any("picked 'xla'" in r.getMessage() for r in caplog.records)
 
     calls = []
-
-    def spy(*a, **k):
-        calls.append(k)
-        return dispatch.IMPLEMENTATIONS["xla"](
-            *a, **{x: y for x, y in k.items() if x != "interpret"}
-        )
-
     monkeypatch.setitem(dispatch.UNSUPPORTED_REASONS, "pallas_triton", lambda *a, **k: None)
-    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", spy)
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "pallas_triton", _xla_standing_in(calls))
     jpaged.paged_attention(*args)
     assert len(calls) == 1 and calls[0]["interpret"] is False
     assert _attention.last_auto_choice("paged_attention")[0] == "pallas_triton"
