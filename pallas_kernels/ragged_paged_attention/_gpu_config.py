@@ -37,6 +37,7 @@ class _Config(AttentionConfig):
     kv_splits: int  # S: each query tile's K/V range split over S work units (LSE-merged)
     direct_io: bool  # Q / O read and written in place in [T, N, H] (no XLA gather / scatter)
     tile_order: str  # one of TILE_ORDERS
+    persistent: int  # CTAs of a persistent grid, each running many work items (0: one each)
 
     @property
     def block_q(self) -> int:
@@ -124,6 +125,7 @@ def make_config(
     tile_order: str | None = None,
     paired: bool | None = None,
     kv_splits: int | None = None,
+    persistent: bool | None = None,
 ) -> tuple[_Config, Any]:
     """The static configuration ``ragged_paged_attention_pallas_gpu`` runs these arguments
     with (every default resolved, every knob checked) and the layer offset; arguments as
@@ -170,6 +172,14 @@ def make_config(
         Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
         more than 1 only when the batch has too few (query tile, KV head) units to fill the
         GPU, as in small decode batches at long context.
+      persistent: one CTA per SM (``tuning_gpu.num_sms``), each running its share of the
+        work items back to back, the next item's K/V and Q loads overlapping the current
+        item's math and store. Needs ``fa3`` and ``direct_io``, not ``paired``, and SMEM
+        for a second untiled staging tile per warpgroup (``tuning_gpu.persistent_supported``).
+        Default ``tuning_gpu.default_persistent`` (with 64-key tiles and a 3-deep ring):
+        prefill-heavy batches whose block table holds at most 1,024 keys a sequence, where
+        no ``block_kv``, ``num_stages``, ``num_wgs`` other than 2, ``kv_splits`` other than
+        1 or ``direct_io=False`` was asked for.
 
     Raises:
       ValueError: if the kernel cannot run these shapes/dtypes or a knob is out of range.
@@ -211,6 +221,21 @@ def make_config(
             "paired=True needs the FA3-style body (fa3=True, not in interpret mode): pass "
             "paired=False or None"
         )
+    if persistent is None:  # the default only where no knob it sets was chosen
+        persistent = (
+            fa3
+            and not paired
+            and block_kv is None
+            and num_stages is None
+            and num_wgs in (None, 2)
+            and direct_io in (None, True)
+            and kv_splits in (None, 1)
+            and tuning_gpu.default_persistent(
+                T, B, block_tables.shape[1] * C, G, H, C, k_pages.shape[-4]
+            )
+        )
+        if persistent:
+            block_kv, num_stages = tuning_gpu.PERSISTENT_BLOCK_KV, tuning_gpu.PERSISTENT_STAGES
     if block_kv is not None:
         block_kv = int(block_kv)
     elif paired:
@@ -272,6 +297,12 @@ def make_config(
             f"num_stages={stages}, block_kv={block_kv}); pass direct_io=False or None"
         )
     direct_io = bool(direct_io)
+    persistent = bool(persistent)
+    if persistent and not (fa3 and direct_io and not paired):
+        raise ValueError(
+            "persistent=True needs the FA3-style body with in-place Q/O and not paired "
+            f"(fa3={fa3}, direct_io={direct_io}, paired={paired}); pass persistent=False or None"
+        )
     if kv_splits is None:
         block_q = tuning_gpu.tokens_per_tile(G, direct_io) * (1 if paired else wgs)
         num_tiles = schedule.num_tiles_bound(T, B, block_q)
@@ -281,7 +312,11 @@ def make_config(
             if direct_io and not interpret
             else 1
         )
-        if tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, True, paired, splits) > SMEM_BYTES:
+        if (
+            tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, True, paired, splits,
+                                  persistent=persistent)
+            > SMEM_BYTES
+        ):  # fmt: skip
             splits = 1  # no room for the LSE staging tiles
     else:
         splits = int(kv_splits)
@@ -294,11 +329,18 @@ def make_config(
         )
     if stages < 1 or (fa3 and stages < 2):
         raise ValueError(f"num_stages={stages} must be >= {2 if fa3 else 1}")
-    smem = tuning_gpu.smem_bytes(H, block_kv, stages, wgs, fa3, direct_io, paired, splits, **sizes)
+    smem = tuning_gpu.smem_bytes(
+        H, block_kv, stages, wgs, fa3, direct_io, paired, splits, **sizes, persistent=persistent
+    )
     check_smem(
         smem, num_stages=stages, block_kv=block_kv, num_wgs=wgs, paired=paired,
-        kv_splits=splits, direct_io=direct_io,
+        kv_splits=splits, direct_io=direct_io, persistent=persistent,
     )  # fmt: skip
+    num_ctas = 0
+    if persistent:  # one CTA per SM, never more than the work items
+        block_q = tuning_gpu.tokens_per_tile(G, True) * wgs
+        items = schedule.num_tiles_bound(T, B, block_q) + (2 if splits == 1 else 0)
+        num_ctas = max(1, min(tuning_gpu.num_sms(), items * splits * K))
     cfg = _Config(
         **{
             **common_fields(
@@ -319,5 +361,6 @@ def make_config(
         kv_splits=splits,
         direct_io=direct_io,
         tile_order=order,
+        persistent=num_ctas,
     )  # fmt: skip
     return cfg, layer

@@ -49,20 +49,24 @@ class _Tile:
 
 def _tile(
     cfg: _Config, q_ref, bt_ref, seq_ref, ntok_ref, pos0_ref, kvlen_ref, base_ref, order_ref,
-    qs_ref, store_ref, pick=None,
+    qs_ref, store_ref, pick=None, item=None,
 ):  # fmt: skip
     """This warpgroup's tile; with ``paired`` tile ``pick`` (0 or 1, default this compute
-    warpgroup's) of the CTA's two."""
+    warpgroup's) of the CTA's two; with ``persistent`` the work item ``item`` = (unit, KV
+    head) of ``_persistent_item`` instead of the CTA's grid indices."""
     T, C, W, Tw = cfg.block_kv, cfg.page_size, cfg.num_wgs, cfg.tokens_per_wg
     NT = order_ref.shape[0]
-    h = lax.axis_index("h")
+    h = lax.axis_index("h") if item is None else item[1]
     threads = W + int(cfg.producer)
     wg = lax.axis_index("wg") if threads > 1 else jnp.int32(0)
     cwg = jnp.minimum(wg, W - 1)
     # Work unit u = (tile order[u // S], split u % S); with ``paired`` a CTA runs units
     # W i .. W i + W - 1, one per compute warpgroup.
     S = cfg.kv_splits
-    if cfg.paired:
+    if item is not None:
+        u = item[0]
+        tok_off = cwg * Tw
+    elif cfg.paired:
         u = W * lax.axis_index("i") + (cwg if pick is None else pick)
         tok_off = jnp.int32(0)
     else:
@@ -115,6 +119,29 @@ def _tile(
         tok_off=tok_off,
         split=split,
     )
+
+
+def _persistent_items(cfg: _Config, num_units: int, cta=None):
+    """This CTA's work items with ``persistent``: ``(count, item)``, ``item(j)`` the (unit, KV
+    head) of its ``j``-th. The ``U = num_units x K`` items (head-major, as the one-item grid
+    launches them: the CTAs running at once read one KV head of one or a few sequences, which
+    stays in L2; unit-major, a 16k-token prompt's 8 heads of K/V overflowed it) are dealt round
+    by round to the ``P`` CTAs, in reverse order every other round (a snake): the tile order
+    puts each sequence's longest tiles first, and a plain round-robin would give the low CTAs
+    the long items of every round. ``cta``: this CTA's index (default its grid index)."""
+    P, K = cfg.persistent, cfg.num_kv_heads
+    U = num_units * K
+    rounds, rest = -(-U // P), U - (-(-U // P) - 1) * P  # the last round has ``rest`` items
+    c = lax.axis_index("i") if cta is None else jnp.asarray(cta, jnp.int32)
+    last_even = (rounds - 1) % 2 == 0
+    in_last = c < rest if last_even else P - 1 - c < rest
+    count = jnp.int32(rounds - 1) + in_last.astype(jnp.int32)
+
+    def item(j):
+        w = j * P + jnp.where(lax.rem(j, 2) == 0, c, P - 1 - c)
+        return lax.rem(w, jnp.int32(num_units)), lax.div(w, jnp.int32(num_units))
+
+    return count, item
 
 
 def _tile_rows(cfg: _Config, t: _Tile, bt_ref, step):
@@ -253,7 +280,9 @@ def _finish(
             if split:
                 store(lse_smem, lse_ref, j, 1)
 
-    plgpu.wait_smem_to_gmem(0)
+    # A persistent CTA's next tile may reuse the staging tiles once the stores have read them;
+    # their writes complete in the background (the body waits for them before it exits).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.persistent > 0)
 
 
 def _init_state(H):

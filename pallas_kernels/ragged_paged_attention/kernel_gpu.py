@@ -39,6 +39,11 @@ warpgroups per CTA:
 - Decode-heavy batches (``paired``, the default where ``T <= 2 B``): the FA3 body's two
   compute warpgroups each run their own query tile with their own K/V ring, one producer
   feeding both, instead of sharing one tile whose second warpgroup would hold padding.
+- Persistent CTAs (``persistent``; the default, with 64-key tiles, for prefill-heavy batches
+  whose block table holds at most 1,024 keys a sequence): one CTA per SM runs its share of the
+  (tile, KV head) work items back to back; the producer runs ahead into the next item's K/V
+  and each compute warpgroup loads its next Q tile while it computes, so a short prompt's
+  tiles do not each pay the CTA's start (schedule reads, block table, Q and first K/V latency).
 - Split-KV (``kv_splits``, the default when the batch has too few (tile, KV head) units to
   fill the GPU: small batches at long context, late chunks of a long prefill): each tile's
   K/V range is split over S work units; each stores its normalised partial and base-2
@@ -157,10 +162,13 @@ def _ragged_attention(
         tile_arrays = [jnp.pad(a, (0, 1)) for a in tile_arrays]
     elif cfg.paired:
         grid_i = units // W
+    grid = (grid_i, K)
+    if cfg.persistent:  # the CTAs deal the units x K work items among themselves
+        grid = (cfg.persistent, 1)
     name = (
         f"ragged_paged_mgpu_wg{W}{'fa3' if cfg.fa3 else 'p' if cfg.producer else ''}"
         f"{'_pair' if cfg.paired else ''}{'_io' if cfg.direct_io else ''}_Tq{Tq}"
-        f"{f'_S{cfg.kv_splits}' if cfg.kv_splits > 1 else ''}"
+        f"{f'_S{cfg.kv_splits}' if cfg.kv_splits > 1 else ''}{'_pers' if cfg.persistent else ''}"
         f"_T{cfg.block_kv}_st{cfg.num_stages}_C{C}_G{G}_H{H}{'_causal' if cfg.causal else ''}"
     )
     if cfg.quantized:  # 8-bit pages and the scales' modes (head, page, token)
@@ -170,7 +178,7 @@ def _ragged_attention(
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(grid_i, K),
+        grid=grid,
         grid_names=("i", "h"),
         num_threads=threads if threads > 1 else None,
         thread_name="wg" if threads > 1 else None,

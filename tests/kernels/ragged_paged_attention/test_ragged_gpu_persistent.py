@@ -1,0 +1,199 @@
+"""Tests of the Mosaic GPU ragged kernel's persistent grid (``persistent=True``: one CTA per SM
+running many (tile, KV head) work items, ``_gpu_bodies._kernel_body_fa3``).
+
+CPU CI: the dealing of work items to CTAs (every item exactly once), the argument checks and
+cross-lowering for CUDA (the FA3-style body has no interpreter). GPU (``pytest -m gpu``): the
+compiled kernel against the f64 dense oracle, with more work items than CTAs (several rounds,
+a partial last one), permuted tables and NaN-poisoned pages.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _ragged_inputs import dense_ragged_attention, make_ragged_case
+from _tolerances import assert_close
+
+from pallas_kernels.ragged_paged_attention import kernel_gpu
+from pallas_kernels.ragged_paged_attention._gpu_tile import _persistent_items
+
+
+@pytest.mark.parametrize(
+    ("ctas", "kv_heads", "units"),
+    [(132, 8, 1026), (132, 8, 3), (5, 1, 7), (132, 4, 33), (7, 3, 14), (4, 2, 2)],
+)
+def test_persistent_ctas_deal_every_item_once(ctas, kv_heads, units):
+    cfg = types.SimpleNamespace(persistent=ctas, num_kv_heads=kv_heads)
+    seen = []
+    counts = []
+    for cta in range(ctas):
+        count, item = _persistent_items(cfg, units, cta=cta)
+        counts.append(int(count))
+        for j in range(int(count)):
+            unit, head = item(jnp.int32(j))
+            assert 0 <= int(head) < kv_heads
+            assert 0 <= int(unit) < units
+            seen.append(int(head) * units + int(unit))
+    assert sorted(seen) == list(range(units * kv_heads))
+    assert max(counts) - min(counts) <= 1  # a round at most apart
+
+
+def test_persistent_snake_alternates_the_round_order():
+    # Round 0 deals items 0..P-1 to CTAs 0..P-1; round 1 deals P..2P-1 in reverse, so the CTA
+    # that got a round's first (longest) item gets the next round's last.
+    cfg = types.SimpleNamespace(persistent=4, num_kv_heads=1)
+    firsts = [[int(_persistent_items(cfg, 12, cta=c)[1](jnp.int32(j))[0]) for j in range(3)]
+              for c in range(4)]  # fmt: skip
+    assert firsts[0] == [0, 7, 8] and firsts[3] == [3, 4, 11]
+
+
+def test_persistent_ctas_running_at_once_share_one_kv_head():
+    # Head-major items: the first round (what the 132 CTAs run first) is 132 units of head 0,
+    # as the one-item grid launches them, so their K/V stays in L2.
+    cfg = types.SimpleNamespace(persistent=132, num_kv_heads=8)
+    heads = {int(_persistent_items(cfg, 1026, cta=c)[1](jnp.int32(0))[1]) for c in range(132)}
+    units = {int(_persistent_items(cfg, 1026, cta=c)[1](jnp.int32(0))[0]) for c in range(132)}
+    assert heads == {0} and units == set(range(132))
+
+
+def _sds_args(T, N, K, H, C, B=4, W=8):
+    sds = jax.ShapeDtypeStruct
+    pool = (K, 40, C, H)
+    return (
+        sds((T, N, H), jnp.bfloat16), sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),
+        sds((B, W), jnp.int32), sds((B,), jnp.int32), sds((B + 1,), jnp.int32), sds((), jnp.int32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fa3": False}, "persistent=True needs the FA3-style body"),
+        ({"paired": True}, "persistent=True needs the FA3-style body"),
+        ({"direct_io": False}, "persistent=True needs the FA3-style body"),
+        ({"kv_splits": 3}, "bytes of SMEM"),  # a second staging tile and the LSE tiles
+    ],
+    ids=str,
+)
+def test_persistent_rejects_what_it_cannot_run(options, message):
+    args = _sds_args(T=100, N=32, K=8, H=128, C=16)
+    with pytest.raises(ValueError, match=message):
+        kernel_gpu.make_config(*args, sm_scale=0.1, persistent=True, **options)
+
+
+def test_persistent_grid_is_capped_by_the_work_items():
+    # 100 tokens of 32-token tiles over 4 sequences: at most 7 tiles + 2 padding, x 8 KV heads.
+    cfg, _ = kernel_gpu.make_config(*_sds_args(100, 32, 8, 128, 16), sm_scale=0.1, persistent=True)
+    assert cfg.persistent == 72
+    big, _ = kernel_gpu.make_config(*_sds_args(8192, 32, 8, 128, 16), sm_scale=0.1, persistent=True)
+    assert big.persistent == 132  # one CTA per SM (no GPU here: the H100 / H200 count)
+
+
+@pytest.mark.parametrize(
+    ("shape", "options", "expected"),
+    [
+        # prefill-heavy, tables of at most 1,024 keys (64 pages of 16), items enough: on, with
+        # 64-key tiles and a 3-deep ring
+        ({"T": 8192, "W": 64}, {}, (132, 64, 3)),
+        ({"T": 8192, "W": 16, "C": 64}, {}, (132, 64, 3)),
+        # a table that may hold 1,040 keys: off (an engine's tables span the whole context)
+        ({"T": 8192, "W": 65}, {}, (0, 128, 2)),
+        # decode-heavy (T <= 2 B): paired instead (two rings of 64-key tiles)
+        ({"T": 8, "W": 8}, {}, (0, 64, 2)),
+        # too few items to fill the CTAs three times without splits
+        ({"T": 1000, "W": 8}, {}, (0, 128, 2)),
+        # a knob the default would set, or one it cannot take, was chosen: off
+        ({"T": 8192, "W": 64}, {"block_kv": 128}, (0, 128, 2)),
+        ({"T": 8192, "W": 64}, {"num_stages": 2}, (0, 128, 2)),
+        ({"T": 8192, "W": 64}, {"direct_io": False}, (0, 128, 2)),
+        ({"T": 8192, "W": 64}, {"persistent": False}, (0, 128, 2)),
+    ],
+    ids=str,
+)
+def test_persistent_default(shape, options, expected):
+    args = _sds_args(shape["T"], 32, 8, 128, shape.get("C", 16), W=shape["W"])
+    cfg, _ = kernel_gpu.make_config(*args, sm_scale=0.1, fa3=True, **options)
+    assert (cfg.persistent, cfg.block_kv, cfg.num_stages) == expected
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"num_wgs": 1, "causal": False},
+        {"sliding_window": 50, "logits_soft_cap": 30.0, "kv_splits": 3, "block_kv": 64},
+        {"H": 64, "C": 8, "K": 4, "L": 3},
+    ],
+    ids=str,
+)
+def test_persistent_cross_lowers_for_cuda(variant):
+    v = dict(variant)
+    N, K, H, C, L = v.pop("N", 32), v.pop("K", 8), v.pop("H", 128), v.pop("C", 16), v.pop("L", None)
+    args = list(_sds_args(100, N, K, H, C))
+    if L is not None:
+        args[1] = args[2] = jax.ShapeDtypeStruct((L, K, 40, C, H), jnp.bfloat16)
+
+    def f(*a):
+        return kernel_gpu.ragged_paged_attention_pallas_gpu(
+            *a, sm_scale=0.125, layer=None if L is None else 1, fa3=True, persistent=True, **v
+        )
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text.lower() and "_pers_" in text
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"num_wgs": 1},
+        {"sliding_window": 300, "logits_soft_cap": 30.0},
+        {"causal": False, "num_layers": 2, "layer": jnp.int32(1)},
+        {"num_q_heads": 24},  # G = 6: 8 tokens per warpgroup in place
+        {"page_size": 8, "sm_scale": -0.2},
+        {"page_size": 128, "tile_order": "index"},
+        {"kv_splits": 2, "block_kv": 64},
+        {"dtype": jnp.float16, "head_dim": 64},
+    ],
+    ids=str,
+)
+def test_gpu_persistent_matches_the_oracle(extra):
+    extra = dict(extra)
+    rng = np.random.default_rng(21)
+    dtype = extra.pop("dtype", jnp.bfloat16)
+    H = extra.pop("head_dim", 128)
+    # 0-, 1- and page-boundary lengths beside long prompts: ~150 tiles x 4 KV heads, more work
+    # items than CTAs, with a partial last round.
+    case = make_ragged_case(
+        rng, (0, 1, 15, 16, 17, 99, 1000, 2500, 3100), (0, 1, 1, 16, 5, 99, 1, 1200, 3100),
+        num_q_heads=extra.pop("num_q_heads", 16), num_kv_heads=4, head_dim=H, dtype=dtype,
+        page_size=extra.pop("page_size", 16), num_layers=extra.pop("num_layers", None),
+    )  # fmt: skip
+    scale = extra.pop("sm_scale", 1.0 / math.sqrt(H))
+    layer = extra.pop("layer", None)
+    opts = {k: extra.pop(k) for k in ("sliding_window", "logits_soft_cap", "causal") if k in extra}
+    cfg, _ = kernel_gpu.make_config(
+        *case.args, sm_scale=scale, layer=layer, persistent=True, **opts, **extra
+    )
+    assert cfg.persistent > 0
+    out = kernel_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=scale, layer=layer, persistent=True, **opts, **extra
+    )
+    ref = dense_ragged_attention(
+        case, sm_scale=scale, layer=None if layer is None else int(layer), **opts
+    )
+    assert_close(out, ref, dtype, err_msg=str(extra))
+    # The same call on the one-item-per-CTA grid: the persistent grid changes nothing.
+    plain = kernel_gpu.ragged_paged_attention_pallas_gpu(
+        *case.args, sm_scale=scale, layer=layer, persistent=False, **opts, **extra
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
