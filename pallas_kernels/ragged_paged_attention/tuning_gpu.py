@@ -76,7 +76,7 @@ TUNING: dict[str, Measured] = {
         "(4k 0.87x -> 0.73x, 16k 0.94x -> 0.81-0.87x)",
         device="NVIDIA H100 80GB HBM3",
         date="2026-12-07",
-        commit="(this change)",
+        commit="8242f24",
     ),
     "default_kv_splits": Measured(
         knob="kv_splits",
