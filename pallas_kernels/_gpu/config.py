@@ -132,4 +132,5 @@ def check_smem(needed: int, **knobs) -> None:
         raise ValueError(
             f"this configuration needs {needed} bytes of SMEM, over the {SMEM_BYTES} a CTA has "
             f"({what}): lower num_stages or block_kv"
+            + (", or pass persistent=False" if knobs.get("persistent") else "")
         )

@@ -254,7 +254,7 @@ def _kernel_body_fa3(
     if persistent:
         num_items, item_of = _persistent_items(cfg, order_ref.shape[0] * cfg.kv_splits)
 
-        def tile_of(j, pick=None):
+        def tile_of(j, pick=None):  # ``pick`` is paired's, which is never persistent
             return _tile(cfg, *tile_refs, item=item_of(j))
     else:
         num_items, t_cta = None, _tile(cfg, *tile_refs)

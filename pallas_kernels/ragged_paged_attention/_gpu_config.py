@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pallas_kernels import _backend
 from pallas_kernels._gpu import checks, quant
 from pallas_kernels._gpu.config import (
     ROWS,
@@ -172,11 +173,12 @@ def make_config(
         Needs ``direct_io``. Default ``tuning_gpu.default_kv_splits`` (1 in interpret mode):
         more than 1 only when the batch has too few (query tile, KV head) units to fill the
         GPU, as in small decode batches at long context.
-      persistent: one CTA per SM (``tuning_gpu.num_sms``), each running its share of the
+      persistent: one CTA per SM (``_backend.gpu_num_sms``), each running its share of the
         work items back to back, the next item's K/V and Q loads overlapping the current
         item's math and store. Needs ``fa3`` and ``direct_io``, not ``paired``, and SMEM
         for a second untiled staging tile per warpgroup (``tuning_gpu.persistent_supported``).
-        Default ``tuning_gpu.default_persistent`` (with 64-key tiles and a 3-deep ring):
+        With it, ``block_kv`` and ``num_stages`` default to the 64-key tiles and 3-deep ring
+        measured for it where the page size allows. Default ``tuning_gpu.default_persistent``:
         prefill-heavy batches whose block table holds at most 1,024 keys a sequence, where
         no ``block_kv``, ``num_stages``, ``num_wgs`` other than 2, ``kv_splits`` other than
         1 or ``direct_io=False`` was asked for.
@@ -205,6 +207,7 @@ def make_config(
     if paired is None:
         paired = (
             fa3
+            and not persistent
             and num_wgs in (None, 2)
             and direct_io in (None, True)
             and tuning_gpu.default_paired(T, B, G, H)
@@ -221,6 +224,11 @@ def make_config(
             "paired=True needs the FA3-style body (fa3=True, not in interpret mode): pass "
             "paired=False or None"
         )
+    if persistent and (paired or not fa3):
+        raise ValueError(
+            "persistent=True needs the FA3-style body (fa3=True, not in interpret mode) and "
+            f"not paired (fa3={fa3}, paired={paired}); pass persistent=False or None"
+        )
     if persistent is None:  # the default only where no knob it sets was chosen
         persistent = (
             fa3
@@ -236,6 +244,10 @@ def make_config(
         )
         if persistent:
             block_kv, num_stages = tuning_gpu.PERSISTENT_BLOCK_KV, tuning_gpu.PERSISTENT_STAGES
+    elif persistent and block_kv is None and (C % 64 == 0 or 64 % C == 0):
+        # the persistent grid's measured tile (128-key tiles ran slower on it); its ring too
+        block_kv = tuning_gpu.PERSISTENT_BLOCK_KV
+        num_stages = tuning_gpu.PERSISTENT_STAGES if num_stages is None else num_stages
     if block_kv is not None:
         block_kv = int(block_kv)
     elif paired:
@@ -298,10 +310,10 @@ def make_config(
         )
     direct_io = bool(direct_io)
     persistent = bool(persistent)
-    if persistent and not (fa3 and direct_io and not paired):
+    if persistent and not direct_io:
         raise ValueError(
-            "persistent=True needs the FA3-style body with in-place Q/O and not paired "
-            f"(fa3={fa3}, direct_io={direct_io}, paired={paired}); pass persistent=False or None"
+            "persistent=True needs the FA3-style body's in-place Q/O, which these arguments "
+            f"do not take (direct_io={direct_io}); pass persistent=False or None"
         )
     if kv_splits is None:
         block_q = tuning_gpu.tokens_per_tile(G, direct_io) * (1 if paired else wgs)
@@ -340,7 +352,7 @@ def make_config(
     if persistent:  # one CTA per SM, never more than the work items
         block_q = tuning_gpu.tokens_per_tile(G, True) * wgs
         items = schedule.num_tiles_bound(T, B, block_q) + (2 if splits == 1 else 0)
-        num_ctas = max(1, min(tuning_gpu.num_sms(), items * splits * K))
+        num_ctas = max(1, min(_backend.gpu_num_sms(), items * splits * K))
     cfg = _Config(
         **{
             **common_fields(

@@ -53,7 +53,7 @@ def _tile(
 ):  # fmt: skip
     """This warpgroup's tile; with ``paired`` tile ``pick`` (0 or 1, default this compute
     warpgroup's) of the CTA's two; with ``persistent`` the work item ``item`` = (unit, KV
-    head) of ``_persistent_item`` instead of the CTA's grid indices."""
+    head) of ``_persistent_items`` instead of the CTA's grid indices."""
     T, C, W, Tw = cfg.block_kv, cfg.page_size, cfg.num_wgs, cfg.tokens_per_wg
     NT = order_ref.shape[0]
     h = lax.axis_index("h") if item is None else item[1]

@@ -6,8 +6,6 @@ Everything here depends on static shapes only (no host sync, jit- and CUDA-graph
 
 from __future__ import annotations
 
-import jax
-
 from pallas_kernels._gpu.config import ROWS as ROWS  # a warpgroup's query tokens x G heads
 from pallas_kernels._gpu.config import SMEM_BYTES as SMEM_BYTES
 from pallas_kernels._gpu.config import TWO_CTA_SMEM_BYTES as TWO_CTAS_BYTES
@@ -187,13 +185,6 @@ def default_paired(num_tokens: int, num_seqs_max: int, group: int, head_dim: int
 
 
 NUM_SMS = 132  # H100 / H200 SXM
-
-
-def num_sms() -> int:
-    """Streaming multiprocessors of the default device where it reports them (a GPU), else
-    ``NUM_SMS`` (cross-lowering, the interpreter): the CTAs of a ``persistent`` grid."""
-    count = getattr(jax.devices()[0], "core_count", None)
-    return int(count) if isinstance(count, int) and count > 0 else NUM_SMS
 
 
 def persistent_supported(

@@ -19,6 +19,7 @@ import pytest
 from _ragged_inputs import dense_ragged_attention, make_ragged_case
 from _tolerances import assert_close
 
+from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention import kernel_gpu
 from pallas_kernels.ragged_paged_attention._gpu_tile import _persistent_items
 
@@ -75,8 +76,9 @@ def _sds_args(T, N, K, H, C, B=4, W=8):
     [
         ({"fa3": False}, "persistent=True needs the FA3-style body"),
         ({"paired": True}, "persistent=True needs the FA3-style body"),
-        ({"direct_io": False}, "persistent=True needs the FA3-style body"),
-        ({"kv_splits": 3}, "bytes of SMEM"),  # a second staging tile and the LSE tiles
+        ({"direct_io": False}, "persistent=True needs the FA3-style body's in-place Q/O"),
+        # a second staging tile and the LSE tiles beside 128-key rings
+        ({"kv_splits": 3, "block_kv": 128}, "bytes of SMEM.*or pass persistent=False"),
     ],
     ids=str,
 )
@@ -91,7 +93,16 @@ def test_persistent_grid_is_capped_by_the_work_items():
     cfg, _ = kernel_gpu.make_config(*_sds_args(100, 32, 8, 128, 16), sm_scale=0.1, persistent=True)
     assert cfg.persistent == 72
     big, _ = kernel_gpu.make_config(*_sds_args(8192, 32, 8, 128, 16), sm_scale=0.1, persistent=True)
-    assert big.persistent == 132  # one CTA per SM (no GPU here: the H100 / H200 count)
+    assert big.persistent == _backend.gpu_num_sms()  # one CTA per SM (132 without a GPU)
+    # Asked for, it takes the 64-key tiles and 3-deep ring measured for it, and a decode-heavy
+    # batch runs it unpaired instead of refusing.
+    assert (big.block_kv, big.num_stages) == (64, 3)
+    decode, _ = kernel_gpu.make_config(*_sds_args(8, 32, 8, 128, 16), sm_scale=0.1, persistent=True)
+    assert decode.persistent > 0 and not decode.paired
+    chosen, _ = kernel_gpu.make_config(
+        *_sds_args(8192, 32, 8, 128, 16), sm_scale=0.1, persistent=True, block_kv=128
+    )
+    assert (chosen.block_kv, chosen.num_stages) == (128, 2)
 
 
 @pytest.mark.parametrize(
@@ -112,11 +123,17 @@ def test_persistent_grid_is_capped_by_the_work_items():
         ({"T": 8192, "W": 64}, {"num_stages": 2}, (0, 128, 2)),
         ({"T": 8192, "W": 64}, {"direct_io": False}, (0, 128, 2)),
         ({"T": 8192, "W": 64}, {"persistent": False}, (0, 128, 2)),
+        # G = 16 (no Q/O in place) or head dim 256: off
+        ({"T": 8192, "W": 64, "N": 64, "K": 4}, {}, (0, 128, 2)),
+        ({"T": 8192, "W": 64, "H": 256, "C": 256}, {}, (0, 64, 2)),
     ],
     ids=str,
 )
 def test_persistent_default(shape, options, expected):
-    args = _sds_args(shape["T"], 32, 8, 128, shape.get("C", 16), W=shape["W"])
+    args = _sds_args(
+        shape["T"], shape.get("N", 32), shape.get("K", 8), shape.get("H", 128),
+        shape.get("C", 16), W=shape["W"],
+    )  # fmt: skip
     cfg, _ = kernel_gpu.make_config(*args, sm_scale=0.1, fa3=True, **options)
     assert (cfg.persistent, cfg.block_kv, cfg.num_stages) == expected
 
@@ -128,6 +145,7 @@ def test_persistent_default(shape, options, expected):
         {"num_wgs": 1, "causal": False},
         {"sliding_window": 50, "logits_soft_cap": 30.0, "kv_splits": 3, "block_kv": 64},
         {"H": 64, "C": 8, "K": 4, "L": 3},
+        {"block_kv": 128, "num_stages": 2},
     ],
     ids=str,
 )
@@ -163,6 +181,7 @@ def test_persistent_cross_lowers_for_cuda(variant):
         {"page_size": 128, "tile_order": "index"},
         {"kv_splits": 2, "block_kv": 64},
         {"dtype": jnp.float16, "head_dim": 64},
+        {"block_kv": 128, "num_stages": 2},
     ],
     ids=str,
 )
@@ -197,3 +216,30 @@ def test_gpu_persistent_matches_the_oracle(extra):
         *case.args, sm_scale=scale, layer=layer, persistent=False, **opts, **extra
     )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+
+
+def _short_prompts_case(page_size):
+    """Prompts of at most 1,024 keys in a table of 1,024 keys (and a 1-token decode, a
+    17-key one): the default picks the persistent grid, its 3-deep ring wrapping across items."""
+    rng = np.random.default_rng(22 + page_size)
+    kv_lens = (1024, 1, 1000, 17, 640, 1023, 512, 900, 64, 700)
+    q_lens = (1024, 1, 1000, 1, 600, 1023, 512, 300, 64, 700)
+    return make_ragged_case(
+        rng, kv_lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=jnp.bfloat16, page_size=page_size, width=1024 // page_size,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_short_prompts_take_the_persistent_default(page_size):
+    cfg, _ = kernel_gpu.make_config(*_short_prompts_case(page_size).args, sm_scale=0.1, fa3=True)
+    assert (cfg.persistent > 0, cfg.block_kv, cfg.num_stages) == (True, 64, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_persistent_default_matches_the_oracle(page_size):
+    case = _short_prompts_case(page_size)
+    assert kernel_gpu.make_config(*case.args, sm_scale=0.1)[0].persistent > 0
+    out = kernel_gpu.ragged_paged_attention_pallas_gpu(*case.args, sm_scale=0.1)
+    assert_close(out, dense_ragged_attention(case, sm_scale=0.1), jnp.bfloat16)
