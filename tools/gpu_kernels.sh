@@ -12,6 +12,10 @@
 #   bash tools/gpu_kernels.sh ncu OUT [ARGS...]                   # Nsight Compute, decode
 #     (ARGS go to benchmarks/diagnostics/profile_decode_ncu.py, e.g. --only 6 5 --variants block_kv=128;
 #      writes OUT/ncu_decode.ncu-rep and OUT/ncu_decode.txt, the details page as text)
+#   bash tools/gpu_kernels.sh ncu-prefill OUT [ARGS...]           # Nsight Compute, ragged kernel
+#     (ARGS go to benchmarks/diagnostics/profile_prefill_ncu.py, e.g. --length 16384 --variants
+#      persistent=false persistent=true,block_kv=128,num_stages=2; also reports each kernel's
+#      SM active cycles min / mean / max: how evenly the work spread over the SMs)
 #   bash tools/gpu_kernels.sh gaps OUT [ARGS...]                  # launch gaps (JAX profiler)
 #     (ARGS go to benchmarks/diagnostics/profile_launch_gaps.py, e.g. --only 0 2; writes OUT/gaps.txt)
 #
@@ -20,7 +24,7 @@
 # OUT: where JSON and logs go (default benchmarks/results). Timeouts: TEST_TIMEOUT (240 s),
 # BENCH_TIMEOUT (300 s); prefill variants run at VARIANT_LENGTHS (4096 16384 8192 2048).
 set -u
-PART=${1:?part: ragged-tests, decode-tests, prefill, decode, ncu or gaps}
+PART=${1:?part: ragged-tests, decode-tests, prefill, decode, ncu, ncu-prefill or gaps}
 DEST=${2:-benchmarks/results}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
@@ -88,12 +92,26 @@ case "$PART" in
     "$NCU" --import "$DEST/ncu_decode.ncu-rep" --page details >"$DEST/ncu_decode.txt" 2>&1
     echo "== ncu details: $(wc -l <"$DEST/ncu_decode.txt") lines"
     ;;
+  ncu-prefill)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    : "${NCU:?ncu (Nsight Compute) not found}"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      run "${BENCH_TIMEOUT:-300}" "$DEST/ncu_prefill.log" "$NCU" --profile-from-start off \
+      --clock-control none --kernel-name regex:mosaic_gpu --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis \
+      --metrics sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,dram__bytes_read.sum,lts__t_sector_hit_rate.pct${NCU_METRICS:+,$NCU_METRICS} \
+      -f -o "$DEST/ncu_prefill" "$PY" benchmarks/diagnostics/profile_prefill_ncu.py "${@:3}"
+    pkill -f "$PY benchmarks/diagnostics/profile_prefill_ncu.py" && sleep 2
+    "$NCU" --import "$DEST/ncu_prefill.ncu-rep" --page details >"$DEST/ncu_prefill.txt" 2>&1
+    echo "== ncu details: $(wc -l <"$DEST/ncu_prefill.txt") lines"
+    ;;
   gaps)
     run "${BENCH_TIMEOUT:-300}" "$DEST/gaps.txt" "$PY" benchmarks/diagnostics/profile_launch_gaps.py \
       --out "$DEST" "${@:3}"
     ;;
   *)
-    echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode, ncu or gaps" >&2
+    echo "unknown part $PART: ragged-tests, decode-tests, prefill, decode, ncu, ncu-prefill or gaps" >&2
     exit 2
     ;;
 esac

@@ -49,6 +49,22 @@ def _longest_first_order(work_NT, real_NT, bits: int | None) -> jax.Array:
     return order.sort_keys(order.pack(w, tile, bits, top))
 
 
+def pair_long_with_short(order_NT, num_real) -> jax.Array:
+    """``order`` with its first ``num_real`` entries (the real tiles, longest first within a
+    sequence or over the batch) interleaved from both ends: the first, the last, the second,
+    the second to last, ... (the empty tiles after them stay in place). The persistent grid
+    deals consecutive pairs to its CTAs (``_gpu_tile._persistent_items``): a long tile and a
+    short one, about the same work in every pair.
+
+    order_NT: i32[NT], the tiles' order (or packed keys: entries are only moved).
+    num_real: i32[], how many leading entries are real tiles.
+    """
+    k = jnp.arange(order_NT.shape[0], dtype=jnp.int32)
+    half = k // 2
+    src = jnp.where(k % 2 == 0, half, num_real - 1 - half)
+    return order_NT[jnp.where(k < num_real, src, k)]
+
+
 def _tile_order(
     cfg: _Config, ts: schedule.TileSchedule, B: int, sentinel: bool = False
 ) -> jax.Array:
@@ -61,7 +77,8 @@ def _tile_order(
     ``by_sequence``: sequence by sequence, longest first within each, so the CTAs running at
     once share one sequence's K/V in L2 (long prefills); a lexsort (three fields: sequence,
     work and tile do not fit one int32 key without tying long tiles). ``index``: schedule
-    order. ``sentinel``: one more entry, ``NT``, for the paired grid's inert unit (it is
+    order. With ``persistent`` the real tiles are then paired long with short
+    (``pair_long_with_short``). ``sentinel``: one more entry, ``NT``, for the paired grid's inert unit (it is
     below ``2**bits``, so it decodes to itself).
     """
     NT = ts.seq.shape[0]
@@ -77,6 +94,8 @@ def _tile_order(
             order = _longest_first_order(work, real, bits)
         else:
             order = jnp.lexsort((-work, jnp.where(real, ts.seq, B))).astype(jnp.int32)
+    if cfg.persistent:
+        order = pair_long_with_short(order, jnp.sum(ts.q_rows > 0, dtype=jnp.int32))
     if sentinel:
         order = jnp.concatenate([order, jnp.full((1,), NT, jnp.int32)])
     return order

@@ -123,25 +123,30 @@ def _tile(
 
 def _persistent_items(cfg: _Config, num_units: int, cta=None):
     """This CTA's work items with ``persistent``: ``(count, item)``, ``item(j)`` the (unit, KV
-    head) of its ``j``-th. The ``U = num_units x K`` items (head-major, as the one-item grid
-    launches them: the CTAs running at once read one KV head of one or a few sequences, which
-    stays in L2; unit-major, a 16k-token prompt's 8 heads of K/V overflowed it) are dealt round
-    by round to the ``P`` CTAs, in reverse order every other round (a snake): the tile order
-    puts each sequence's longest tiles first, and a plain round-robin would give the low CTAs
-    the long items of every round. ``cta``: this CTA's index (default its grid index)."""
-    P, K = cfg.persistent, cfg.num_kv_heads
-    U = num_units * K
-    rounds, rest = -(-U // P), U - (-(-U // P) - 1) * P  # the last round has ``rest`` items
+    head) of its ``j``-th. The ``U = num_units x K`` items are listed head-major (as the
+    one-item grid launches them: the CTAs running at once read one KV head of one or a few
+    sequences, which stays in L2; unit-major, a 16k-token prompt's 8 heads of K/V overflowed
+    it) and dealt in blocks of two tiles (``2 x kv_splits`` units), block ``b`` to CTA
+    ``b mod P``. The persistent grid's tile order pairs each sequence's longest tile with its
+    shortest (``_gpu_order.pair_long_with_short``), so every block holds about the same
+    work and a static deal balances the CTAs as the hardware's dynamic launch of one item
+    per CTA does (round by round, a 16k-token prompt's 512 tiles a head against 132 CTAs left
+    some CTAs half as much work again as the mean). ``cta``: this CTA's index (default its
+    grid index)."""
+    P, K, S = cfg.persistent, cfg.num_kv_heads, cfg.kv_splits
+    U, per_block = num_units * K, 2 * S
+    num_blocks = -(-U // per_block)
+    short_last = num_blocks * per_block - U  # the last block's missing items
     c = lax.axis_index("i") if cta is None else jnp.asarray(cta, jnp.int32)
-    last_even = (rounds - 1) % 2 == 0
-    in_last = c < rest if last_even else P - 1 - c < rest
-    count = jnp.int32(rounds - 1) + in_last.astype(jnp.int32)
+    blocks = jnp.maximum((num_blocks - c + P - 1) // P, 0)  # blocks c, c + P, ... < num_blocks
+    owns_last = lax.rem(jnp.int32(num_blocks - 1), jnp.int32(P)) == c
+    count = blocks * per_block - jnp.where(owns_last, short_last, 0)
 
     def item(j):
-        w = j * P + jnp.where(lax.rem(j, 2) == 0, c, P - 1 - c)
+        w = (lax.div(j, per_block) * P + c) * per_block + lax.rem(j, per_block)
         return lax.rem(w, jnp.int32(num_units)), lax.div(w, jnp.int32(num_units))
 
-    return count, item
+    return count.astype(jnp.int32), item
 
 
 def _tile_rows(cfg: _Config, t: _Tile, bt_ref, step):

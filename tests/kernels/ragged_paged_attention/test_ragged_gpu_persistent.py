@@ -21,15 +21,17 @@ from _tolerances import assert_close
 
 from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention import kernel_gpu
+from pallas_kernels.ragged_paged_attention._gpu_order import pair_long_with_short
 from pallas_kernels.ragged_paged_attention._gpu_tile import _persistent_items
 
 
 @pytest.mark.parametrize(
-    ("ctas", "kv_heads", "units"),
-    [(132, 8, 1026), (132, 8, 3), (5, 1, 7), (132, 4, 33), (7, 3, 14), (4, 2, 2)],
-)
-def test_persistent_ctas_deal_every_item_once(ctas, kv_heads, units):
-    cfg = types.SimpleNamespace(persistent=ctas, num_kv_heads=kv_heads)
+    ("ctas", "kv_heads", "units", "splits"),
+    [(132, 8, 1026, 1), (132, 8, 3, 1), (5, 1, 7, 1), (132, 4, 33, 1), (7, 3, 14, 1),
+     (4, 2, 2, 1), (5, 3, 21, 3), (132, 8, 513, 1)],
+)  # fmt: skip
+def test_persistent_ctas_deal_every_item_once(ctas, kv_heads, units, splits):
+    cfg = types.SimpleNamespace(persistent=ctas, num_kv_heads=kv_heads, kv_splits=splits)
     seen = []
     counts = []
     for cta in range(ctas):
@@ -41,25 +43,61 @@ def test_persistent_ctas_deal_every_item_once(ctas, kv_heads, units):
             assert 0 <= int(unit) < units
             seen.append(int(head) * units + int(unit))
     assert sorted(seen) == list(range(units * kv_heads))
-    assert max(counts) - min(counts) <= 1  # a round at most apart
+    assert max(counts) - min(counts) <= 2 * splits  # a block of two tiles at most apart
 
 
-def test_persistent_snake_alternates_the_round_order():
-    # Round 0 deals items 0..P-1 to CTAs 0..P-1; round 1 deals P..2P-1 in reverse, so the CTA
-    # that got a round's first (longest) item gets the next round's last.
-    cfg = types.SimpleNamespace(persistent=4, num_kv_heads=1)
-    firsts = [[int(_persistent_items(cfg, 12, cta=c)[1](jnp.int32(j))[0]) for j in range(3)]
-              for c in range(4)]  # fmt: skip
-    assert firsts[0] == [0, 7, 8] and firsts[3] == [3, 4, 11]
+def test_persistent_ctas_take_consecutive_pairs():
+    # Blocks of two consecutive units (a long tile and a short one after the pairing), block b
+    # to CTA b mod P: CTA 1 of 4 runs units 2, 3, then 10, 11.
+    cfg = types.SimpleNamespace(persistent=4, num_kv_heads=1, kv_splits=1)
+    count, item = _persistent_items(cfg, 12, cta=1)
+    assert int(count) == 4
+    assert [int(item(jnp.int32(j))[0]) for j in range(4)] == [2, 3, 10, 11]
 
 
 def test_persistent_ctas_running_at_once_share_one_kv_head():
-    # Head-major items: the first round (what the 132 CTAs run first) is 132 units of head 0,
-    # as the one-item grid launches them, so their K/V stays in L2.
-    cfg = types.SimpleNamespace(persistent=132, num_kv_heads=8)
+    # Head-major items: what the 132 CTAs run first is units 0..263 of head 0, as the one-item
+    # grid launches them, so their K/V stays in L2.
+    cfg = types.SimpleNamespace(persistent=132, num_kv_heads=8, kv_splits=1)
     heads = {int(_persistent_items(cfg, 1026, cta=c)[1](jnp.int32(0))[1]) for c in range(132)}
     units = {int(_persistent_items(cfg, 1026, cta=c)[1](jnp.int32(0))[0]) for c in range(132)}
-    assert heads == {0} and units == set(range(132))
+    assert heads == {0} and units == set(range(0, 264, 2))
+
+
+@pytest.mark.parametrize("num_real", [0, 1, 2, 5, 8])
+def test_pair_long_with_short_interleaves_the_real_tiles(num_real):
+    order = jnp.arange(100, 108, dtype=jnp.int32)
+    paired = np.asarray(pair_long_with_short(order, jnp.int32(num_real)))
+    expected = {
+        0: [100, 101, 102, 103, 104, 105, 106, 107],
+        1: [100, 101, 102, 103, 104, 105, 106, 107],
+        2: [100, 101, 102, 103, 104, 105, 106, 107],
+        5: [100, 104, 101, 103, 102, 105, 106, 107],
+        8: [100, 107, 101, 106, 102, 105, 103, 104],
+    }[num_real]
+    assert paired.tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("T", "B", "block_kv"), [(16384, 2, 128), (16384, 2, 64), (4096, 8, 128), (512, 64, 64)]
+)
+def test_persistent_deal_balances_causal_prompts(T, B, block_kv):
+    # Work of a tile = the K/V tiles it visits (causal, 64-token tiles), + 2 for its start. The
+    # CTA with the most work has at most 7% over the mean (the 132 CTAs' share of 4,096 items
+    # is 31.03, so one more pair is 6.4% over): dealt round by round without the pairing, a
+    # 16k-token prompt's CTAs reached 1.5x the mean.
+    P, K, tile = 132, 8, 64
+    cfg = types.SimpleNamespace(persistent=P, num_kv_heads=K, kv_splits=1)
+    tiles = [(b, ((t + 1) * tile + block_kv - 1) // block_kv + 2) for b in range(B)
+             for t in range(T // tile)]  # fmt: skip
+    seq, work = np.asarray(tiles).T
+    by_sequence = np.lexsort((-work, seq)).astype(np.int32)  # the kernel's prefill order
+    order = np.asarray(pair_long_with_short(jnp.asarray(by_sequence), jnp.int32(len(work))))
+    loads = []
+    for cta in range(P):
+        count, item = _persistent_items(cfg, len(work), cta=cta)
+        loads.append(sum(work[order[int(item(jnp.int32(j))[0])]] for j in range(int(count))))
+    assert max(loads) <= 1.07 * np.mean(loads)
 
 
 def _sds_args(T, N, K, H, C, B=4, W=8):
@@ -211,9 +249,11 @@ def test_gpu_persistent_matches_the_oracle(extra):
         case, sm_scale=scale, layer=None if layer is None else int(layer), **opts
     )
     assert_close(out, ref, dtype, err_msg=str(extra))
-    # The same call on the one-item-per-CTA grid: the persistent grid changes nothing.
+    # The same call on the one-item-per-CTA grid with the same tiles and ring (persistent=True
+    # alone takes its own): the persistent grid changes nothing.
+    same_tiles = {"block_kv": cfg.block_kv, "num_stages": cfg.num_stages}
     plain = kernel_gpu.ragged_paged_attention_pallas_gpu(
-        *case.args, sm_scale=scale, layer=layer, persistent=False, **opts, **extra
+        *case.args, sm_scale=scale, layer=layer, persistent=False, **opts, **{**extra, **same_tiles}
     )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
 
