@@ -69,12 +69,12 @@ TUNING: dict[str, Measured] = {
         "whose block table holds at most 1,024 keys a sequence (every work item short) and "
         "that fill the CTAs three times over; else one CTA per item",
         evidence="B x T = 32k prefill, wall against cuDNN (one-item grid, 128-key tiles -> "
-        "this): T=512 0.68x -> 0.90x, 1k 0.78x -> 0.88x (0.93x with 4 stages in another "
-        "run), 2k 0.86x -> 0.86x; 128-key tiles persistent, or 4k-16k persistent: slower "
-        "(4k 0.87x -> 0.73x, 16k 0.94x -> 0.81-0.87x)",
+        "this): T=512 0.68x -> 0.91x, 1k 0.77x -> 0.88x, 2k 0.86x -> 0.86x (an earlier "
+        "run); persistent with 128-key tiles slower at 512-16k (2k 0.81x, 4k 0.89x, 16k "
+        "0.89x against 0.87x, 0.93-0.94x, 0.93-0.94x one CTA per item)",
         device="NVIDIA H100 80GB HBM3",
         date="2026-12-07",
-        commit="8242f24",
+        commit="57a1e5c",
     ),
     "default_kv_splits": Measured(
         knob="kv_splits",
