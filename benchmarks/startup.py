@@ -318,6 +318,7 @@ def main(argv=None) -> dict:
     if len(mixes) == 2:  # the warm process's programs (loaded) give the cold one's tokens
         doc["warm_tokens_equal_cold"] = mixes[0] == mixes[1]
         print(f"warm tokens equal cold: {doc['warm_tokens_equal_cold']}", flush=True)
+        out.write_text(json.dumps(doc, indent=1))
     if not args.cache:  # the fresh directory made here
         shutil.rmtree(cache, ignore_errors=True)
     print(f"wrote {out}")

@@ -313,7 +313,7 @@ def row_errors(out, ref) -> np.ndarray:
     A row whose reference is all zeros (a length-0 sequence, a padding row) is divided by
     1e-30 instead, so anything but zeros there fails; a non-finite output gives inf.
     """
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    out = np.asarray(out, np.float32).astype(np.float64)
     ref = np.asarray(ref, np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     H = out.shape[-1]

@@ -3,6 +3,11 @@
 Engines share one shape configuration (page size 8, 8 sequences, 64 tokens, 32-token step
 budget, ``debug=True``: allocator invariants checked after every step) so the jitted step
 programs compile once per worker.
+
+``SWAP_SPACE`` (8 MiB of host slots for swapped pages) holds at least twice the pool of every
+test checkpoint's engine here: the default 1 GiB gives these tiny checkpoints 262144 host
+slots (a million for mistral's 4-token pages), and ``debug=True``'s invariant check walks
+every slot after every step (most of an engine test's time at that size).
 """
 
 import functools
@@ -14,9 +19,10 @@ import jpaged
 
 CKPT = "tests/checkpoints/llama2"
 C = 8
+SWAP_SPACE = 8 << 20
 ENGINE = dict(
     page_size=C, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
-    debug=True,
+    debug=True, swap_space=SWAP_SPACE,
 )  # fmt: skip
 # The engine's decode paths, by name: synchronous single steps, and chains of k-step loops.
 DECODE_PATHS = {

@@ -38,8 +38,10 @@ class PagedKV:
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:
-    """Rounds f32 values to ``dtype`` and back, so references see what kernels see."""
-    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    """Rounds f32 values to ``dtype`` and back, so references see what kernels see (in NumPy:
+    ``jnp.asarray(x, dtype)`` rounds there too, and a JAX ``astype`` compiles a program for
+    every shape)."""
+    return np.asarray(x, jnp.dtype(dtype)).astype(np.float32)
 
 
 def make_paged_kv(
@@ -111,8 +113,8 @@ def make_paged_kv(
     if num_layers is None:
         k_pages, v_pages, k_dense, v_dense = k_pages[0], v_pages[0], k_dense[0], v_dense[0]
     return PagedKV(
-        k_pages=np.asarray(jnp.asarray(k_pages, dtype)),
-        v_pages=np.asarray(jnp.asarray(v_pages, dtype)),
+        k_pages=np.asarray(k_pages, jnp.dtype(dtype)),
+        v_pages=np.asarray(v_pages, jnp.dtype(dtype)),
         block_tables=tables,
         lengths=lengths,
         k_dense=k_dense,

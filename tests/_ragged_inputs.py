@@ -70,7 +70,7 @@ def make_ragged_case(
     lens[ns:] = rng.integers(0, 1000, size=extra_seqs)  # garbage past num_seqs
     T = sum(q_lens) + extra_rows
     q = rng.standard_normal((T, num_q_heads, head_dim)).astype(np.float32)
-    q = np.asarray(jnp.asarray(q, dtype))
+    q = np.asarray(q, jnp.dtype(dtype))
     cu = np.concatenate([[0], np.cumsum(q_lens), np.full(extra_seqs, sum(q_lens))])
     args = (
         q,
@@ -95,7 +95,7 @@ def dense_ragged_attention(
 ) -> np.ndarray:
     """The f64 NumPy oracle on the dense K/V: [T, N, H], zeros on padding rows."""
     q, *_, kv_lens, cu, ns = case.args
-    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    q = np.asarray(q, np.float32).astype(np.float64)
     k = case.k_dense if layer is None else case.k_dense[layer]
     v = case.v_dense if layer is None else case.v_dense[layer]
     T, N, H = q.shape

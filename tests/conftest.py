@@ -81,9 +81,62 @@ def _check_slow_cases(config, items):
         raise pytest.UsageError(f"SLOW_CASES ids that match no test (rename them): {stale}")
 
 
+# Modules that run first, in this order: those whose cases start subprocesses or take the
+# longest each. `pytest -n 2` hands tests out in collection order, so the long ones start
+# early and the two workers end on short tests, together.
+_RUN_FIRST = (
+    "tests/parallel/test_parallel_mesh.py",  # 8-device and 2-process subprocesses
+    "tests/engine/",  # one worker's (_ONE_WORKER)
+    "tests/engine/test_executable_store.py",  # fresh processes
+    "tests/examples/",  # the training script, the notebook's kernel
+    "tests/test_examples.py",  # the examples, each a process
+    "tests/kernels/paged_attention/test_paged_attention_gpu_interpret.py",  # up to 20 s a case
+    "tests/test_lowered_ir.py",
+    "tests/kernels/paged_attention/test_paged_attention_gpu_lowering.py",
+)
+
+
+# The engine tests run on one worker, together: their engines share a few shape
+# configurations, whose step programs that worker then compiles once instead of both workers
+# each compiling them (the executable store's cases run in fresh processes: not grouped).
+_ONE_WORKER = "tests/engine/"
+_OWN_PROCESSES = ("tests/engine/test_executable_store.py",)
+
+
+def _grouped(path: str) -> bool:
+    return path.startswith(_ONE_WORKER) and not path.startswith(_OWN_PROCESSES)
+
+
+def _run_order(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    if _grouped(path):
+        return _RUN_FIRST.index(_ONE_WORKER)
+    for rank, first in enumerate(_RUN_FIRST):
+        if path.startswith(first) and first != _ONE_WORKER:
+            return rank
+    return len(_RUN_FIRST)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's `--dist load` (the default of `-n`), but with the engine tests as one unit of
+    work (`_ONE_WORKER`): every other test is a unit of its own, handed out in collection
+    order to whichever worker is about to run out."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _ONE_WORKER if _grouped(nodeid.split("::", 1)[0]) else nodeid
+
+    return _Scheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: every collected test is seen
 def pytest_collection_modifyitems(config, items):
     _check_slow_cases(config, items)
+    items.sort(key=_run_order)  # stable: each module keeps its order
     backend = _backend()
     skip_gpu = pytest.mark.skip(reason="needs a GPU backend (run with `pytest -m gpu` on a GPU)")
     skip_tpu = pytest.mark.skip(reason="needs a TPU backend (run with `pytest -m tpu` on a TPU)")

@@ -32,6 +32,7 @@ def test_cold_then_warm_start_and_mbu(tmp_path):
     steps = len(cold["programs"])
     assert cold["cache_hits"] == 0 and warm["cache_hits"] == steps
     assert [p["name"] for p in warm["programs"]] == [p["name"] for p in cold["programs"]]
+    assert doc["warm_tokens_equal_cold"]  # the loaded programs give the compiled ones' tokens
     (row,) = warm["mbu"]
     assert row["batch"] == 4 and row["decode_steps"] >= 16 and row["floor_ms"] > 0
     assert 0 < row["host_fraction"] < 1 and row["mbu"] > 0

@@ -13,6 +13,23 @@ from _engine_helpers import model as _model
 
 import jpaged
 
+# Cases ``make test`` leaves out and ``make test-all`` runs (``tests/conftest.py``): beam
+# search on three more checkpoints (CI: llama2 and mistral here; each checkpoint's paged
+# forward against transformers in tests/models/test_models.py, greedy on gemma2 in
+# test_engine_window.py, llama2's beams under TP=2 in tests/parallel/mesh_cases.py),
+# beams under swap preemption (CI: recompute here; swap with beams in
+# test_engine_quantized.py's test_swap_preemption_with_beams_gives_the_unconstrained_tokens),
+# and the mixed workload in each forced mode (CI: "auto" here; each mode alone in
+# test_preemption_under_a_tiny_pool_gives_the_unconstrained_tokens).
+SLOW_CASES = {
+    "test_beam_search_matches_transformers[llama3]",
+    "test_beam_search_matches_transformers[qwen2]",
+    "test_beam_search_matches_transformers[gemma2]",
+    "test_beam_search_under_preemption_still_matches_transformers[swap]",
+    "test_mixed_workload_under_a_tiny_pool_equals_unconstrained[recompute]",
+    "test_mixed_workload_under_a_tiny_pool_equals_unconstrained[swap]",
+}
+
 
 def run_tracking(llm, request_ids):
     """Steps until done; returns the max of each stat seen after a step."""

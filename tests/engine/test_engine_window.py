@@ -18,18 +18,26 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _engine_helpers import DECODE_PATHS, assert_took_path
+from _engine_helpers import DECODE_PATHS, SWAP_SPACE, assert_took_path
 
 import jpaged
 from jpaged.engine.assembly import release_window
 
-# Preemption by recompute of released sequences; the swap case stays in `make test`.
-SLOW_CASES = {"test_preemption_with_released_pages[recompute]"}
+# Cases ``make test`` leaves out and ``make test-all`` runs (``tests/conftest.py``): swap
+# preemption of sequences that released pages (released pages under preemption: [recompute];
+# swap preemption: test_engine_sharing.py), and Mistral's greedy window bound on single steps
+# (the bound with chains of loops: [chains-k4]; release on single steps: the parallel samples
+# of test_outputs_unchanged_by_release_with_sharing_and_prefix_hits, which end chains, and
+# [recompute], which runs single steps).
+SLOW_CASES = {
+    "test_preemption_with_released_pages[swap]",
+    "test_mistral_greedy_matches_transformers_within_the_window_bound[single-steps]",
+}
 MISTRAL = "tests/checkpoints/mistral"
 WINDOW, C = 8, 4
 ENGINE = dict(
     page_size=C, num_pages=48, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
-    debug=True,
+    debug=True, swap_space=SWAP_SPACE,
 )  # fmt: skip
 
 

@@ -141,9 +141,7 @@ def make_quantized_kv(
 
 def _dense(pages, scale, tables, lengths, C, L):
     """f64 [L, B, S, K, H] of the dequantized values each sequence holds, zero past its end."""
-    pages = np.asarray(jnp.asarray(pages).astype(jnp.float32), np.float64).reshape(
-        L, *np.shape(pages)[-4:]
-    )
+    pages = np.asarray(pages, np.float32).astype(np.float64).reshape(L, *np.shape(pages)[-4:])
     scale = np.asarray(scale, np.float64)
     scale = scale.reshape((1,) * (4 - scale.ndim) + scale.shape) if scale.ndim < 4 else scale
     deq = pages * np.broadcast_to(scale, pages.shape[:-1])[..., None]  # [L, K, P, C, H]
@@ -159,7 +157,7 @@ def _dense(pages, scale, tables, lengths, C, L):
 def assert_matches(out, ref, what: str = "") -> None:
     """``out`` (any float dtype) within ``REL_ERROR`` of the f64 ``ref`` (max abs error over
     max |ref|), finite everywhere."""
-    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    out = np.asarray(out, np.float32).astype(np.float64)
     assert np.all(np.isfinite(out)), f"non-finite output {what}"
     err = np.max(np.abs(out - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1e-30)
     assert err <= REL_ERROR, f"relative error {err:.3g} > {REL_ERROR} {what}"
@@ -180,7 +178,7 @@ def decode_oracle(q, kv: QuantizedKV, layer=None, **kw) -> np.ndarray:
     """The f64 decode oracle on the dequantized values."""
     k = kv.k_dense if layer is None else kv.k_dense[int(layer)]
     v = kv.v_dense if layer is None else kv.v_dense[int(layer)]
-    q64 = np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)
+    q64 = np.asarray(q, np.float32).astype(np.float64)
     return dense_attention(q64, k, v, kv.lengths, **kw)
 
 

@@ -26,7 +26,8 @@ from jpaged.parallel import broadcast_from_leader, is_leader  # noqa: E402
 with open("tests/goldens/llama2.json") as f:
     golden = json.load(f)
 engine = dict(page_size=8, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32,
-              debug=True, tensor_parallel_size=jax.device_count())  # fmt: skip
+              debug=True, swap_space=8 << 20,  # tests/_engine_helpers.py's SWAP_SPACE
+              tensor_parallel_size=jax.device_count())  # fmt: skip
 # With --swap the pool (10 pages) is too small for three 51-token sequences: swap preemption,
 # each host keeping its own devices' heads of the swapped pages.
 engine |= dict(num_pages=10, watermark=0.0, preemption_mode="swap") if swap else dict(num_pages=64)

@@ -26,7 +26,91 @@ SLOW_CASES = {
     # staging ring under fixed_max (fixed_max's other variants stay)
     "test_cross_lowers_for_cuda[C1-W128-page_copytma]",
     "test_cross_lowers_for_cuda[fixed_maxTrue-C2-W64-page_copytma]",
-}
+    # Variants whose every option resolves to another variant's kernel (the same _Config and
+    # shapes: swap_ab and fixed_max are the defaults there, as is the merge kernel at 4 splits):
+    # "", num_splits4-logits_soft_cap30.0-sliding_window100, H256-C256-num_splits2,
+    # H64-C8-K4-...-L3, N8-K8-C32-block_kv128, N64-K8-C64-num_stages2-longest_firstFalse,
+    # B40-num_splits2-longest_firstTrue and C1-W128 stay
+    *(
+        f"test_cross_lowers_for_cuda[{i}]"
+        for i in (
+            "swap_abTrue", "fixed_maxTrue",
+            "swap_abTrue-num_splits4-logits_soft_cap30.0-sliding_window100",
+            "num_splits4-split_mergemosaic-logits_soft_cap30.0-sliding_window100",
+            "swap_abTrue-H256-C256-num_splits2",
+            "swap_abTrue-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3",
+            "swap_abTrue-N8-K8-C32-block_kv128", "swap_abTrue-N64-K8-C64",
+            "swap_abTrue-B40-num_splits2-longest_firstTrue", "fixed_maxTrue-C1-W128",
+        )
+    ),
+    # The merge kernel's rounds at head dim 256 (rounds: num_splits40-...-split_mergemosaic;
+    # head dim 256 merged by the kernel: H256-C256-num_splits2); XLA's merge of 40 splits (the
+    # XLA merge: num_splits3-split_mergexla, ...-min_split_tiles16-split_mergexla; the default
+    # past 32 splits: test_paged_attention_gpu_config); the default and both merges at 3
+    # splits (each variant checks its merge against default_split_merge); tcgen05's in-kernel
+    # order (wgmma's: B40-...-order_methodkernel, B132-longest_firstTrue; tcgen05's other
+    # variants)
+    "test_cross_lowers_for_cuda[B1-N128-K8-H256-C256-num_splits32-split_mergemosaic-swap_abTrue]",
+    "test_cross_lowers_for_cuda[num_splits40-B1-H64-C8-K4]",
+    "test_split_merge_lowering",
+    "test_tcgen05_lowers_for_sm100[B40-longest_firstTrue-order_methodkernel]",
+    # Near repeats: a floor of 1 (the default here: num_splits4-logits_soft_cap30.0-sliding_
+    # window100 has it), fixed_max and the running max with 4 splits, cap and window at C=64
+    # (fixed_max: the bf16 default of that case and of num_splits3-C64-min_split_tiles2-...;
+    # the running max: fixed_maxFalse), fixed_max at f16 (fixed_maxTrue-swap_abFalse-...;
+    # f16: H64-C8-K4-...-L3), whole blocks with 4 splits, cap and window
+    # (out_blocksTrue-num_splits3-split_mergemosaic, out_blocksTrue), per-thread copies of
+    # 8-token pages into the 64-row tile (C2-W64-swap_abFalse, page_copycp_async), tcgen05's
+    # running max at bf16 (its f16 variant runs the running max)
+    *(
+        f"test_cross_lowers_for_cuda[{i}]"
+        for i in (
+            "num_splits4-min_split_tiles1",
+            "fixed_maxTrue-num_splits4-logits_soft_cap30.0-sliding_window100-C64",
+            "fixed_maxFalse-num_splits4-logits_soft_cap30.0-sliding_window100-C64",
+            "fixed_maxTrue-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3",
+            "out_blocksTrue-num_splits4-logits_soft_cap30.0-sliding_window100",
+            "C8-H64-K4-page_copycp_async-swap_abFalse",
+        )
+    ),
+    "test_tcgen05_lowers_for_sm100[fixed_maxFalse]",
+    # Combinations whose options each stay in CI in another variant: the 64-row tile at head
+    # dim 64 / f16 / a 5-D pool and at G=1 with 128-key tiles (swap_abFalse; H64-C8-K4-...-L3,
+    # N8-K8-C32-block_kv128); longest first with 2 splits (B40-...-order_methodkernel and the
+    # 64-row tile's B40-longest_firstTrue-num_splits3-swap_abFalse); G=16 with 3 splits and a
+    # window (swap_abTrue-N64-K4-num_splits1, num_splits4-logits_soft_cap30.0-...); 4-token
+    # pages with splits, cap and window (C4-W32-H256-num_splits2, C1-W128); small pages in
+    # the in-kernel order at G=8 (C2-W64-swap_abFalse, B40-...-order_methodkernel); per-thread
+    # copies of 128-token pages (page_copycp_async; C > T: H256-C256-num_splits2); the merge
+    # kernel at G=5 (G=3: H64-N24-K8-...); the floor of 2 (floors: num_splits4-
+    # min_split_tiles16-split_mergexla, B40-W192's 8); whole blocks of 16 columns at 1-token
+    # pages and at head dim 256 (out_blocksTrue, out_blocksTrue-num_splits3-split_mergemosaic;
+    # 16 columns: swap_abTrue-N48-K8; tcgen05's H256-num_splits2-out_blocksTrue-...); tcgen05
+    # at C > T, G=8 and G=1 (tcgen05's other variants; C > T, G=8, G=1 under wgmma)
+    *(
+        f"test_cross_lowers_for_cuda[{i}]"
+        for i in (
+            "swap_abFalse-H64-C8-K4-dtype<class 'jax.numpy.float16'>-L3",
+            "swap_abFalse-N8-K8-C32-block_kv128",
+            "B40-num_splits2-longest_firstTrue",
+            "swap_abTrue-N64-K4-num_splits3-sliding_window100",
+            "C4-W32-num_splits3-logits_soft_cap30.0-sliding_window100",
+            "C2-W64-B40-longest_firstTrue-N64",
+            "C128-page_copycp_async-num_splits2-sliding_window100",
+            "H64-N40-K8-num_splits3-split_mergemosaic-swap_abTrue",
+            "num_splits3-C64-min_split_tiles2-sliding_window100-logits_soft_cap30.0",
+            "out_blocksTrue-N48-K8-C1-W128",
+            "out_blocksTrue-H256-C256-num_splits2-swap_abTrue",
+        )
+    ),
+    *(
+        f"test_tcgen05_lowers_for_sm100[{i}]"
+        for i in ("C256-W2-num_splits2", "N64-K8-C64", "N8-K8-C32")
+    ),
+    # The TMA staging ring feeding the 64-row tile (the ring: C4-W32-H256-num_splits2-
+    # page_copytma; 2-token pages into the 64-row tile: C2-W64-swap_abFalse)
+    "test_cross_lowers_for_cuda[C2-W64-swap_abFalse-page_copytma]",
+}  # fmt: skip
 
 
 _VARIANTS = [

@@ -76,13 +76,29 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("C,K,G,H,dtype,ppcb,bb", SHAPES)
+# Left out of ``make test`` (``make test-all`` runs it): a bf16 shape of G=1 (G=1:
+# [8-2-1-64-float32-1-2]; bf16: [16-2-2-128-bfloat16-2-4]; a compute block wider than some
+# sequences: [16-1-8-64-float32-3-6]).
+_SLOW_SHAPE = (16, 2, 1, 64, jnp.bfloat16, 4, 3)
+
+
+@pytest.mark.parametrize(
+    "C,K,G,H,dtype,ppcb,bb",
+    [pytest.param(*s, marks=pytest.mark.slow) if s == _SLOW_SHAPE else s for s in SHAPES],
+)
 def test_matches_reference(C, K, G, H, dtype, ppcb, bb):
     q, kv = _case(C * 100 + G, C=C, K=K, G=G, H=H, dtype=dtype)
     _check(q, kv, dtype, interpret=True, pages_per_compute_block=ppcb, seqs_per_program=bb)
 
 
-@pytest.mark.parametrize("window", [1, 5, 8, 9, 40])
+# Windows 5, 9 and 40 are left out of ``make test`` (``make test-all`` runs them): CI keeps a
+# window of one key and of exactly a page here, windows of 10, 12 and 20 keys crossing pages
+# in test_pages_before_the_window_are_never_fetched, test_no_races_two_cores_random_order and
+# test_bf16_window_cap_head_dim_256; a window past every sequence reads what no window reads.
+@pytest.mark.parametrize(
+    "window", [1, pytest.param(5, marks=pytest.mark.slow), 8,
+               pytest.param(9, marks=pytest.mark.slow), pytest.param(40, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_sliding_window(window):
     # Windows smaller than a page, crossing a page boundary, equal to a page, past it, and
     # longer than every sequence.
@@ -90,7 +106,11 @@ def test_sliding_window(window):
     _check(q, kv, jnp.float32, interpret=True, sliding_window=window, pages_per_compute_block=2)
 
 
-@pytest.mark.parametrize("cap,sm_scale", [(2.0, None), (30.0, 0.37)])
+# The cap at the default scale is left out of ``make test`` (the cap stays in CI:
+# [30.0-0.37], test_bf16_window_cap_head_dim_256).
+@pytest.mark.parametrize(
+    "cap,sm_scale", [pytest.param(2.0, None, marks=pytest.mark.slow), (30.0, 0.37)]
+)
 def test_soft_cap_and_scale(cap, sm_scale):
     q, kv = _case(7, C=8, K=2, G=2, H=64, dtype=jnp.float32)
     q = q * 4  # large logits, so the cap matters

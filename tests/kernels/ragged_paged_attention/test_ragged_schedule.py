@@ -6,11 +6,17 @@ in-place (``direct_io``) GPU kernel also trusts its empty tiles to cover the pad
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import schedule
+
+# Under jit, as the kernels call it: one program a case instead of one per operation.
+_tile_schedule = jax.jit(
+    schedule.tile_schedule, static_argnames=("num_tokens", "block_q", "extra_tiles")
+)
 
 
 def _batch(rng, B, T):
@@ -31,6 +37,15 @@ def _worst_batch(B, T, block_q):
     return (q_lens + 7).astype(np.int32), cu, np.int32(B), q_lens
 
 
+# Random batches 3-5 are left out of ``make test`` (``make test-all`` runs them): seeds 0-2 and
+# the worst case stay at every block_q.
+SLOW_CASES = {
+    f"test_tiles_cover_every_row_once_and_padding_chunks_cover_the_rest[{seed}-{block_q}]"
+    for seed in (3, 4, 5)
+    for block_q in (1, 8, 16, 32)
+}
+
+
 @pytest.mark.parametrize("block_q", [1, 8, 16, 32])
 @pytest.mark.parametrize("seed", [*range(6), "worst"])
 def test_tiles_cover_every_row_once_and_padding_chunks_cover_the_rest(block_q, seed):
@@ -42,7 +57,7 @@ def test_tiles_cover_every_row_once_and_padding_chunks_cover_the_rest(block_q, s
         rng = np.random.default_rng(seed)
         B, T = int(rng.integers(1, 9)), int(rng.integers(1, 200))
         kv_lens, cu, ns, q_lens = _batch(rng, B, T)
-    ts = schedule.tile_schedule(
+    ts = _tile_schedule(
         jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray(ns), num_tokens=T, block_q=block_q,
         extra_tiles=2,
     )  # fmt: skip
