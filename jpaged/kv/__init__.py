@@ -12,4 +12,6 @@ Internal modules; the public names are re-exported from `jpaged`:
 - `prefix_cache`: the hash chain and the LRU of evictable cached pages.
 - `allocator_stats`: the allocator's stats snapshot and invariant checker.
 - `window`: sliding-window page release (which pages no later query sees; the device table).
+- `page_groups`: `PageGroups`, the global and the local page group of one pool for models that
+  mix sliding-window and full-attention layers (the local group releases outside the window).
 """

@@ -129,6 +129,10 @@ class BlockAllocator:
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
+    def seq_ids(self) -> list[Hashable]:
+        """The ids of the sequences held, swapped-out ones included."""
+        return list(self._seqs)
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The page ids of ``seq_id``, reserved lookahead pages included (a copy); entries
         released outside the sliding window hold its first held page (`jpaged.kv.window`)."""
@@ -171,16 +175,17 @@ class BlockAllocator:
         token_ids: Sequence[int] | None = None,
         salt: bytes | str | None = None,
         keep_free: int = 0,
+        max_cached_pages: int | None = None,
     ) -> bool:
         """Whether a new sequence of ``num_tokens`` fits while keeping the watermark (and
         ``keep_free`` more pages, e.g. running sequences' lookahead) free.
 
         With ``token_ids`` (the prompt), pages that `allocate_with_prefix` would take from
-        the prefix cache are accounted for.
+        the prefix cache are accounted for (at most ``max_cached_pages`` of them).
         """
         needed = self._pages_for(num_tokens)
         if token_ids is not None:
-            needed = self._prefix_plan(token_ids, salt)[2]
+            needed = self._prefix_plan(token_ids, salt, max_cached_pages)[2]
         return needed <= self.num_free_pages - self.watermark_pages - keep_free
 
     def growth_pages(self, seq_id: Hashable, num_tokens: int) -> int:
@@ -233,14 +238,16 @@ class BlockAllocator:
         self._add_seq(seq_id, SeqRecord(pages=pages, num_tokens=num_tokens))
 
     def allocate_with_prefix(
-        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
-    ) -> int:
+        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None,
+        *, max_cached_pages: int | None = None,
+    ) -> int:  # fmt: skip
         """Creates ``seq_id`` for the prompt ``token_ids``, reusing cached full pages.
 
         Args:
           seq_id: a new id.
           token_ids: the prompt (its length is the sequence's length).
           salt: isolates caches (e.g. per tenant): pages are shared only under equal salts.
+          max_cached_pages: reuse at most this many cached pages (None: no limit).
 
         Returns:
           The number of leading tokens whose K/V are already in the pages (a multiple of
@@ -251,7 +258,7 @@ class BlockAllocator:
           OutOfPagesError: not enough pages for the uncached part.
         """
         self._check_new(seq_id, "allocate_with_prefix")
-        hashes, hit_pages, needed = self._prefix_plan(token_ids, salt)
+        hashes, hit_pages, needed = self._prefix_plan(token_ids, salt, max_cached_pages)
         self._pool.ensure_available(needed, f"allocate_with_prefix({seq_id!r}, {len(token_ids)})")
         for page in hit_pages:
             if self._pool.refcount[page] == 0:
@@ -577,10 +584,11 @@ class BlockAllocator:
         self._freed_ids.pop(seq_id, None)
         self._dirty.add(seq_id)
 
-    def _prefix_plan(self, token_ids: Sequence[int], salt) -> tuple[list[bytes], list[int], int]:
+    def _prefix_plan(self, token_ids: Sequence[int], salt, max_pages: int | None = None
+                     ) -> tuple[list[bytes], list[int], int]:  # fmt: skip
         """(hashes, cached pages, pages needed from the pool) for a prompt (never the whole
-        prompt: its last token is always computed)."""
-        hashes = hash_chain(
-            token_ids, self.page_size, max(len(token_ids) - 1, 0) // self.page_size, salt
-        )
+        prompt: its last token is always computed; at most ``max_pages`` cached pages)."""
+        full = max(len(token_ids) - 1, 0) // self.page_size
+        full = full if max_pages is None else min(full, max_pages)
+        hashes = hash_chain(token_ids, self.page_size, full, salt)
         return hashes, *self._pool.prefix_hit(hashes, self._pages_for(len(token_ids)))
