@@ -132,12 +132,13 @@ def grouped_pool_layers(config: Any, num_local_pages: int | None) -> int | None:
 def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, dtype: Any,
           width: int, lookahead: int) -> tuple[int, int]:  # fmt: skip
     """``(global pages, local pages)`` of the pool (local 0: one group) from the options:
-    ``num_pages`` is the global group's; a budget is split, the local group taking what its
-    sequences' windows need (`default_local_pages`), at most half.
+    ``num_pages`` is the global group's; a budget is split. By default the local group takes
+    what its sequences' windows need (`default_local_pages`), at most ``num_pages`` or half
+    the budget, at least one sequence of ``max_model_len`` (``width`` pages).
 
     Raises:
-      ValueError: a local group smaller than one sequence of ``max_model_len`` (``width``
-        pages), or a budget that leaves the global group nothing.
+      ValueError: ``num_local_pages`` below ``width``, or a budget that leaves the global
+        group nothing.
     """
     grouped = grouped_pool_layers(cfg, opts.num_local_pages) is not None
     C, S = opts.page_size, opts.max_num_seqs
@@ -150,11 +151,11 @@ def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, 
     local = opts.num_local_pages
     if local is None:
         auto = default_local_pages(S, width, local_window(cfg.layer_windows), C, lookahead)
-        local = min(auto, total if opts.num_pages is not None else total // 2)
+        local = max(width, min(auto, total if opts.num_pages is not None else total // 2))
     if local < width:
         raise ValueError(
-            f"the local page group has {local} pages (num_local_pages={opts.num_local_pages}, "
-            f"pool {total} pages): it must hold one sequence of max_model_len, {width} pages"
+            f"num_local_pages={local}: the local page group must hold one sequence of "
+            f"max_model_len, {width} pages (or num_local_pages=0: one group, nothing released)"
         )
     if opts.num_pages is not None:
         return total, local

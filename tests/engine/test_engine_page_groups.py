@@ -249,11 +249,25 @@ def test_bad_configurations_fail_early():
         with pytest.raises(ValueError, match="num_local_pages=32 needs a model mixing"):
             jpaged.LLM(path, **ENGINE, num_local_pages=32)
     # max_model_len 64 in pages of 4: the local group must hold a whole 16-page sequence.
-    with pytest.raises(ValueError, match="must hold one sequence of max_model_len, 16 pages"):
+    with pytest.raises(ValueError, match="group must hold one sequence of max_model_len, 16 pa"):
         jpaged.LLM(_model(), **ENGINE, num_local_pages=15)
     with pytest.raises(ValueError, match="leaves no global pages"):
         jpaged.LLM(_model(), **{**ENGINE, "num_pages": None}, kv_cache_memory=1 << 20,
                    num_local_pages=1 << 20)  # fmt: skip
+
+
+def test_pool_sizes():
+    # num_pages is the global group's; the local group by default takes what 8 windows and
+    # their loops' reservations need plus one whole sequence: 8 * (2 + 2 + 1) + 16 = 56.
+    llm = jpaged.LLM(_model(), **{**ENGINE, "num_pages": 96})
+    assert (llm.alloc.global_group.num_pages, llm.alloc.local_group.num_pages) == (96, 56)
+    # A budget of 1 MiB holds 64 pages of L / 2 = 2 f32 slices: the local group takes half.
+    llm = jpaged.LLM(_model(), **{**ENGINE, "num_pages": None}, kv_cache_memory=1 << 20)
+    assert (llm.alloc.global_group.num_pages, llm.alloc.local_group.num_pages) == (32, 32)
+    assert llm.cache.bytes == 1 << 20
+    llm = jpaged.LLM(_model(), **ENGINE, num_local_pages=20, swap_space=68 * 16384)
+    assert (llm.alloc.global_group.num_pages, llm.alloc.local_group.num_pages) == (48, 20)
+    assert llm.alloc.local_host_offset == 48 and llm.alloc.num_host_pages == 68
 
 
 def test_models_that_are_not_mixed_keep_one_group():
