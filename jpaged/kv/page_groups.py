@@ -268,14 +268,22 @@ class PageGroups:
     def _groups(self) -> tuple[BlockAllocator, BlockAllocator]:
         return self.global_group, self.local_group
 
+    def _ensure_room(self, op: str, num_tokens: int, **prefix) -> None:
+        """Raises `OutOfPagesError` unless both groups have the pages of a new sequence
+        (without the watermark, as ``allocate`` itself), before either changes."""
+        for name, a in zip(("global", "local"), self._groups, strict=True):
+            if not a.can_allocate(num_tokens, keep_free=-a.watermark_pages, **prefix):
+                raise OutOfPagesError(
+                    f"{op} ({num_tokens} tokens) needs more pages of the {name} group than "
+                    f"the {a.num_free_pages} of {a.num_pages} available"
+                )
+
     def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Creates ``seq_id`` in both groups (all or nothing)."""
+        if seq_id not in self:
+            self._ensure_room(f"allocate({seq_id!r})", num_tokens)
         self.global_group.allocate(seq_id, num_tokens)
-        try:
-            self.local_group.allocate(seq_id, num_tokens)
-        except OutOfPagesError:
-            self.global_group.free(seq_id)
-            raise
+        self.local_group.allocate(seq_id, num_tokens)
 
     def allocate_with_prefix(
         self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
@@ -283,13 +291,12 @@ class PageGroups:
         """Creates ``seq_id`` in both groups, reusing the pages of the prefix cached in both;
         returns the number of cached tokens (all or nothing)."""
         hit = self.cached_pages(token_ids, salt)
+        if seq_id not in self:
+            self._ensure_room(f"allocate_with_prefix({seq_id!r})", len(token_ids),
+                              token_ids=token_ids, salt=salt, max_cached_pages=hit)  # fmt: skip
         cached = self.global_group.allocate_with_prefix(seq_id, token_ids, salt,
                                                         max_cached_pages=hit)  # fmt: skip
-        try:
-            self.local_group.allocate_with_prefix(seq_id, token_ids, salt, max_cached_pages=hit)
-        except OutOfPagesError:
-            self.global_group.free(seq_id)
-            raise
+        self.local_group.allocate_with_prefix(seq_id, token_ids, salt, max_cached_pages=hit)
         return cached
 
     def commit_full_pages(
