@@ -20,8 +20,8 @@ local pages and host slots are numbered after the global ones.
 The local group mirrors every operation of the global one (allocate, grow, reserve,
 truncate, fork, free, swap, prefix-cache commits), so a sequence has the same length and
 table layout in both; it also releases pages outside the window
-(`release_outside_window`). Growth is all or nothing: both groups are checked before either
-changes. A prefix hit reuses the pages cached in both groups (the shorter of the two hits):
+(`release_outside_window`). Growth, allocation and swaps are all or nothing: both groups are
+checked before either changes. A prefix hit reuses the pages cached in both groups (the shorter of the two hits):
 a local page released and then evicted ends the local chain there.
 
 >>> groups = PageGroups(num_global_pages=8, num_local_pages=4, page_size=2, watermark=0.0)
