@@ -223,7 +223,7 @@ def assemble(
         alloc = PageGroups(
             int(global_pages), int(local_pages), C, watermark=opts.watermark,
             num_host_pages=host_pages - local_host, num_local_host_pages=local_host,
-            bytes_per_page=bpp,
+            bytes_per_page=bpp, window=local_window(cfg.layer_windows),
         )  # fmt: skip
     else:
         alloc = BlockAllocator(

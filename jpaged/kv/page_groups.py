@@ -21,10 +21,12 @@ The local group mirrors every operation of the global one (allocate, grow, reser
 truncate, fork, free, swap, prefix-cache commits), so a sequence has the same length and
 table layout in both; it also releases pages outside the window
 (`release_outside_window`). Growth, allocation and swaps are all or nothing: both groups are
-checked before either changes. A prefix hit reuses the pages cached in both groups (the shorter of the two hits):
-a local page released and then evicted ends the local chain there.
+checked before either changes. A prefix hit needs the chain's pages in the global group and,
+in the local group, only the pages a query after the hit sees (`jpaged.kv.prefix_plan`: the
+local entries before them start released); without a ``window``, the chain in both.
 
->>> groups = PageGroups(num_global_pages=8, num_local_pages=4, page_size=2, watermark=0.0)
+>>> groups = PageGroups(num_global_pages=8, num_local_pages=4, page_size=2, watermark=0.0,
+...                     window=2)
 >>> groups.allocate("a", 7)
 >>> groups.block_table("a"), groups.local_block_table("a")
 ([0, 1, 2, 3], [8, 9, 10, 11])
@@ -125,6 +127,8 @@ class PageGroups:
       num_host_pages: host swap slots of the global group (ids ``0 .. H_g - 1``).
       num_local_host_pages: host swap slots of the local group (ids after the global ones).
       bytes_per_page: bytes of one page of either group.
+      window: the local layers' sliding window (prefix hits need only its pages in the local
+        group); None: a hit needs the whole chain in both groups.
 
     Attributes:
       global_group: the global group's allocator (its own page ids).
@@ -151,6 +155,7 @@ class PageGroups:
         num_host_pages: int = 0,
         num_local_host_pages: int = 0,
         bytes_per_page: int = 0,
+        window: int | None = None,
     ):
         self.global_group = BlockAllocator(
             num_global_pages, page_size, watermark=watermark, num_host_pages=num_host_pages,
@@ -166,6 +171,7 @@ class PageGroups:
         self.local_host_offset = self.global_group.num_host_pages
         self.num_host_pages = self.local_host_offset + self.local_group.num_host_pages
         self.watermark_pages = self.global_group.watermark_pages
+        self.window = window
 
     # ------------------------------------------------------------------ queries
 
@@ -212,16 +218,22 @@ class PageGroups:
         return self.local_group.slots(seq_id, start, count) + self.local_offset * self.page_size
 
     def cached_pages(self, token_ids: Sequence[int], salt: bytes | str | None = None) -> int:
-        """Leading full pages of ``token_ids`` cached in both groups (a prefix hit's length)."""
-        return min(
-            len(self.global_group.match_prefix(token_ids, salt)[1]),
-            len(self.local_group.match_prefix(token_ids, salt)[1]),
-        )
+        """Leading full pages of ``token_ids`` a new sequence finds cached (a prefix hit's
+        length): the global group's chain, and in the local group the pages of the window
+        (without a window, the chain)."""
+        hit = len(self.global_group.match_prefix(token_ids, salt)[1])
+        within = token_ids[: hit * self.page_size + 1]  # at most `hit` full pages
+        cached = self.local_group.match_prefix(within, salt, window=self.window)[0]
+        return cached // self.page_size
+
+    def _prefix_args(self, hit: int) -> tuple[dict, dict]:
+        """Each group's keyword arguments of a prefix hit of ``hit`` pages."""
+        return {"max_cached_pages": hit}, {"max_cached_pages": hit, "window": self.window}
 
     def match_prefix(
         self, token_ids: Sequence[int], salt: bytes | str | None = None
     ) -> tuple[int, list[int]]:
-        """``(num_cached_tokens, global pages)`` of the prefix cached in both groups."""
+        """``(num_cached_tokens, global pages)`` of a prefix hit (`cached_pages`)."""
         hit = self.cached_pages(token_ids, salt)
         return hit * self.page_size, self.global_group.match_prefix(token_ids, salt)[1][:hit]
 
@@ -234,12 +246,13 @@ class PageGroups:
         keep_free: int = 0,
     ) -> bool:
         """Whether a new sequence fits in both groups (`jpaged.BlockAllocator.can_allocate`)."""
-        hit = None if token_ids is None else self.cached_pages(token_ids, salt)
+        if token_ids is None:
+            return all(a.can_allocate(num_tokens, keep_free=keep_free) for a in self._groups)
+        kws = self._prefix_args(self.cached_pages(token_ids, salt))
         return all(
-            a.can_allocate(num_tokens, token_ids=token_ids, salt=salt, keep_free=keep_free,
-                           max_cached_pages=hit)
-            for a in self._groups
-        )  # fmt: skip
+            a.can_allocate(num_tokens, token_ids=token_ids, salt=salt, keep_free=keep_free, **kw)
+            for a, kw in zip(self._groups, kws, strict=True)
+        )
 
     def growth_pages(self, seq_id: Hashable, num_tokens: int) -> int:
         """New pages growing ``seq_id`` by ``num_tokens`` takes in the hungrier group."""
@@ -268,11 +281,12 @@ class PageGroups:
     def _groups(self) -> tuple[BlockAllocator, BlockAllocator]:
         return self.global_group, self.local_group
 
-    def _ensure_room(self, op: str, num_tokens: int, **prefix) -> None:
+    def _ensure_room(self, op: str, num_tokens: int, prefix: tuple[dict, dict] = ({}, {})) -> None:
         """Raises `OutOfPagesError` unless both groups have the pages of a new sequence
-        (without the watermark, as ``allocate`` itself), before either changes."""
-        for name, a in zip(("global", "local"), self._groups, strict=True):
-            if not a.can_allocate(num_tokens, keep_free=-a.watermark_pages, **prefix):
+        (without the watermark, as ``allocate`` itself; ``prefix``: each group's prefix-hit
+        arguments of `jpaged.BlockAllocator.can_allocate`), before either changes."""
+        for name, a, kw in zip(("global", "local"), self._groups, prefix, strict=True):
+            if not a.can_allocate(num_tokens, keep_free=-a.watermark_pages, **kw):
                 raise OutOfPagesError(
                     f"{op} ({num_tokens} tokens) needs more pages of the {name} group than "
                     f"the {a.num_free_pages} of {a.num_pages} available"
@@ -288,15 +302,14 @@ class PageGroups:
     def allocate_with_prefix(
         self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
     ) -> int:
-        """Creates ``seq_id`` in both groups, reusing the pages of the prefix cached in both;
-        returns the number of cached tokens (all or nothing)."""
-        hit = self.cached_pages(token_ids, salt)
+        """Creates ``seq_id`` in both groups, reusing the cached pages of a prefix hit
+        (`cached_pages`); returns the number of cached tokens (all or nothing)."""
+        kws = self._prefix_args(self.cached_pages(token_ids, salt))
         if seq_id not in self:
-            self._ensure_room(f"allocate_with_prefix({seq_id!r})", len(token_ids),
-                              token_ids=token_ids, salt=salt, max_cached_pages=hit)  # fmt: skip
-        cached = self.global_group.allocate_with_prefix(seq_id, token_ids, salt,
-                                                        max_cached_pages=hit)  # fmt: skip
-        self.local_group.allocate_with_prefix(seq_id, token_ids, salt, max_cached_pages=hit)
+            prefix = tuple({"token_ids": token_ids, "salt": salt, **kw} for kw in kws)
+            self._ensure_room(f"allocate_with_prefix({seq_id!r})", len(token_ids), prefix)
+        cached = self.global_group.allocate_with_prefix(seq_id, token_ids, salt, **kws[0])
+        self.local_group.allocate_with_prefix(seq_id, token_ids, salt, **kws[1])
         return cached
 
     def commit_full_pages(

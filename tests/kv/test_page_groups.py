@@ -13,7 +13,7 @@ import doctest
 import pytest
 
 from jpaged import AllocatorError, AllocatorInvariantError, OutOfPagesError
-from jpaged.kv import page_groups
+from jpaged.kv import page_groups, prefix_plan
 from jpaged.kv.page_groups import (
     PageGroups,
     default_local_pages,
@@ -30,8 +30,9 @@ def _groups(**kw) -> PageGroups:
     return PageGroups(P_G, P_L, C, watermark=0.0, **kw)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(page_groups)
+@pytest.mark.parametrize("module", [page_groups, prefix_plan], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -113,7 +114,31 @@ def test_tighter_group_bounds_the_free_count():
     assert g.growth_pages("a", C + 1) == 2
 
 
-def test_prefix_hits_need_both_groups():
+@pytest.mark.parametrize("window", [None, 4])
+def test_local_prefix_hits_need_only_the_window(window):
+    g = PageGroups(P_G, 8, C, watermark=0.0, window=window)
+    prompt = list(range(100, 121))  # 21 tokens: 5 full pages may hit
+    g.allocate_with_prefix("a", prompt)
+    g.commit_full_pages("a", prompt)
+    g.release_outside_window("a", 21, 4)  # local pages 0..3 parked, 4 and 5 held
+    g.allocate("x", 12)  # the local group's 2 free pages, then its oldest parked page: 0
+    hit = g.cached_pages(prompt)
+    assert len(g.global_group.match_prefix(prompt)[1]) == 5  # "a" holds the global chain
+    if window is None:  # the local chain lost its head: no hit, and 6 fresh local pages
+        assert hit == 0 and not g.can_allocate(21, token_ids=prompt)  # do not fit (3 left)
+        with pytest.raises(OutOfPagesError, match="local group"):
+            g.allocate_with_prefix("b", prompt)
+        return
+    # Queries at positions >= 20 see keys 17..: the local group needs its page 4 only.
+    assert hit == 5 and g.match_prefix(prompt) == (20, g.block_table("a")[:5])
+    assert g.allocate_with_prefix("b", prompt) == 20
+    assert g.block_table("b")[:5] == g.block_table("a")[:5]
+    assert g.num_released_pages("b") == 4
+    assert g.local_block_table("b")[:5] == [P_G + 4] * 5 == g.local_block_table("a")[:5]
+    g.check_invariants()
+
+
+def test_prefix_hits_without_a_window_need_both_chains():
     g = PageGroups(P_G, 6, C, watermark=0.0)
     prompt = list(range(100, 121))  # 21 tokens: 5 full pages may hit (the last is computed)
     g.allocate_with_prefix("a", prompt)

@@ -4,7 +4,7 @@ The model holds a token value per slot of the one pool (global pages, then local
 of the host swap slots (the global group's, then the local group's), applies the copy and
 swap pairs exactly as the engine would (pool ids), and writes each sequence's new tokens
 into both groups' slots. Local pages outside a window of ``WINDOW`` are released along the
-way. After every step both groups' invariants hold, every sequence reads all its tokens
+way, and prefix hits need only the window's pages in the local group. After every step both groups' invariants hold, every sequence reads all its tokens
 through its global table and, from its first held local page on, through its local table
 (released local entries point at that page, full of its tokens), and a call that raised
 ``OutOfPagesError`` changed neither group.
@@ -34,10 +34,11 @@ from jpaged import AllocatorError, OutOfPagesError, PageGroups
 from jpaged.kv.window import releasable_pages
 
 C = 4  # page size
-P_G, P_L = 20, 12  # pages of the global and the local group
+P_G, P_L = 24, 16  # pages of the global and the local group
 H_G, H_L = 10, 6  # their host slots
 WINDOW = 6
-PROMPTS = [[7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 1, 2], [7, 7, 1, 2, 5, 5, 5, 5, 0, 0]]
+PROMPTS = [[7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 1, 2], [7, 7, 1, 2, 5, 5, 5, 5, 0, 0],
+           [7, 7, 1, 2, 3, 4, 5, 6, 3, 3, 3, 3, 9, 8, 7, 6, 5, 4, 3, 2, 1]]  # fmt: skip
 
 
 def _snapshot(groups: PageGroups):
@@ -57,7 +58,8 @@ class PageGroupsMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self):
         self.groups = PageGroups(P_G, P_L, C, watermark=0.1, num_host_pages=H_G,
-                                 num_local_host_pages=H_L, bytes_per_page=8)  # fmt: skip
+                                 num_local_host_pages=H_L, bytes_per_page=8,
+                                 window=WINDOW)  # fmt: skip
         self.content = np.full((P_G + P_L) * C, -1, np.int64)
         self.host = np.full((H_G + H_L) * C, -1, np.int64)
         self.tokens: dict[int, list[int]] = {}
@@ -129,7 +131,7 @@ class PageGroupsMachine(RuleBasedStateMachine):
         self._write(seq_id, 0, self.tokens[seq_id])
         return seq_id
 
-    @rule(target=seqs, which=st.integers(0, 1), cut=st.integers(1, 13))
+    @rule(target=seqs, which=st.integers(0, 2), cut=st.integers(1, 21))
     def allocate_with_prefix(self, which, cut):
         prompt = PROMPTS[which][:cut]
         seq_id = self._new_id()
@@ -143,10 +145,13 @@ class PageGroupsMachine(RuleBasedStateMachine):
         assert (
             cached == hit_tokens and self.groups.block_table(seq_id)[: len(hit_pages)] == hit_pages
         )
-        # The cached pages of both groups already hold exactly the prompt's tokens.
-        for slots in (self.groups.slots(seq_id, 0, cached),
-                      self.groups.local_slots(seq_id, 0, cached)):  # fmt: skip
-            assert self.content[slots].tolist() == prompt[:cached]
+        # The cached pages of both groups already hold exactly the prompt's tokens (the local
+        # group's from its first held page: the window of the first computed position).
+        first = self.groups.num_released_pages(seq_id) * C
+        assert first <= max(cached - C, 0) and first <= max(cached - WINDOW + 1, 0)
+        for slots, start in ((self.groups.slots(seq_id, 0, cached), 0),
+                             (self.groups.local_slots(seq_id, first, cached - first), first)):  # fmt: skip
+            assert self.content[slots].tolist() == prompt[start:cached]
         self._write(seq_id, cached, prompt[cached:])
         self.tokens[seq_id] = list(prompt)
         return seq_id
