@@ -27,6 +27,7 @@ from jpaged.kv.cache import write_kv_layer as write_kv_layer
 from jpaged.kv.allocator import AllocatorInvariantError as AllocatorInvariantError
 from jpaged.kv.allocator import AllocatorStats as AllocatorStats
 from jpaged.kv.allocator import BlockAllocator as BlockAllocator
+from jpaged.kv.page_groups import PageGroups as PageGroups
 
 # --- models ---
 from jpaged import models as models

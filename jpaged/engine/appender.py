@@ -6,7 +6,8 @@ stop token, a stop string (`jpaged.engine.stop_strings`) or a length limit (thro
 scheduler, which frees its pages); records prompt log-probabilities; forks a prompt into
 its ``n`` completions or a beam into the candidates that keep it (pages shared, no copy);
 registers newly full pages in the prefix cache; and, for a model whose every layer has a
-sliding window, gives back the pages that fell out of the window (`jpaged.kv.window`).
+sliding window, gives back the pages that fell out of the window (`jpaged.kv.window`; for a
+model mixing windowed and global layers, the local page group's, `jpaged.kv.page_groups`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class TokenAppender:
       max_model_len: longest sequence.
       enable_prefix_caching: register full pages in the prefix cache.
       tokenizer: decodes text for stop strings and ``Logprob.decoded_token`` (None: ids only).
-      sliding_window: the model's window when every layer has one (the largest), else None:
-        computed pages outside it go back to the pool.
+      sliding_window: the model's window when every layer has one (the largest), or with two
+        page groups the local layers' (the local group's pages go back), else None: computed
+        pages outside it go back to the pool.
     """
 
     def __init__(

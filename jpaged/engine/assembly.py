@@ -29,10 +29,11 @@ from jpaged.engine.step import StepExecutor
 from jpaged.engine.tokenizer_adapter import as_engine_tokenizer
 from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.cache import PagedKVCache, pages_for_budget
+from jpaged.kv.page_groups import PageGroups, default_local_pages, local_window, pool_layers
 from jpaged.parallel.mesh import DATA_AXIS
 from jpaged.parallel.tp import TensorParallelModel, create_cache, data_replicas, shard_model
 
-__all__ = ["EngineParts", "assemble", "load_replicas"]
+__all__ = ["EngineParts", "assemble", "grouped_pool_layers", "load_replicas"]
 
 
 @dataclasses.dataclass
@@ -46,6 +47,8 @@ class EngineParts:
       max_model_len: longest sequence, prompt and generated tokens.
       width: W, block-table entries per sequence (``ceil(max_model_len / page_size)``).
       max_num_batched_tokens: the token budget of one step.
+      alloc: the host allocator: a `BlockAllocator`, or `PageGroups` for a model mixing
+        sliding-window and full-attention layers (`grouped_pool_layers`).
       chat_template: the `ChatTemplate` of the tokenizer or checkpoint, or None.
       grid: the step programs' shape buckets.
       cache_dir: the persistent compilation cache in use (None: none).
@@ -57,7 +60,7 @@ class EngineParts:
     max_model_len: int
     width: int
     max_num_batched_tokens: int
-    alloc: BlockAllocator
+    alloc: BlockAllocator | PageGroups
     kv: KVManager
     scheduler: Scheduler
     runner: Runner
@@ -106,6 +109,62 @@ def release_window(config: Any) -> int | None:
     return max(windows)
 
 
+def grouped_pool_layers(config: Any, num_local_pages: int | None) -> int | None:
+    """The layer slices of a pool of two page groups (`jpaged.kv.page_groups`) for a model
+    of ``config``, or None: one group. A model mixing sliding-window and full-attention
+    layers, as many of each in every period of its layers (Gemma 2), gets two groups unless
+    ``num_local_pages`` is 0.
+
+    Raises:
+      ValueError: ``num_local_pages`` > 0 for a model that cannot have two groups.
+    """
+    windows = getattr(config, "layer_windows", None)
+    layers = pool_layers(windows) if windows else None
+    if layers is None and num_local_pages:
+        raise ValueError(
+            f"num_local_pages={num_local_pages} needs a model mixing sliding-window and "
+            f"full-attention layers, as many of each per period of its layers (Gemma 2); "
+            f"this model's layer windows are {windows}"
+        )
+    return None if num_local_pages == 0 else layers
+
+
+def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, dtype: Any,
+          width: int, lookahead: int) -> tuple[int, int]:  # fmt: skip
+    """``(global pages, local pages)`` of the pool (local 0: one group) from the options:
+    ``num_pages`` is the global group's; a budget is split. By default the local group takes
+    what its sequences' windows need (`default_local_pages`), at most ``num_pages`` or half
+    the budget, at least one sequence of ``max_model_len`` (``width`` pages).
+
+    Raises:
+      ValueError: ``num_local_pages`` below ``width``, or a budget that leaves the global
+        group nothing.
+    """
+    grouped = grouped_pool_layers(cfg, opts.num_local_pages) is not None
+    C, S = opts.page_size, opts.max_num_seqs
+    total = opts.num_pages
+    if total is None:  # the budget is per device: each holds its own KV heads
+        budget = opts.kv_cache_memory if opts.kv_cache_memory is not None else default_kv_bytes()
+        total = pages_for_budget(budget, budget_layers, K, C, H, dtype)
+    if not grouped:
+        return (total if opts.num_pages is not None else min(total, S * width)), 0
+    local = opts.num_local_pages
+    if local is None:
+        auto = default_local_pages(S, width, local_window(cfg.layer_windows), C, lookahead)
+        local = max(width, min(auto, total if opts.num_pages is not None else total // 2))
+    if local < width:
+        raise ValueError(
+            f"num_local_pages={local}: the local page group must hold one sequence of "
+            f"max_model_len, {width} pages (or num_local_pages=0: one group, nothing released)"
+        )
+    if opts.num_pages is not None:
+        return total, local
+    if total - local < 1:
+        raise ValueError(f"num_local_pages={local} leaves no global pages of the {total} the "
+                         f"KV budget holds")  # fmt: skip
+    return min(total - local, S * width), local
+
+
 def assemble(
     model: Any,
     opts: EngineOptions,
@@ -146,27 +205,36 @@ def assemble(
         cache_dtype = model_dtype(model)
     L, K, H = model.num_layers, model.num_kv_heads, model.head_dim
     split = isinstance(model, TensorParallelModel)
-    num_pages = opts.num_pages
-    if num_pages is None:  # the budget is per device: each holds its own KV heads
-        budget = opts.kv_cache_memory if opts.kv_cache_memory is not None else default_kv_bytes()
-        K_device = model.layout.kv_heads_per_device if split else K
-        num_pages = pages_for_budget(budget, L, K_device, C, H, cache_dtype)
-        num_pages = min(num_pages, opts.max_num_seqs * W)
-    if split:
-        cache = create_cache(model, int(num_pages), C, cache_dtype)
-    else:
-        cache = PagedKVCache.create(L, K, int(num_pages), C, H, cache_dtype)
-    bpp = cache.bytes_per_page
-    alloc = BlockAllocator(
-        int(num_pages), C, watermark=opts.watermark,
-        num_host_pages=int(opts.swap_space // bpp), bytes_per_page=bpp,
+    k = opts.num_decode_steps
+    L_pool = grouped_pool_layers(cfg, opts.num_local_pages) or L
+    global_pages, local_pages = _pool(
+        opts, cfg, budget_layers=L_pool, K=model.layout.kv_heads_per_device if split else K,
+        H=H, dtype=cache_dtype, width=W, lookahead=2 * k if opts.chain_decode else 0,
     )  # fmt: skip
+    num_pages = int(global_pages + local_pages)
+    if split:
+        cache = create_cache(model, num_pages, C, cache_dtype, num_layers=L_pool)
+    else:
+        cache = PagedKVCache.create(L_pool, K, num_pages, C, H, cache_dtype)
+    bpp = cache.bytes_per_page
+    host_pages = int(opts.swap_space // bpp)
+    if local_pages:
+        local_host = host_pages * local_pages // num_pages
+        alloc = PageGroups(
+            int(global_pages), int(local_pages), C, watermark=opts.watermark,
+            num_host_pages=host_pages - local_host, num_local_host_pages=local_host,
+            bytes_per_page=bpp, window=local_window(cfg.layer_windows),
+        )  # fmt: skip
+    else:
+        alloc = BlockAllocator(
+            num_pages, C, watermark=opts.watermark, num_host_pages=host_pages,
+            bytes_per_page=bpp,
+        )  # fmt: skip
     kv = KVManager(alloc, cache)
     max_tokens = opts.max_num_batched_tokens
     if max_tokens is None:
         max_tokens = max(256, min(2048, max_model_len))
     max_tokens = int(max_tokens)
-    k = opts.num_decode_steps
     scheduler = Scheduler(
         alloc,
         max_num_seqs=opts.max_num_seqs,
@@ -190,7 +258,8 @@ def assemble(
         alloc, scheduler, counters,
         max_model_len=max_model_len, enable_prefix_caching=opts.enable_prefix_caching,
         tokenizer=tokenizer,
-        sliding_window=release_window(cfg),
+        sliding_window=release_window(cfg) or (local_window(cfg.layer_windows) if local_pages
+                                               else None),
     )  # fmt: skip
     executor = StepExecutor(
         kv, runner, appender, counters, width=W,

@@ -15,6 +15,7 @@ import numpy as np
 
 from jpaged.engine.logits_process import LogitsInputs
 from jpaged.engine.requests import Request, Sequence
+from jpaged.kv.page_groups import PageGroups
 from jpaged.models._protocol import AttentionMetadata
 
 __all__ = [
@@ -23,9 +24,12 @@ __all__ = [
     "StepBatch",
     "bucket",
     "build_step_batch",
+    "group_step_inputs",
+    "loop_tables",
     "pad_to",
     "sampling_arrays",
     "sampling_row",
+    "table_array",
 ]
 
 
@@ -94,7 +98,10 @@ class LoopBatch:
     Attributes:
       tokens: i32[B] the last token of each sequence (not yet in the cache).
       lens: i32[B] tokens already in the cache; the input token sits at position ``lens``.
-      block_tables: i32[B, W], covering the slots reserved for every step of the loop.
+      block_tables: i32[B, W], covering the slots reserved for every step of the loop (of
+        the global group in a pool of two page groups).
+      local_block_tables: i32[B, W] the local group's tables in a pool of two page groups
+        (`jpaged.kv.page_groups`), else None.
       active: bool[B] rows that decode (padding rows False).
       live: bool[B] rows the host still serves: a row aborted while a chain of loops runs is
         still active in the device carry, and is masked out here (host array, so the mask
@@ -111,6 +118,7 @@ class LoopBatch:
     tokens: Any
     lens: Any
     block_tables: Any
+    local_block_tables: Any = None
     active: Any
     live: Any
     max_steps: Any
@@ -129,6 +137,38 @@ def pad_to(x: np.ndarray, n: int, fill) -> np.ndarray:
     return np.concatenate([x, pad])
 
 
+def table_array(tables: list[list[int]], num_rows: int, width: int) -> np.ndarray:
+    """i32[num_rows, width] block tables of the given page-id lists (zeros past them)."""
+    table_BW = np.zeros((num_rows, width), np.int32)
+    for b, table in enumerate(tables):
+        table_BW[b, : len(table)] = table[:width]
+    return table_BW
+
+
+def group_step_inputs(alloc: Any, runs: list[tuple[Any, int, int]]) -> dict[str, list]:
+    """``build_step_batch``'s local-group arguments for sequences ``(seq_id, start, n)``
+    of a pool of two page groups (`jpaged.kv.page_groups.PageGroups`); {} otherwise."""
+    if not isinstance(alloc, PageGroups):
+        return {}
+    return {
+        "local_slots": [alloc.local_slots(s, start, n) for s, start, n in runs],
+        "local_tables": [alloc.local_block_table(s) for s, _, _ in runs],
+    }
+
+
+def loop_tables(alloc: Any, seq_ids: list[Any], num_rows: int, width: int) -> dict[str, Any]:
+    """A `LoopBatch`'s table fields for ``seq_ids`` (None: a padding row): ``block_tables``
+    i32[num_rows, W], and in a pool of two page groups ``local_block_tables``."""
+
+    def tables(lookup):
+        return table_array([[] if s is None else lookup(s) for s in seq_ids], num_rows, width)
+
+    out = {"block_tables": tables(alloc.block_table)}
+    if isinstance(alloc, PageGroups):
+        out["local_block_tables"] = tables(alloc.local_block_table)
+    return out
+
+
 def build_step_batch(
     seqs: list[tuple[list[int], int, int]],
     slots: list[np.ndarray],
@@ -139,6 +179,8 @@ def build_step_batch(
     width: int,
     num_rows: int,
     num_tokens: int,
+    local_slots: list[np.ndarray] | None = None,
+    local_tables: list[list[int]] | None = None,
 ) -> StepBatch:
     """Packs B scheduled sequences into a padded ragged ``StepBatch`` (host NumPy).
 
@@ -152,6 +194,9 @@ def build_step_batch(
       width: W, block-table width.
       num_rows: the sequence/row bucket (>= B and >= len(row_seq)).
       num_tokens: the token bucket T (>= the total of the n's).
+      local_slots: a pool of two page groups: per sequence the local group's slots (``slots``
+        and ``tables`` are then the global group's); None otherwise.
+      local_tables: with ``local_slots``, per sequence its local group's page ids.
 
     Returns:
       The batch; padding tokens have slot -1, padding sequences zero tokens and length.
@@ -162,16 +207,20 @@ def build_step_batch(
         pos.extend(range(start, start + n))
         cu.append(cu[-1] + n)
     T = len(toks)
-    table_BW = np.zeros((num_rows, width), np.int32)
-    for b, table in enumerate(tables):
-        table_BW[b, : len(table)] = table[:width]
+    local = {}
+    if local_slots is not None:
+        local = dict(
+            local_slot_mapping=pad_to(np.concatenate(local_slots).astype(np.int32), num_tokens, -1),
+            local_block_tables=table_array(local_tables, num_rows, width),
+        )
     meta = AttentionMetadata(
         slot_mapping=pad_to(np.concatenate(slots).astype(np.int32), num_tokens, -1),
-        block_tables=table_BW,
+        block_tables=table_array(tables, num_rows, width),
         kv_lens=pad_to(np.asarray([s + n for _, s, n in seqs], np.int32), num_rows, 0),
         cu_q_lens=pad_to(np.asarray(cu, np.int32), num_rows + 1, T),
         num_seqs=np.int32(len(seqs)),
         logits_indices=pad_to(np.asarray([cu[b + 1] - 1 for b in row_seq], np.int32), num_rows, 0),
+        **local,
     )
     return StepBatch(
         tokens=pad_to(np.asarray(toks, np.int32), num_tokens, 0),

@@ -114,9 +114,10 @@ def _join_impl(carry: LoopBatch, rows: JoinRows, tok_R):
 
 
 def _grow_impl(carry: LoopBatch, *, rows: int):
-    """``carry`` (B rows: tokens i32[B], lens i32[B], block_tables i32[B, W], active and
-    live bool[B], max_steps and min_steps i32[B], stop_ids i32[B, S], sampling: B rows)
-    padded to ``rows`` rows (static, > B) of inactive, non-live padding."""
+    """``carry`` (B rows: tokens i32[B], lens i32[B], block_tables i32[B, W] (and
+    local_block_tables), active and live bool[B], max_steps and min_steps i32[B], stop_ids
+    i32[B, S], sampling: B rows) padded to ``rows`` rows (static, > B) of inactive, non-live
+    padding."""
     count_trace()
 
     def pad(x, fill):
@@ -124,9 +125,11 @@ def _grow_impl(carry: LoopBatch, *, rows: int):
         return jnp.concatenate([x, extra])
 
     s = carry.sampling
+    local = carry.local_block_tables
     return dataclasses.replace(
         carry, tokens=pad(carry.tokens, 0), lens=pad(carry.lens, 0),
-        block_tables=pad(carry.block_tables, 0), active=pad(carry.active, False),
+        block_tables=pad(carry.block_tables, 0),
+        local_block_tables=None if local is None else pad(local, 0), active=pad(carry.active, False),
         live=pad(carry.live, False), max_steps=pad(carry.max_steps, 0),
         min_steps=pad(carry.min_steps, 0), stop_ids=pad(carry.stop_ids, -1),
         sampling=SamplingArrays(temperature=pad(s.temperature, 0.0), top_k=pad(s.top_k, 0),
@@ -152,7 +155,8 @@ class StepBesideLoop:
       num_rows: the next loop's row bucket.
       grown: whether it is larger than the chain's (the carry grows first).
       join: the `JoinRows` (None: no row joins).
-      tables, live: the next loop's block tables and live rows (host).
+      tables, live: the next loop's table fields (`jpaged.engine.batches.loop_tables`) and
+        live rows (host).
       result: the future of the step's ``(tokens, logprobs)`` (device arrays).
     """
 
@@ -163,7 +167,7 @@ class StepBesideLoop:
     num_rows: int
     grown: bool
     join: JoinRows | None
-    tables: np.ndarray | None = None
+    tables: dict[str, np.ndarray] | None = None
     live: np.ndarray | None = None
     result: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
@@ -315,7 +319,7 @@ class ChainJoin:
         if beside.join is not None:
             put = self.runner.on_device
             carry = join_rows(put(carry), put(beside.join), put(tok_R))
-        return cache, dataclasses.replace(carry, block_tables=beside.tables, live=beside.live)
+        return cache, dataclasses.replace(carry, **beside.tables, live=beside.live)
 
     def count(self, beside: StepBesideLoop) -> None:
         """Adds the round's step and joins to the counters (at dispatch)."""
@@ -349,9 +353,11 @@ class ChainJoin:
         return touched
 
 
-def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops: int):
+def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops: int,
+                        grouped: bool = False):  # fmt: skip
     """Lowers the join and grow programs of ``keys`` on inputs placed as `ChainJoin.run`
-    places them (a carry of each row bucket, a step's tokens of each), which write no row.
+    places them (a carry of each row bucket, a step's tokens of each), which write no row;
+    ``grouped``: carries of a pool of two page groups (with local block tables).
 
     Returns:
       ``[(key, lowered, run)]``: ``run()`` runs the program once (after its compile).
@@ -359,7 +365,7 @@ def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops
     out = []
     for key in keys:
         if key.kind == "grow":
-            carry = _empty_carry(runner, key.tokens, width, num_stops)
+            carry = _empty_carry(runner, key.tokens, width, num_stops, grouped)
             fn, args, kw = grow_carry, (carry,), {"rows": key.rows}
         else:
             B = key.rows
@@ -369,18 +375,21 @@ def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops
                             stop_ids=np.full((B, num_stops), -1, np.int32),
                             sampling=sampling_arrays(np.zeros((B, 5)), B))  # fmt: skip
             tok_R = runner.on_device(np.zeros(key.tokens, np.int32))
-            args = (_empty_carry(runner, B, width, num_stops), runner.on_device(rows), tok_R)
+            args = (_empty_carry(runner, B, width, num_stops, grouped), runner.on_device(rows),
+                    tok_R)  # fmt: skip
             fn, kw = join_rows, {}
         lowered = fn.trace(*args, **kw).lower()
         out.append((key, lowered, lambda fn=fn, args=args, kw=kw: fn(*args, **kw)))
     return out
 
 
-def _empty_carry(runner, B: int, width: int, num_stops: int) -> LoopBatch:
+def _empty_carry(runner, B: int, width: int, num_stops: int, grouped: bool) -> LoopBatch:
     """A decode loop's carry of B padding rows, on the device as a loop's output is."""
     zeros = np.zeros(B, np.int32)
+    table = np.zeros((B, width), np.int32)
     carry = LoopBatch(
-        tokens=zeros, lens=zeros, block_tables=np.zeros((B, width), np.int32),
+        tokens=zeros, lens=zeros, block_tables=table,
+        local_block_tables=table.copy() if grouped else None,
         active=np.zeros(B, bool), live=np.zeros(B, bool), max_steps=zeros, min_steps=zeros,
         stop_ids=np.full((B, num_stops), -1, np.int32),
         sampling=sampling_arrays(np.zeros((B, 5)), B),

@@ -25,7 +25,7 @@ import numpy as np
 
 from jpaged._errors import OutOfPagesError
 from jpaged.engine.appender import TokenAppender
-from jpaged.engine.batches import LoopBatch, pad_to, sampling_arrays, sampling_row
+from jpaged.engine.batches import LoopBatch, loop_tables, pad_to, sampling_arrays, sampling_row
 from jpaged.engine.buckets import stop_bucket
 from jpaged.engine.chain_join import ChainJoin, StepBesideLoop
 from jpaged.engine.counters import Counters
@@ -43,14 +43,16 @@ class NextRound:
     """What follows the loop in flight, planned while it runs.
 
     Attributes:
-      tables: i32[B, W] the next loop's block tables (None: no next loop, the chain ends).
+      tables: the next loop's `LoopBatch` table fields (``block_tables`` i32[B, W], with
+        two page groups also ``local_block_tables``; `loop_tables`) (None: no next loop,
+        the chain ends).
       live: bool[B] its live rows (None with ``tables``).
       beside: the step planned beside it (None: none); with no next loop, only its page
         operations run (a blocked plan's copies, or the admissions of a plan whose rows
         would have nothing to decode), and the next step schedules its requests.
     """
 
-    tables: np.ndarray | None
+    tables: dict[str, np.ndarray] | None
     live: np.ndarray | None
     beside: StepBesideLoop | None = None
 
@@ -146,13 +148,9 @@ class DecodeChain:
             return False
         return True
 
-    def _tables(self, items, Bp: int) -> np.ndarray:
-        table_BW = np.zeros((Bp, self.width), np.int32)
-        for b, it in enumerate(items):
-            if not it.seq.finished:
-                table = self.kv.alloc.block_table(it.seq.seq_id)[: self.width]
-                table_BW[b, : len(table)] = table
-        return table_BW
+    def _tables(self, items, Bp: int) -> dict[str, np.ndarray]:
+        ids = [None if it.seq.finished else it.seq.seq_id for it in items]
+        return loop_tables(self.kv.alloc, ids, Bp, self.width)
 
     def start(self, plan: StepPlan) -> bool:
         """Starts a chain of decode loops (each up to k steps on device) over ``plan``;
@@ -184,7 +182,7 @@ class DecodeChain:
         batch = LoopBatch(
             tokens=pad_to(np.asarray([it.seq.tokens[-1] for it in items], np.int32), Bp, 0),
             lens=pad_to(np.asarray([it.seq.num_computed for it in items], np.int32), Bp, 0),
-            block_tables=self._tables(items, Bp),
+            **self._tables(items, Bp),
             active=pad_to(np.ones(B, bool), Bp, False),
             live=pad_to(np.ones(B, bool), Bp, False),
             max_steps=pad_to(np.asarray(limits, np.int32), Bp, 0),
@@ -372,9 +370,9 @@ class DecodeChain:
             nxt = self._dispatch(carry, program, beside)
         elif plan is not None:
             tables, live = plan.tables, plan.live
-            assert tables.shape == carry.block_tables.shape, (tables.shape, carry.block_tables)
-            nxt = self._dispatch(dataclasses.replace(carry, block_tables=tables, live=live),
-                                 program)  # fmt: skip
+            shape = tables["block_tables"].shape
+            assert shape == carry.block_tables.shape, (shape, carry.block_tables.shape)
+            nxt = self._dispatch(dataclasses.replace(carry, **tables, live=live), program)
         t = time.perf_counter()
         out_KB, lp_KB = np.asarray(out_KB), np.asarray(lp_KB)
         top = None if top is None else tuple(np.asarray(x) for x in top)

@@ -62,7 +62,9 @@ class LLM:
       params: with a ``ModelConfig``: the parameter arrays by name
         (``jpaged.models.param_shapes``); with a module: an ``nnx.State`` to load into it.
       page_size: C, tokens per page.
-      num_pages: P, pages in the pool; default from ``kv_cache_memory``.
+      num_pages: P, pages in the pool (two groups: the global one's); default from ``kv_cache_memory``.
+      num_local_pages: pages of the local group (`jpaged.kv.page_groups`) where a model mixing
+        windowed and global layers (Gemma 2) releases out-of-window pages (None: auto; 0: off).
       kv_cache_memory: bytes for the pool (K and V); default 60% of the device memory left
         after loading the model (512 MiB where the backend reports none, e.g. CPU), capped at
         what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
@@ -125,7 +127,7 @@ class LLM:
 
     Attributes:
       model: the model served.
-      alloc: the host `jpaged.BlockAllocator`.
+      alloc: the host `jpaged.BlockAllocator` (`jpaged.kv.page_groups.PageGroups`: two groups).
       cache: the device `jpaged.PagedKVCache` (held by ``kv``).
       kv: the `KVManager` (allocator, pool, host swap space).
       scheduler: the `Scheduler`.
@@ -141,6 +143,7 @@ class LLM:
         params: Any = None,
         page_size: int = 16,
         num_pages: int | None = None,
+        num_local_pages: int | None = None,
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
@@ -167,7 +170,8 @@ class LLM:
         compilation_cache: Any = True,
     ):
         self.options = opts = EngineOptions(
-            page_size=page_size, num_pages=num_pages, kv_cache_memory=kv_cache_memory,
+            page_size=page_size, num_pages=num_pages, num_local_pages=num_local_pages,
+            kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
@@ -469,8 +473,7 @@ class LLM:
         return self._output(req)
 
     def _dropped_hint(self) -> str:
-        return (f" (finished requests are kept for the last keep_finished={self.keep_finished} "
-                "only)")  # fmt: skip
+        return f" (finished requests are kept for the last keep_finished={self.keep_finished} only)"
 
     def _retire(self) -> None:
         """Drops the oldest finished requests beyond ``keep_finished``."""
@@ -558,9 +561,8 @@ class LLM:
 
     @property
     def preemption_events(self):
-        if self.replicas:
-            return [e for r in self.replicas for e in r.scheduler.events]
-        return list(self.scheduler.events)
+        schedulers = [r.scheduler for r in self.replicas] or [self.scheduler]
+        return [e for s in schedulers for e in s.events]
 
     def _run_to_completion(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         """Steps until the requests ``ids`` finish; returns their outputs, in order. If

@@ -90,6 +90,7 @@ class EngineOptions:
 
     page_size: int = 16
     num_pages: int | None = None
+    num_local_pages: int | None = None
     kv_cache_memory: int | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -122,6 +123,12 @@ class EngineOptions:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
+        if self.num_local_pages is not None and (
+            not _is_int(self.num_local_pages) or self.num_local_pages < 0
+        ):
+            raise ValueError(
+                f"num_local_pages={self.num_local_pages!r} must be None or an int >= 0"
+            )
         for name in ("keep_finished", "swap_space", "seed"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:

@@ -142,15 +142,23 @@ def _loop_impl(graphdef, state, cache, batch: LoopBatch, *, num_steps: int, mode
     def body(_, carry):
         ran, cache, tok_B, lens_B, active_B, gen_B, out_KB, lp_KB, extra = carry
         step = ran  # iterations run with an active row: they come first
-        page_B = batch.block_tables[rows_B, jnp.minimum(lens_B // C, W - 1)]
-        slot_B = jnp.where(active_B, page_B * C + lens_B % C, -1)
+
+        def slots(table_BW):  # each active row's slot at position lens (-1: none)
+            page_B = table_BW[rows_B, jnp.minimum(lens_B // C, W - 1)]
+            return jnp.where(active_B, page_B * C + lens_B % C, -1)
+
+        local = {}
+        if batch.local_block_tables is not None:  # a pool of two page groups
+            local = dict(local_slot_mapping=slots(batch.local_block_tables),
+                         local_block_tables=batch.local_block_tables)  # fmt: skip
         meta = AttentionMetadata(
-            slot_mapping=slot_B,
+            slot_mapping=slots(batch.block_tables),
             block_tables=batch.block_tables,
             kv_lens=jnp.where(active_B, lens_B + 1, 0),
             cu_q_lens=cu_q_lens,
             num_seqs=jnp.int32(B),
             logits_indices=rows_B,
+            **local,
         )
         logits_BV, cache = model(tok_B, lens_B, cache, meta, decode=True)
         s = dataclasses.replace(batch.sampling, position=lens_B + 1)

@@ -20,6 +20,7 @@ from jpaged.engine.batches import (
     StepBatch,
     bucket,
     build_step_batch,
+    group_step_inputs,
     sampling_arrays,
     sampling_row,
 )
@@ -57,12 +58,13 @@ def plan_step_batch(plan: StepPlan, rows: list[int], samp: list, alloc, grid: Bu
         Bp = Tp = grid.rows(n)
     else:
         Bp, Tp = grid.ragged_shape(num_tokens=plan.num_tokens, num_rows=n)
+    runs = [(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items]
     batch = build_step_batch(
         [(it.seq.tokens, it.seq.num_computed, it.num_new) for it in items],
-        [alloc.slots(it.seq.seq_id, it.seq.num_computed, it.num_new) for it in items],
+        [alloc.slots(*run) for run in runs],
         [alloc.block_table(it.seq.seq_id) for it in items], rows,
         sampling_arrays(np.asarray(samp, np.float64), Bp),
-        width=width, num_rows=Bp, num_tokens=Tp,
+        width=width, num_rows=Bp, num_tokens=Tp, **group_step_inputs(alloc, runs),
     )  # fmt: skip
     return batch, Bp
 

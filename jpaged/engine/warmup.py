@@ -28,6 +28,7 @@ from jpaged.engine.compile_cache import count_cache_hits
 from jpaged.engine.executable_store import ExecutableStore
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.runner import SAMPLING_MODES, Runner
+from jpaged.kv.page_groups import PageGroups
 
 __all__ = ["ProgramTiming", "WarmupReport", "warmup_programs"]
 
@@ -112,21 +113,25 @@ class WarmupReport:
         return "\n".join(lines)
 
 
-def _inputs(key: ProgramKey, width: int):
-    """Inputs of ``key``'s program that write nothing (padding rows, slot -1)."""
+def _inputs(key: ProgramKey, width: int, grouped: bool):
+    """Inputs of ``key``'s program that write nothing (padding rows, slot -1); ``grouped``:
+    of a pool of two page groups (local slots and tables too)."""
     B, W = key.rows, width
     zeros = np.zeros((B, 5))
     if key.kind == "loop":
         return LoopBatch(
             tokens=np.zeros(B, np.int32), lens=np.zeros(B, np.int32),
-            block_tables=np.zeros((B, W), np.int32), active=np.zeros(B, bool),
+            block_tables=np.zeros((B, W), np.int32),
+            local_block_tables=np.zeros((B, W), np.int32) if grouped else None,
+            active=np.zeros(B, bool),
             live=np.zeros(B, bool), max_steps=np.zeros(B, np.int32),
             min_steps=np.zeros(B, np.int32), stop_ids=np.full((B, stop_bucket(0)), -1, np.int32),
             sampling=sampling_arrays(zeros, B),
         )  # fmt: skip
+    local = {"local_slots": [np.zeros(0, np.int32)], "local_tables": []} if grouped else {}
     return build_step_batch(
         [], [np.zeros(0, np.int32)], [], [], sampling_arrays(zeros, B),
-        width=W, num_rows=B, num_tokens=key.tokens,
+        width=W, num_rows=B, num_tokens=key.tokens, **local,
     )  # fmt: skip
 
 
@@ -243,6 +248,7 @@ def warmup_programs(
       The `WarmupReport`.
     """
     t0 = time.perf_counter()
+    grouped = isinstance(kv.alloc, PageGroups)
     keys = grid.programs(loops=num_decode_steps is not None, modes=SAMPLING_MODES, join=join)
     join_keys = [key for key in keys if key.kind in ("join", "grow")]
     keys = [key for key in keys if key.kind not in ("join", "grow")]
@@ -259,7 +265,7 @@ def warmup_programs(
         for key in keys:
             t = time.perf_counter()
             program, statics = _statics(key, num_decode_steps)
-            batch = _inputs(key, width)
+            batch = _inputs(key, width, grouped)
             skey = store.key(*runner.program_parts(program, statics, kv.cache, batch)) \
                 if store is not None else None  # fmt: skip
             if skey is not None and skey in store:
@@ -274,7 +280,8 @@ def warmup_programs(
         joins = []
         t = time.perf_counter()
         for key, lowered, run in lower_join_programs(runner, join_keys, width=width,
-                                                     num_stops=stop_bucket(0)):  # fmt: skip
+                                                     num_stops=stop_bucket(0),
+                                                     grouped=grouped):  # fmt: skip
             joins.append((key, pool.submit(_compile, lowered), time.perf_counter() - t, run))
             t = time.perf_counter()
         # While the pool compiles: the page programs (small; they run on the pool, which no

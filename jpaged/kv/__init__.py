@@ -10,6 +10,10 @@ Internal modules; the public names are re-exported from `jpaged`:
   composed of a `page_pool.PagePool` (device page ids, refcounts, free list, prefix cache),
   a `swap_space.HostSwapSpace` (host slots) and per-sequence `seq_record.SeqRecord`s.
 - `prefix_cache`: the hash chain and the LRU of evictable cached pages.
+- `prefix_plan`: which cached pages a new sequence reuses (under a sliding window, only those
+  its queries see).
 - `allocator_stats`: the allocator's stats snapshot and invariant checker.
 - `window`: sliding-window page release (which pages no later query sees; the device table).
+- `page_groups`: `PageGroups`, the global and the local page group of one pool for models that
+  mix sliding-window and full-attention layers (the local group releases outside the window).
 """

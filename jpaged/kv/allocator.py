@@ -66,6 +66,7 @@ from jpaged.kv.allocator_stats import (
 from jpaged.kv.copy_on_write import CopyPairs, growth_pages, make_writable
 from jpaged.kv.page_pool import PagePool
 from jpaged.kv.prefix_cache import first_mismatch, hash_chain
+from jpaged.kv.prefix_plan import prefix_plan
 from jpaged.kv.seq_record import RELEASED, SeqRecord, pages_for
 from jpaged.kv.swap_space import HostSwapSpace, group_pages
 from jpaged.kv.window import lookup_table, release_outside_window, touch_released
@@ -129,6 +130,10 @@ class BlockAllocator:
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
+    def seq_ids(self) -> list[Hashable]:
+        """The ids of the sequences held, swapped-out ones included."""
+        return list(self._seqs)
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The page ids of ``seq_id``, reserved lookahead pages included (a copy); entries
         released outside the sliding window hold its first held page (`jpaged.kv.window`)."""
@@ -171,16 +176,19 @@ class BlockAllocator:
         token_ids: Sequence[int] | None = None,
         salt: bytes | str | None = None,
         keep_free: int = 0,
+        max_cached_pages: int | None = None,
+        window: int | None = None,
     ) -> bool:
         """Whether a new sequence of ``num_tokens`` fits while keeping the watermark (and
         ``keep_free`` more pages, e.g. running sequences' lookahead) free.
 
         With ``token_ids`` (the prompt), pages that `allocate_with_prefix` would take from
-        the prefix cache are accounted for.
+        the prefix cache are accounted for (``max_cached_pages``, ``window``: `allocate_with_prefix`).
         """
         needed = self._pages_for(num_tokens)
         if token_ids is not None:
-            needed = self._prefix_plan(token_ids, salt)[2]
+            needed = prefix_plan(self._pool, token_ids, self.page_size, salt,
+                                 max_pages=max_cached_pages, window=window)[3]  # fmt: skip
         return needed <= self.num_free_pages - self.watermark_pages - keep_free
 
     def growth_pages(self, seq_id: Hashable, num_tokens: int) -> int:
@@ -233,14 +241,18 @@ class BlockAllocator:
         self._add_seq(seq_id, SeqRecord(pages=pages, num_tokens=num_tokens))
 
     def allocate_with_prefix(
-        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None
-    ) -> int:
+        self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | str | None = None,
+        *, max_cached_pages: int | None = None, window: int | None = None,
+    ) -> int:  # fmt: skip
         """Creates ``seq_id`` for the prompt ``token_ids``, reusing cached full pages.
 
         Args:
           seq_id: a new id.
           token_ids: the prompt (its length is the sequence's length).
           salt: isolates caches (e.g. per tenant): pages are shared only under equal salts.
+          max_cached_pages: at most this many leading pages count as cached (None: no limit).
+          window: the sliding window of every query of the sequence: a hit needs only the pages
+            its queries see, those before start released (`jpaged.kv.prefix_plan`).
 
         Returns:
           The number of leading tokens whose K/V are already in the pages (a multiple of
@@ -251,32 +263,41 @@ class BlockAllocator:
           OutOfPagesError: not enough pages for the uncached part.
         """
         self._check_new(seq_id, "allocate_with_prefix")
-        hashes, hit_pages, needed = self._prefix_plan(token_ids, salt)
+        hashes, released, hit_pages, needed = prefix_plan(
+            self._pool, token_ids, self.page_size, salt, max_pages=max_cached_pages, window=window
+        )
         self._pool.ensure_available(needed, f"allocate_with_prefix({seq_id!r}, {len(token_ids)})")
         for page in hit_pages:
             if self._pool.refcount[page] == 0:
                 self._pool.cache.take_back(page)
             self._pool.refcount[page] += 1
-        fresh = self._pages_for(len(token_ids)) - len(hit_pages)
-        pages = hit_pages + [self._pool.take() for _ in range(fresh)]
-        seq = SeqRecord(pages=pages, num_tokens=len(token_ids), hashes=hashes[: len(hit_pages)])
+        hit = released + len(hit_pages)
+        fresh = [self._pool.take() for _ in range(self._pages_for(len(token_ids)) - hit)]
+        seq = SeqRecord(pages=[RELEASED] * released + hit_pages + fresh, released=released,
+                        num_tokens=len(token_ids), hashes=hashes[:hit])  # fmt: skip
         seq.salt = salt
         self._add_seq(seq_id, seq)
-        cached = len(hit_pages) * self.page_size
+        cached = hit * self.page_size
         self._prefix_queries += 1
         self._prefix_query_tokens += len(token_ids)
         self._prefix_hit_tokens += cached
         return cached
 
     def match_prefix(
-        self, token_ids: Sequence[int], salt: bytes | str | None = None
+        self,
+        token_ids: Sequence[int],
+        salt: bytes | str | None = None,
+        *,
+        window: int | None = None,
     ) -> tuple[int, list[int]]:
         """The cached prefix of ``token_ids``: ``(num_cached_tokens, pages)``; changes nothing.
 
-        At most ``len(token_ids) - 1`` tokens match (the last one must be computed).
+        At most ``len(token_ids) - 1`` tokens match (the last one must be computed). With a
+        ``window`` (`allocate_with_prefix`), ``pages`` are those after the released ones.
         """
-        pages = self._prefix_plan(token_ids, salt)[1]
-        return len(pages) * self.page_size, pages
+        _, released, pages, _ = prefix_plan(self._pool, token_ids, self.page_size, salt,
+                                            window=window)  # fmt: skip
+        return (released + len(pages)) * self.page_size, pages
 
     def commit_full_pages(
         self,
@@ -576,11 +597,3 @@ class BlockAllocator:
         self._seqs[seq_id] = seq
         self._freed_ids.pop(seq_id, None)
         self._dirty.add(seq_id)
-
-    def _prefix_plan(self, token_ids: Sequence[int], salt) -> tuple[list[bytes], list[int], int]:
-        """(hashes, cached pages, pages needed from the pool) for a prompt (never the whole
-        prompt: its last token is always computed)."""
-        hashes = hash_chain(
-            token_ids, self.page_size, max(len(token_ids) - 1, 0) // self.page_size, salt
-        )
-        return hashes, *self._pool.prefix_hit(hashes, self._pages_for(len(token_ids)))

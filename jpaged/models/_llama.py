@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged.kv.page_groups import group_layer_indices, local_window
 from jpaged.models._config import ModelConfig
 from jpaged.models._protocol import AttentionMetadata, paged_attention_layer
 from jpaged.models._rope import apply_rope, inverse_frequencies
@@ -458,10 +459,23 @@ class LlamaForCausalLM(nnx.Module):
         """
         x_TD = self._embed(tokens_T)
         c = self.config
+        slices = None
+        if metadata.grouped:  # two page groups: each layer reads its group's slice and tables
+            slices = group_layer_indices(c.layer_windows)
+            if local_window(c.layer_windows) is None or cache.k_pages.shape[0] != max(slices) + 1:
+                raise ValueError(
+                    f"a pool of two page groups needs a model mixing local and global layers "
+                    f"and a pool of {max(slices) + 1} layer slices; got layer windows "
+                    f"{c.layer_windows} and {cache.k_pages.shape[0]} slices"
+                )
 
         def attend(q, k, v, cache, layer, window):
+            meta = metadata
+            if slices is not None:
+                meta = metadata if window is None else metadata.local_group()
+                layer = jnp.asarray(slices, jnp.int32)[layer]
             return paged_attention_layer(
-                q, k, v, cache, layer, metadata, sm_scale=c.sm_scale, sliding_window=window,
+                q, k, v, cache, layer, meta, sm_scale=c.sm_scale, sliding_window=window,
                 logits_soft_cap=c.attn_logit_softcapping, decode=decode,
                 implementation=implementation,
             )  # fmt: skip

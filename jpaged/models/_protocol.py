@@ -49,6 +49,11 @@ class AttentionMetadata:
       num_seqs: i32[] live sequences; rows from ``cu_q_lens[num_seqs]`` on are padding.
       logits_indices: i32[R] rows whose logits the forward returns (usually each sequence's
         last row, R = B).
+      local_slot_mapping: a pool of two page groups (`jpaged.kv.page_groups`): i32[T] the
+        local group's slots of each token, written by the sliding-window layers
+        (``slot_mapping`` and ``block_tables`` are then the global group's); None otherwise.
+      local_block_tables: with ``local_slot_mapping``, i32[B, W] the local group's pages of
+        each sequence; None otherwise.
     """
 
     slot_mapping: jax.Array
@@ -57,6 +62,20 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    local_slot_mapping: jax.Array | None = None
+    local_block_tables: jax.Array | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the batch runs on a pool of two page groups (static)."""
+        return self.local_block_tables is not None
+
+    def local_group(self) -> AttentionMetadata:
+        """The metadata a sliding-window layer of a grouped pool reads and writes: the local
+        group's slots and tables in place of the global group's."""
+        return dataclasses.replace(
+            self, slot_mapping=self.local_slot_mapping, block_tables=self.local_block_tables
+        )
 
 
 def batch_metadata(

@@ -304,13 +304,15 @@ def cache_shardings(model: TensorParallelModel, cache_like: Any) -> Any:
 
 def create_cache(
     model: TensorParallelModel, num_pages: int, page_size: int, dtype: Any,
-    create: Callable[..., Any] = PagedKVCache.create,
+    create: Callable[..., Any] = PagedKVCache.create, num_layers: int | None = None,
 ) -> Any:  # fmt: skip
     """A zero pool ``[L, size * K_local, P, C, H]`` built in place on the devices (each
-    device allocates its own KV heads only).
+    device allocates its own KV heads only); ``num_layers``: the pool's L (default the
+    model's; a pool of two page groups has L / 2, `jpaged.kv.page_groups`).
 
     ``create(L, K, P, C, H, dtype)`` builds the pool pytree (default `PagedKVCache.create`).
     """
-    args = (model.num_layers, model.num_kv_heads, num_pages, page_size, model.head_dim, dtype)
+    L = model.num_layers if num_layers is None else num_layers
+    args = (L, model.num_kv_heads, num_pages, page_size, model.head_dim, dtype)
     shardings = cache_shardings(model, jax.eval_shape(lambda: create(*args)))
     return jax.jit(lambda: create(*args), out_shardings=shardings)()

@@ -7,7 +7,8 @@ completion equals the same engine's with release switched off, also under prefix
 parallel sampling and preemption by recompute and by swap. Every engine runs with
 ``debug=True`` (allocator invariants after every step) on a NaN-poisoned pool: a released
 entry that pointed at a page outside the sequence would poison the logits. Gemma 2 mixes
-local and global layers: nothing is released, and greedy equals transformers.
+local and global layers: in one page group (``num_local_pages=0``) nothing is released, and
+greedy equals transformers (``test_engine_page_groups.py`` runs it on two groups).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def test_preemption_with_released_pages(mode):
 def test_gemma2_greedy_matches_transformers():
     """Beam search is in ``test_engine_sharing.py`` with the other checkpoints."""
     gold = _golden("gemma2")
-    llm = _engine("tests/checkpoints/gemma2")
+    llm = _engine("tests/checkpoints/gemma2", num_local_pages=0)
     assert llm.appender.sliding_window is None  # global layers keep every page
     greedy = jpaged.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     (out,), _ = _run(llm, [gold["prompt_ids"]], greedy)

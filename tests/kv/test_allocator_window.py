@@ -160,3 +160,26 @@ def test_checker_names_broken_released_entries():
     seq.pages[1], seq.released, seq.num_tokens = 1, 2, 2 * C + 3
     with pytest.raises(AllocatorInvariantError, match=r"first held page after 2 released"):
         alloc.check_invariants()
+
+
+def test_prefix_hit_under_a_window_needs_only_the_window():
+    alloc = BlockAllocator(8, C)
+    prompt = list(range(100, 121))  # 21 tokens: 5 full pages may hit
+    alloc.allocate_with_prefix("a", prompt)
+    alloc.commit_full_pages("a", prompt)
+    assert alloc.release_outside_window("a", 21, 4) == 4  # pages 0..3 parked, 4 and 5 held
+    alloc.allocate("x", 12)  # the 2 free pages, then the oldest parked one: page 0
+    assert alloc.match_prefix(prompt) == (0, [])  # the chain's head is gone
+    # Queries at positions >= 20 under a window of 4 see keys 17..: page 4 only.
+    assert alloc.match_prefix(prompt, window=4) == (20, [4])
+    assert alloc.can_allocate(21, token_ids=prompt, window=4, keep_free=-alloc.watermark_pages)
+    assert alloc.allocate_with_prefix("b", prompt, window=4) == 20
+    assert alloc.num_released_pages("b") == 4 and alloc.block_table("b")[:5] == [4] * 5
+    assert alloc.stats().shared_pages == 1 and alloc.stats().prefix_hit_tokens == 20
+    alloc.check_invariants()
+    assert alloc.slots("b", 16, 5).tolist()[:4] == [16, 17, 18, 19]  # page 4's slots
+    with pytest.raises(AllocatorError, match=r"positions must lie in \[16, 24\)"):
+        alloc.slots("b", 15, 1)
+    alloc.free("b")
+    alloc.free("a")
+    alloc.check_invariants()

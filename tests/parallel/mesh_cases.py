@@ -371,6 +371,30 @@ def test_preemption_under_tensor_parallelism(mode):
         assert s["swapped_in_bytes"] == s["swapped_out_bytes"] > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_page_groups_under_tensor_parallelism(mode):
+    """Gemma 2's two page groups (`jpaged.kv.page_groups`) on a split pool: the layer axis
+    holds L / 2 slices, the local group releases pages outside the window, and greedy equals
+    transformers, through preemption in small groups too."""
+    g = _golden("gemma2")
+    kw = dict(page_size=4, max_model_len=64)
+    llm = _llm("gemma2", "tp2", **kw)
+    assert isinstance(llm.alloc, jpaged.PageGroups) and llm.cache.k_pages.shape[0] == 2
+    outs = llm.generate([g["prompt_ids"]] * 3, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [g["greedy"]["tokens"]] * 3
+    assert llm.stats()["pages_released_by_window"] > 0 and llm.stats()["pages_used"] == 0
+    # Groups of one sequence's 16 pages each for five sequences: preempted, the same tokens.
+    prompts = [g["prompt_ids"][:n] for n in (19, 9, 4, 12, 15)]
+    small = _llm("gemma2", "tp2", **kw, num_pages=16, num_local_pages=16, watermark=0.0,
+                 preemption_mode=mode)  # fmt: skip
+    outs = small.generate(prompts, GREEDY)
+    ref = _llm("gemma2", "tp2", **kw, num_local_pages=0).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert outs[0].outputs[0].token_ids == g["greedy"]["tokens"]
+    s = small.stats()
+    assert s[f"preemptions_{mode}"] >= 1 and s["pages_used"] == 0
+
+
 def test_prefix_cache_under_tensor_parallelism():
     g = _golden("llama2")
     llm = _llm("llama2", "tp2")
