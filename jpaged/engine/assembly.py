@@ -109,28 +109,37 @@ def release_window(config: Any) -> int | None:
     return max(windows)
 
 
-def grouped_pool_layers(config: Any, num_local_pages: int | None) -> int | None:
-    """The layer slices of a pool of two page groups (`jpaged.kv.page_groups`) for a model
+def grouped_pool_layers(config: Any, num_local_pages: int | None, model: Any) -> int | None:
+    """The layer slices of a pool of two page groups (`jpaged.kv.page_groups`) for ``model``
     of ``config``, or None: one group. A model mixing sliding-window and full-attention
     layers, as many of each in every period of its layers (Gemma 2), gets two groups unless
-    ``num_local_pages`` is 0.
+    ``num_local_pages`` is 0, if it reads the local group's metadata
+    (``supports_page_groups``, `jpaged.models.PagedModel`); any other keeps one group.
 
     Raises:
       ValueError: ``num_local_pages`` > 0 for a model that cannot have two groups.
     """
     windows = getattr(config, "layer_windows", None)
     layers = pool_layers(windows) if windows else None
-    if layers is None and num_local_pages:
+    if num_local_pages and layers is None:
         raise ValueError(
             f"num_local_pages={num_local_pages} needs a model mixing sliding-window and "
             f"full-attention layers, as many of each per period of its layers (Gemma 2); "
             f"this model's layer windows are {windows}"
         )
-    return None if num_local_pages == 0 else layers
+    if num_local_pages and not getattr(model, "supports_page_groups", False):
+        raise ValueError(
+            f"num_local_pages={num_local_pages} needs a model that reads the local page "
+            f"group's metadata (supports_page_groups=True, as jpaged.models.LlamaForCausalLM); "
+            f"{type(model).__name__} has none: pass num_local_pages=0 or None"
+        )
+    if num_local_pages == 0 or not getattr(model, "supports_page_groups", False):
+        return None
+    return layers
 
 
-def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, dtype: Any,
-          width: int, lookahead: int) -> tuple[int, int]:  # fmt: skip
+def _pool(opts: EngineOptions, cfg: Any, *, grouped: bool, budget_layers: int, K: int, H: int,
+          dtype: Any, width: int, lookahead: int) -> tuple[int, int]:  # fmt: skip
     """``(global pages, local pages)`` of the pool (local 0: one group) from the options:
     ``num_pages`` is the global group's; a budget is split. By default the local group takes
     what its sequences' windows need (`default_local_pages`), at most ``num_pages`` or half
@@ -140,7 +149,6 @@ def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, 
       ValueError: ``num_local_pages`` below ``width``, or a budget that leaves the global
         group nothing.
     """
-    grouped = grouped_pool_layers(cfg, opts.num_local_pages) is not None
     C, S = opts.page_size, opts.max_num_seqs
     total = opts.num_pages
     if total is None:  # the budget is per device: each holds its own KV heads
@@ -152,6 +160,12 @@ def _pool(opts: EngineOptions, cfg: Any, *, budget_layers: int, K: int, H: int, 
     if local is None:
         auto = default_local_pages(S, width, local_window(cfg.layer_windows), C, lookahead)
         local = max(width, min(auto, total if opts.num_pages is not None else total // 2))
+    if local < width and opts.num_local_pages is None:
+        raise ValueError(
+            f"the KV budget holds {total} pages: too few for two page groups of at least one "
+            f"sequence of max_model_len each ({width} pages); raise kv_cache_memory or "
+            f"num_pages, lower max_model_len, or pass num_local_pages=0 (one group)"
+        )
     if local < width:
         raise ValueError(
             f"num_local_pages={local}: the local page group must hold one sequence of "
@@ -206,9 +220,10 @@ def assemble(
     L, K, H = model.num_layers, model.num_kv_heads, model.head_dim
     split = isinstance(model, TensorParallelModel)
     k = opts.num_decode_steps
-    L_pool = grouped_pool_layers(cfg, opts.num_local_pages) or L
+    grouped_layers = grouped_pool_layers(cfg, opts.num_local_pages, model)
+    L_pool = grouped_layers or L
     global_pages, local_pages = _pool(
-        opts, cfg, budget_layers=L_pool, K=model.layout.kv_heads_per_device if split else K,
+        opts, cfg, grouped=grouped_layers is not None, budget_layers=L_pool, K=model.layout.kv_heads_per_device if split else K,
         H=H, dtype=cache_dtype, width=W, lookahead=2 * k if opts.chain_decode else 0,
     )  # fmt: skip
     num_pages = int(global_pages + local_pages)

@@ -470,10 +470,10 @@ class Scheduler:
         ids = [s.seq_id for s in req.live_seqs()]
         running = self.running
         headroom = sum(len(r.live_seqs()) for r in running) + len(ids) if running else 0
-        if (
-            not self.alloc.can_swap_in(ids)
-            or self.alloc.num_free_pages - req.swapped_pages < headroom
-        ):
+        # Room above the watermark, and ``headroom`` pages left free after the swap (in each
+        # page group: a grouped pool's pages of a sequence are spread over two groups).
+        keep_free = headroom - self.alloc.watermark_pages
+        if not self.alloc.can_swap_in(ids) or not self.alloc.can_swap_in(ids, keep_free=keep_free):
             return False
         pairs = self.alloc.swap_in(ids)
         out.page_ops.append(PageOp("swap_in", tuple(pairs), req.request_id))

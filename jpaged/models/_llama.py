@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -312,7 +312,11 @@ class LlamaForCausalLM(nnx.Module):
       lm_head_DV: [D, V] output projection (None when tied to ``embed_VD``).
       shard_axis: None, or the mesh axis when this module is one device's shard of a
         tensor-parallel model (``jpaged.parallel``).
+      supports_page_groups: True: with a pool of two page groups (a model mixing windowed
+        and full-attention layers), each layer reads its group's metadata and pool slice.
     """
+
+    supports_page_groups: ClassVar[bool] = True
 
     def __init__(
         self,

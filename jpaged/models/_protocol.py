@@ -145,7 +145,12 @@ def batch_metadata(
 
 
 class PagedModel(Protocol):
-    """What ``jpaged`` needs from a model (see the module docstring)."""
+    """What ``jpaged`` needs from a model (see the module docstring). Optional: a class
+    attribute ``supports_page_groups = True`` declares that the model reads
+    ``AttentionMetadata.local_group()`` for its sliding-window layers and indexes the pool by
+    each layer's place within its group; only such a model of mixed windowed and
+    full-attention layers gets a pool of two page groups (others keep one, releasing nothing).
+    """
 
     num_layers: int
     num_kv_heads: int

@@ -78,6 +78,10 @@ class TensorParallelModel(nnx.Module):
         return self.config.head_dim
 
     @property
+    def supports_page_groups(self) -> bool:
+        return bool(getattr(self.shard, "supports_page_groups", False))
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _engine_helpers import DECODE_PATHS, assert_took_path
+from flax import nnx
 
 import jpaged
 from jpaged.kv.page_groups import PageGroups
@@ -33,6 +34,16 @@ ENGINE = dict(
     debug=True,
 )  # fmt: skip
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Cases ``make test`` leaves out and ``make test-all`` runs (``tests/conftest.py``): forks and
+# prefix hits on single steps (CI: [chains-k4]; single steps' release:
+# test_greedy_matches_transformers_within_the_window_bound[single-steps]), recompute with both
+# groups short (CI: [recompute-local-bound] and [swap]), and the fp8 pool's two groups (CI: an
+# fp8 pool's scales move with their pages in test_engine_quantized.py, the groups' pages here).
+SLOW_CASES = {
+    "test_outputs_unchanged_with_forks_and_prefix_hits[single-steps]",
+    "test_preemption_with_released_pages[recompute]",
+    "test_quantized_pool_with_two_groups",
+}
 
 
 def _golden() -> dict:
@@ -286,3 +297,50 @@ def test_quantized_pool_with_two_groups():
     assert llm.cache.k_scale.shape[:3] == (2, 1, 96 + 56)
     assert _tokens(llm.generate(prompts, params)) == _tokens(ref)
     assert llm.stats()["pages_released_by_window"] > 0 and llm.stats()["cow_copies"] > 0
+
+
+def test_a_swapped_sequence_comes_back_when_each_group_has_room():
+    """A 60-token prompt is swapped out beside a 1-token one in pools of 16 pages a group:
+    its 15 global and 2 local pages fit back (each group checked on its own, not the two
+    groups' pages summed against one), and both requests finish with the one-group tokens."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, size=1).tolist(), rng.integers(3, 300, size=60).tolist()]
+    params = [jpaged.SamplingParams(max_tokens=n, **GREEDY) for n in (20, 4)]
+    kw = dict(num_pages=16, watermark=0.0, preemption_mode="swap", chain_decode=False,
+              enable_prefix_caching=False)  # fmt: skip
+    ref, _ = _run(_engine(**kw, num_local_pages=0), prompts, params)
+    llm = _engine(**kw, num_local_pages=16)
+    outs, _ = _run(llm, prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    assert llm.stats()["preemptions_swap"] >= 1
+
+
+def test_a_chunked_prompt_resumes_after_its_local_pages_were_released():
+    """A 50-token prompt in chunks of 16 tokens: after each chunk the local pages its later
+    queries never see return to the pool, and the next chunk's keys attend over the kept
+    window; the tokens equal the one-group engine's (a released page read by mistake holds
+    NaN here)."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 300, size=50).tolist()
+    sp = jpaged.SamplingParams(max_tokens=8, **GREEDY)
+    kw = dict(max_num_batched_tokens=16, enable_prefix_caching=False)
+    ref, _ = _run(_engine(**kw, num_local_pages=0), [prompt], sp)
+    llm = _engine(**kw)
+    outs, _ = _run(llm, [prompt], sp)
+    assert _tokens(outs) == _tokens(ref)
+    assert llm.stats()["pages_released_by_window"] >= 8
+
+
+class _GemmaWithoutGroups(jpaged.models.LlamaForCausalLM):
+    """A model of Gemma 2's layers that does not read the local group's metadata."""
+
+    supports_page_groups = False
+
+
+def test_a_model_that_does_not_read_the_local_group_keeps_one():
+    model = _GemmaWithoutGroups(_model().config, rngs=nnx.Rngs(0))
+    llm = jpaged.LLM(model, **ENGINE)
+    assert isinstance(llm.alloc, jpaged.BlockAllocator)
+    assert llm.cache.k_pages.shape[0] == model.num_layers
+    with pytest.raises(ValueError, match="num_local_pages=16 needs a model that reads the local"):
+        jpaged.LLM(model, **ENGINE, num_local_pages=16)
