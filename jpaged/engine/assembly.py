@@ -29,7 +29,8 @@ from jpaged.engine.step import StepExecutor
 from jpaged.engine.tokenizer_adapter import as_engine_tokenizer
 from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.cache import PagedKVCache, pages_for_budget
-from jpaged.kv.page_groups import PageGroups, default_local_pages, local_window, pool_layers
+from jpaged.kv.layer_groups import local_window, pool_layers
+from jpaged.kv.page_groups import PageGroups, default_local_pages
 from jpaged.parallel.mesh import DATA_AXIS
 from jpaged.parallel.tp import TensorParallelModel, create_cache, data_replicas, shard_model
 

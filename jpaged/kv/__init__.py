@@ -16,4 +16,5 @@ Internal modules; the public names are re-exported from `jpaged`:
 - `window`: sliding-window page release (which pages no later query sees; the device table).
 - `page_groups`: `PageGroups`, the global and the local page group of one pool for models that
   mix sliding-window and full-attention layers (the local group releases outside the window).
+- `layer_groups`: which layers go to which group (the model's scan and the pool's sizing).
 """

@@ -13,7 +13,7 @@ swap slots):
 The device pool is one `jpaged.PagedKVCache` ``[L / 2, K, P_g + P_l, C, H]``: its layer axis
 holds one slice per global layer for a global page and one per local layer for a local
 page (a model with as many local as global layers: Gemma 2), and the model indexes it by
-each layer's index within its group (`group_layer_indices`). A page copy, swap or gather
+each layer's index within its group (`jpaged.kv.layer_groups`). A page copy, swap or gather
 moves a page of either group the same way, so the page operations keep one id space:
 local pages and host slots are numbered after the global ones.
 
@@ -46,44 +46,7 @@ from jpaged._errors import OutOfPagesError
 from jpaged.kv.allocator import AllocatorInvariantError, AllocatorStats, BlockAllocator
 from jpaged.kv.copy_on_write import CopyPairs
 
-__all__ = [
-    "PageGroups",
-    "default_local_pages",
-    "group_layer_indices",
-    "local_window",
-    "pool_layers",
-]
-
-
-def local_window(layer_windows: Sequence[int | None] | None) -> int | None:
-    """The window of the local group: the largest layer window when some layers have one
-    and others none (a mixed model), else None.
-
-    >>> local_window((8, None, 8, None)), local_window((8, 8)), local_window((None,))
-    (8, None, None)
-    """
-    if not layer_windows:
-        return None
-    windows = [w for w in layer_windows if w is not None]
-    if not windows or len(windows) == len(layer_windows):
-        return None
-    return max(windows)
-
-
-def pool_layers(layer_windows: Sequence[int | None]) -> int | None:
-    """Layer slices of a grouped pool: L / 2 when half the layers are windowed and each
-    scan period of the layers holds as many local as global ones, else None (no groups).
-
-    >>> pool_layers((8, None, 8, None)), pool_layers((8, 8, None)), pool_layers((8, 8))
-    (2, None, None)
-    """
-    windows = tuple(layer_windows)
-    L = len(windows)
-    period = next(p for p in range(1, L + 1) if not L % p and windows == windows[:p] * (L // p))
-    local = sum(w is not None for w in windows[:period])
-    if local_window(layer_windows) is None or 2 * local != period:
-        return None
-    return L // 2
+__all__ = ["PageGroups", "default_local_pages"]
 
 
 def default_local_pages(
@@ -98,21 +61,6 @@ def default_local_pages(
     """
     per_seq = -(-window // page_size) + 2 + -(-lookahead_tokens // page_size)
     return max_num_seqs * per_seq + width
-
-
-def group_layer_indices(layer_windows: Sequence[int | None]) -> tuple[int, ...]:
-    """Each layer's index within its group (local layers and global layers counted apart):
-    the layer slice of the grouped pool it reads and writes.
-
-    >>> group_layer_indices((8, None, 8, None)), group_layer_indices((None, 4, 4, None))
-    ((0, 0, 1, 1), (0, 0, 1, 1))
-    """
-    seen = {True: 0, False: 0}
-    out = []
-    for w in layer_windows:
-        out.append(seen[w is None])
-        seen[w is None] += 1
-    return tuple(out)
 
 
 class PageGroups:

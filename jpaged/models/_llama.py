@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.kv.page_groups import group_layer_indices, local_window
+from jpaged.kv.layer_groups import group_layer_indices, local_window
 from jpaged.models._config import ModelConfig
 from jpaged.models._protocol import AttentionMetadata, paged_attention_layer
 from jpaged.models._rope import apply_rope, inverse_frequencies

@@ -13,14 +13,9 @@ import doctest
 import pytest
 
 from jpaged import AllocatorError, AllocatorInvariantError, OutOfPagesError
-from jpaged.kv import page_groups, prefix_plan
-from jpaged.kv.page_groups import (
-    PageGroups,
-    default_local_pages,
-    group_layer_indices,
-    local_window,
-    pool_layers,
-)
+from jpaged.kv import layer_groups, page_groups, prefix_plan
+from jpaged.kv.layer_groups import group_layer_indices, local_window, pool_layers
+from jpaged.kv.page_groups import PageGroups, default_local_pages
 
 C = 4
 P_G, P_L = 16, 8
@@ -30,7 +25,9 @@ def _groups(**kw) -> PageGroups:
     return PageGroups(P_G, P_L, C, watermark=0.0, **kw)
 
 
-@pytest.mark.parametrize("module", [page_groups, prefix_plan], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [page_groups, layer_groups, prefix_plan], ids=lambda m: m.__name__
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
