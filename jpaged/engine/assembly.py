@@ -235,11 +235,18 @@ def assemble(
     bpp = cache.bytes_per_page
     host_pages = int(opts.swap_space // bpp)
     if local_pages:
-        local_host = host_pages * local_pages // num_pages
+        # Host slots in proportion to the groups' pages, the local group's at most what its
+        # swapped sequences can hold: their windows (swap moves held pages only), as sized by
+        # default_local_pages; the rest swaps whole histories out of the global group.
+        window = local_window(cfg.layer_windows)
+        need = default_local_pages(
+            opts.max_num_seqs, W, window, C, 2 * k if opts.chain_decode else 0
+        )
+        local_host = min(host_pages * local_pages // num_pages, need)
         alloc = PageGroups(
             int(global_pages), int(local_pages), C, watermark=opts.watermark,
             num_host_pages=host_pages - local_host, num_local_host_pages=local_host,
-            bytes_per_page=bpp, window=local_window(cfg.layer_windows),
+            bytes_per_page=bpp, window=window,
         )  # fmt: skip
     else:
         alloc = BlockAllocator(

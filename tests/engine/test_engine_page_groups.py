@@ -279,6 +279,11 @@ def test_pool_sizes():
     llm = jpaged.LLM(_model(), **ENGINE, num_local_pages=20, swap_space=68 * 16384)
     assert (llm.alloc.global_group.num_pages, llm.alloc.local_group.num_pages) == (48, 20)
     assert llm.alloc.local_host_offset == 48 and llm.alloc.num_host_pages == 68
+    # Host slots follow the pages, the local group's capped at what its swapped sequences
+    # hold: 8 windows of 2 + 2 pages and one whole sequence, 48 of 1,000 (not 806).
+    llm = jpaged.LLM(_model(), **ENGINE, num_local_pages=200, chain_decode=False,
+                     swap_space=1000 * 16384)  # fmt: skip
+    assert llm.alloc.local_host_offset == 1000 - 48 and llm.alloc.num_host_pages == 1000
 
 
 def test_models_that_are_not_mixed_keep_one_group():
