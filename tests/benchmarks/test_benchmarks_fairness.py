@@ -161,6 +161,9 @@ def test_realistic_pool_and_main_with_reserving_systems(tmp_path):
     assert low["rate"] == 100.0 and low["p50_s"] == saved["results"]["jpaged"][0]["ttft_s"]["p50"]
 
 
+# Slow (``make test-all``): the engine's fp8 / int8 pools hold 7,943 pages in bf16's 4,096
+# pages of bytes in CI (tests/engine/test_engine_quantized.py); this runs serving.py on both.
+@pytest.mark.slow
 def test_quantized_pool_holds_more_tokens_in_the_same_memory(tmp_path):
     # --cache-dtype fp8: jpaged's pool in the bytes of the bf16 budget (codes of one byte and
     # an f32 scale per token and KV head), the reservations of reserve-* over that pool, and

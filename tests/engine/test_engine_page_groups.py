@@ -36,12 +36,15 @@ ENGINE = dict(
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Cases ``make test`` leaves out and ``make test-all`` runs (``tests/conftest.py``): forks and
 # prefix hits on single steps (CI: [chains-k4]; single steps' release:
-# test_greedy_matches_transformers_within_the_window_bound[single-steps]), recompute with both
-# groups short (CI: [recompute-local-bound] and [swap]), and the fp8 pool's two groups (CI: an
-# fp8 pool's scales move with their pages in test_engine_quantized.py, the groups' pages here).
+# test_greedy_matches_transformers_within_the_window_bound[single-steps]), preemption with both
+# groups short (CI: recompute with the local group short, [recompute-local-bound]; swap out and
+# back in with two groups, test_a_swapped_sequence_comes_back_when_each_group_has_room), and
+# the fp8 pool's two groups (CI: an fp8 pool's scales move with their pages in
+# test_engine_quantized.py, the groups' pages here).
 SLOW_CASES = {
     "test_outputs_unchanged_with_forks_and_prefix_hits[single-steps]",
     "test_preemption_with_released_pages[recompute]",
+    "test_preemption_with_released_pages[swap]",
     "test_quantized_pool_with_two_groups",
 }
 

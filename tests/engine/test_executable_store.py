@@ -18,7 +18,14 @@ STEP_PROGRAMS = ["decode B=6", "loop B=6 greedy", "loop B=6 random", "loop B=6 t
 # A case ``make test`` leaves out and ``make test-all`` runs (``tests/conftest.py``), two fresh
 # processes: torn entries (a stored program that fails is removed and compiled in CI:
 # test_a_loaded_program_that_fails_its_first_run_is_removed_and_compiled).
-SLOW_CASES = {"test_an_unreadable_entry_is_removed_and_compiled"}
+SLOW_CASES = {
+    "test_an_unreadable_entry_is_removed_and_compiled",
+    # Two data-parallel replicas, each storing and loading its own 2-device programs (CI: a
+    # fresh process loads every step program, test_a_fresh_process_loads_every_step_program_
+    # without_tracing; what decides a program is in its key, test_anything_that_decides_the_
+    # program_is_in_the_key; the replicas' routing, tests/parallel/mesh_cases.py)
+    "test_data_parallel_replicas_each_load_their_own_programs",
+}
 
 
 def _process(directory, mode: str = "run", env: dict | None = None) -> tuple[dict, str]:
