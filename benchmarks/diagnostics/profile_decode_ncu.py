@@ -16,7 +16,6 @@ computes garbage is noticed).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 
@@ -28,13 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import decode_attention as da
-
-
-def _profiler(start: bool) -> None:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    rc = cuda.cuProfilerStart() if start else cuda.cuProfilerStop()
-    if rc != 0:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}")
+from _cuda_profiler import profiler
 
 
 def main(argv=None) -> None:
@@ -69,11 +62,11 @@ def main(argv=None) -> None:
         elif case in ref:
             err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - ref[case])))
             print(f"{name}: max abs diff vs the default kernel {err:.2e}")
-    _profiler(True)
+    profiler(True)
     for k, (name, f, args) in enumerate(runs):
         print(f"launch group {k}: {name}", flush=True)
         jax.block_until_ready(f(*args))
-    _profiler(False)
+    profiler(False)
 
 
 if __name__ == "__main__":

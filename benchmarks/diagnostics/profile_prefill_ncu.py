@@ -19,7 +19,6 @@ dense FA3 example kernel on the same data (``prefill_attention.py``'s anchor, f1
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import os
 import sys
@@ -32,13 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import prefill_attention as pa
-
-
-def _profiler(start: bool) -> None:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    rc = cuda.cuProfilerStart() if start else cuda.cuProfilerStop()
-    if rc != 0:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}")
+from _cuda_profiler import profiler
 
 
 def main(argv=None) -> None:
@@ -73,11 +66,11 @@ def main(argv=None) -> None:
             first = out
         else:
             print(f"{spec}: max abs diff vs {ns.variants[0]} {np.max(np.abs(out - first)):.2e}")
-    _profiler(True)
+    profiler(True)
     for k, (spec, fn) in enumerate(runs):
         print(f"launch group {k}: T={T} B={B} {spec}", flush=True)
         jax.block_until_ready(fn(*inp))
-    _profiler(False)
+    profiler(False)
 
 
 if __name__ == "__main__":
