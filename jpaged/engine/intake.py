@@ -194,10 +194,16 @@ class RequestIntake:
         need = n // C + req.fan_out * (math.ceil((n + gen) / C) - n // C)
         usable = self.alloc.num_pages - self.alloc.watermark_pages
         if need > usable:
+            groups = getattr(self.alloc, "local_group", None)
+            sizes = (
+                f"num_pages={self.alloc.num_pages}" if groups is None
+                else f"the tighter of two page groups: global {self.alloc.global_group.num_pages}"
+                f" pages, local {groups.num_pages}"
+            )  # fmt: skip
             return (
                 f"cannot fit even alone: {n} prompt tokens + {gen} new tokens x {req.fan_out} "
                 f"sequence(s) need up to {need} pages of {C} tokens; the pool has {usable} "
-                f"(num_pages={self.alloc.num_pages} minus the watermark)"
+                f"({sizes}, minus the watermark)"
             )
         return None
 

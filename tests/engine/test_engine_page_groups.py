@@ -352,3 +352,14 @@ def test_a_model_that_does_not_read_the_local_group_keeps_one():
     assert llm.cache.k_pages.shape[0] == model.num_layers
     with pytest.raises(ValueError, match="num_local_pages=16 needs a model that reads the local"):
         jpaged.LLM(model, **ENGINE, num_local_pages=16)
+
+
+def test_a_request_too_large_for_either_group_names_both_sizes():
+    llm = _engine(num_pages=16, num_local_pages=16, watermark=0.0)
+    rng = np.random.default_rng(4)
+    (out,) = llm.generate(
+        [rng.integers(3, 300, size=60).tolist()],
+        jpaged.SamplingParams(max_tokens=4, n=2, **GREEDY),
+    )
+    assert out.error is not None and "cannot fit even alone" in out.error
+    assert "the tighter of two page groups: global 16 pages, local 16" in out.error
