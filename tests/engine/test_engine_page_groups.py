@@ -17,7 +17,6 @@ import functools
 import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -216,20 +215,6 @@ def test_preemption_with_released_pages(mode, pages):
     if mode == "swap":
         assert s["swapped_out_bytes"] > 0 and s["swapped_in_bytes"] == s["swapped_out_bytes"]
     assert s["pages_used"] == 0
-
-
-@pytest.fixture
-def backend_compiles():
-    """XLA compiles of this process while the test runs (``jax.monitoring``)."""
-    count = [0]
-
-    def listen(event, duration_secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    yield lambda: count[0]
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_no_compiles_after_warmup_through_releases_swaps_and_joins(backend_compiles):

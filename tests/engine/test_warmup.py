@@ -85,21 +85,6 @@ def test_warmup_report_and_no_compiles_after_it(capsys):
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 7) for p in prompts]
 
 
-@pytest.fixture
-def backend_compiles():
-    """XLA compiles of this process while the test runs (``jax.monitoring``): every placement
-    of a program's inputs compiles anew, which the trace count (``recompiles``) does not see."""
-    count = [0]
-
-    def listen(event, duration_secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    yield lambda: count[0]
-    jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def test_no_compiles_after_warmup_through_swaps_joins_and_a_replaced_pool(backend_compiles):
     # A pool too small for the batch: sequences are swapped out and back in (the swap-in
     # writes host blocks into the pool), rows join running chains (their carries placed on
