@@ -60,7 +60,7 @@ class ReplicaSet:
 
     def owner(self, request_id: str) -> Any:
         """The replica that holds ``request_id`` (None if none does)."""
-        return next((r for r in self.replicas if request_id in r._requests), None)
+        return next((r for r in self.replicas if request_id in r._book), None)
 
     def step(self) -> set[str]:
         """One step of every replica with unfinished requests; the ids they touched."""

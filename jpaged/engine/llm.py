@@ -25,7 +25,6 @@ raises nothing and the engine serves the next call (`jpaged.engine.engine_step`)
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from jpaged.engine.intake import Prompt, RequestIntake, as_prompt_list, check_ca
 from jpaged.engine.options import EngineOptions
 from jpaged.engine.outputs import RequestOutput, request_output
 from jpaged.engine.params import check_for_engine
+from jpaged.engine.request_book import RequestBook
 from jpaged.engine.requests import Request
 from jpaged.engine.sampling import BeamSearchParams, SamplingParams
 from jpaged.engine.warmup import WarmupReport, warmup_programs
@@ -183,9 +183,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, mesh=mesh,
             compilation_cache=compilation_cache,
         )  # fmt: skip
-        self._requests: dict[str, Request] = {}
-        self._finished_ids: collections.deque[str] = collections.deque()  # oldest first
-        self._failed_at_add: set[str] = set()
+        self._book = RequestBook(opts.keep_finished)
         self.replicas: list[LLM] = []
         engine_mesh = opts.engine_mesh()
         if engine_mesh is not None and engine_mesh.shape[DATA_AXIS] > 1:
@@ -213,7 +211,7 @@ class LLM:
         self.executor, self.chain = parts.executor, parts.chain
         self.engine_step = EngineStep(
             alloc=self.alloc, kv=self.kv, scheduler=self.scheduler, chain=self.chain,
-            executor=self.executor, counters=self.counters, request=self._requests.get,
+            executor=self.executor, counters=self.counters, request=self._book.get,
             debug=self.debug,
         )  # fmt: skip
         self.chat_template = parts.chat_template
@@ -319,7 +317,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(ids)} conversations")
         rids = self._add_all(ids, params, None)
         for rid, text in zip(rids, texts, strict=True):
-            self._requests[rid].prompt_text = text
+            self._book[rid].prompt_text = text
         return self._run_to_completion(rids, progress)
 
     def beam_search(
@@ -355,9 +353,9 @@ class LLM:
         pending = set(ids)
         try:
             for rid in ids:
-                if self._requests[rid].finished:
+                if self._book[rid].finished:
                     pending.discard(rid)
-                    yield self._output(self._requests[rid])
+                    yield self._output(self._book[rid])
             while pending:
                 for out in self.step():
                     if out.request_id in pending:
@@ -393,14 +391,13 @@ class LLM:
     def _discard(self, ids) -> None:
         """Aborts and forgets requests whose ids never reached the caller."""
         for rid in ids:
-            req = self._requests.pop(rid, None)
+            req = self._book.discard(rid)
             if req is not None and not req.finished:
                 self.scheduler.abort(req)
-            self._failed_at_add.discard(rid)
 
     def _abort_all(self, ids) -> None:
         for rid in ids:
-            if not self._requests[rid].finished:
+            if not self._book[rid].finished:
                 self.abort(rid)
 
     def add_request(
@@ -434,27 +431,23 @@ class LLM:
     def _add(self, prompt, params, request_id: str | None, cache_salt: str | None) -> str:
         """Queues a checked request (``prompt`` as `RequestIntake.read_prompt` returns it)."""
         if request_id is None:
-            request_id = self.intake.new_id(self._requests)
-        if request_id in self._requests:
+            request_id = self.intake.new_id(self._book.by_id)
+        if request_id in self._book:
             raise ValueError(f"{request_id=} is already in use")
         if self.replicas:
             replica = self._replica_set.pick(prompt[0], cache_salt)  # by its token ids
             replica._add(prompt, params, request_id, cache_salt)
-            req = replica._requests[request_id]
+            req = replica._book[request_id]
         else:
             req = self.intake.make_request(prompt, params, request_id, cache_salt)
-        self._requests[request_id] = req
-        if req.finished:
-            self._failed_at_add.add(request_id)
-        elif not self.replicas:
+        self._book.add(req)
+        if not req.finished and not self.replicas:
             self.scheduler.add(req)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees everything it holds (finish reason "abort")."""
-        req = self._requests.get(request_id)
-        if req is None:
-            raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
+        req = self._book.lookup(request_id)
         if not req.finished and self.replicas:
             self._replica_set.owner(request_id).abort(request_id)
         elif not req.finished:
@@ -467,43 +460,22 @@ class LLM:
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's current output (a finished one only among the last ``keep_finished``)."""
-        req = self._requests.get(str(request_id))
-        if req is None:
-            raise ValueError(f"unknown {request_id=}{self._dropped_hint()}")
-        return self._output(req)
-
-    def _dropped_hint(self) -> str:
-        return f" (finished requests are kept for the last keep_finished={self.keep_finished} only)"
-
-    def _retire(self) -> None:
-        """Drops the oldest finished requests beyond ``keep_finished``."""
-        while len(self._finished_ids) > self.keep_finished:
-            rid = self._finished_ids.popleft()
-            req = self._requests.get(rid)
-            if req is not None and req.finished:
-                del self._requests[rid]
+        return self._output(self._book.lookup(request_id))
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step (one device call); returns the requests that progressed,
         and those finished since the last step (an aborted one with finish reason "abort")."""
         touched = self._step()
-        return [self._output(self._requests[rid]) for rid in sorted(touched, key=id_order)
-                if rid in self._requests]  # fmt: skip
+        return [self._output(self._book[rid]) for rid in sorted(touched, key=id_order)
+                if rid in self._book]  # fmt: skip
 
     def _step(self) -> set[str]:
         """One step; returns the ids of the requests it touched (progressed, preempted, done)."""
-        self._retire()  # at the start: the previous step's outputs have been built
+        self._book.retire()  # at the start: the previous step's outputs have been built
         if self.replicas:  # every replica with work steps; the front keeps the finished ids
-            touched = self._replica_set.step() | self._failed_at_add
-            self._finished_ids.extend(rid for rid in touched if self._requests[rid].finished)
-            self._failed_at_add = set()
-            return touched
-        touched, done = self.engine_step.run()
-        self._finished_ids.extend(done)
-        self._finished_ids.extend(self._failed_at_add)
-        touched |= set(done) | self._failed_at_add
-        self._failed_at_add = set()
-        return touched
+            touched = self._replica_set.step()
+            return self._book.settle(touched, [r for r in touched if self._book[r].finished])
+        return self._book.settle(*self.engine_step.run())
 
     def warmup(self, *, progress: bool | None = None, threads: int | None = None) -> WarmupReport:
         """Compiles every step program this engine can meet, on inputs that write nothing.
@@ -571,7 +543,7 @@ class LLM:
         try:
             return self._steps_until_done(ids, progress)
         except BaseException:
-            self._discard([rid for rid in ids if rid in self._requests])
+            self._discard([rid for rid in ids if rid in self._book])
             raise
 
     def _steps_until_done(self, ids: list[str], progress: bool) -> list[RequestOutput]:
@@ -580,7 +552,7 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        reqs = {rid: self._requests[rid] for rid in ids}  # kept even if retired meanwhile
+        reqs = {rid: self._book[rid] for rid in ids}  # kept even if retired meanwhile
         pending = {rid for rid in ids if not reqs[rid].finished}
         if bar is not None:
             bar.update(len(ids) - len(pending))

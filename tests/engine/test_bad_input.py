@@ -54,10 +54,10 @@ def llm():
     ],
 )
 def test_add_request_rejects_prompts_that_are_not_token_ids(llm, prompt, match):
-    before = dict(llm._requests)
+    before = dict(llm._book.by_id)
     with pytest.raises(ValueError, match=match):
         llm.add_request(prompt, GREEDY)
-    assert llm._requests == before
+    assert llm._book.by_id == before
     assert_idle(llm)
 
 
@@ -94,10 +94,10 @@ def test_token_ids_as_numpy_or_jax_integers_are_accepted(llm):
     ],
 )
 def test_generate_names_the_bad_prompt_and_queues_nothing(llm, prompts, match):
-    before = dict(llm._requests)
+    before = dict(llm._book.by_id)
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, GREEDY)
-    assert llm._requests == before
+    assert llm._book.by_id == before
     assert_idle(llm)
 
 
@@ -108,10 +108,10 @@ def test_a_bad_third_prompt_queues_none_of_the_call(llm):
         lambda ps: next(llm.stream(ps, GREEDY)),
         lambda ps: llm.beam_search(ps, jpaged.BeamSearchParams(beam_width=2, max_tokens=2)),
     ):
-        before = dict(llm._requests)
+        before = dict(llm._book.by_id)
         with pytest.raises(ValueError, match=r"prompts\[2\]\[1\]=2\.5 \(float\)"):
             call([*good, [1, 2.5]])
-        assert llm._requests == before
+        assert llm._book.by_id == before
         assert_idle(llm)
     outs = llm.generate(good, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 4) for p in good]
@@ -134,7 +134,7 @@ def test_a_failure_while_adding_removes_the_requests_already_added(monkeypatch):
     prompts = random_prompts(32, (5, 6, 7))
     with pytest.raises(RuntimeError, match="simulated intake failure"):
         llm.generate(prompts, GREEDY)
-    assert llm._requests == {}
+    assert llm._book.by_id == {}
     assert_idle(llm)
     outs = llm.generate(prompts, GREEDY)  # the fourth call on: nothing fails
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 4) for p in prompts]
@@ -308,7 +308,7 @@ def test_an_interrupted_generate_leaves_none_of_its_requests_behind(monkeypatch)
     prompts = random_prompts(37, (5, 12))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY)
-    assert llm._requests == {}
+    assert llm._book.by_id == {}
     assert_idle(llm)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(p, 4) for p in prompts]

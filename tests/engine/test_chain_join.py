@@ -133,7 +133,7 @@ def test_abort_mid_prefill_beside_a_chain():
 
     def abort(llm, ids):
         if len(ids) > 2 and not hits:
-            req = llm._requests[ids[2]]
+            req = llm._book.by_id[ids[2]]
             seq = req.seqs[0]
             if 0 < seq.num_computed < len(req.prompt) and llm.chain.state is not None:
                 llm.abort(ids[2])
@@ -260,7 +260,7 @@ def test_a_join_out_of_pages_decodes_beside_and_joins_next_time(monkeypatch):
     llm = make_llm()
     ids = _chain_of_two(llm, prompts)
     ids.append(llm.add_request(prompts[2], params[2]))
-    seq_id = llm._requests[ids[2]].seqs[0].seq_id
+    seq_id = llm._book.by_id[ids[2]].seqs[0].seq_id
     reserve, refused = llm.alloc.reserve, []
 
     def short_once(sid, n):

@@ -31,7 +31,7 @@ def _blocked_round(llm):
     while llm.chain.state is None:
         llm.step()
     ids += [llm.add_request(p, sp) for p, sp in zip(PROMPTS[2:], PARAMS[2:], strict=True)]
-    c, d = (llm._requests[rid].seqs[0].seq_id for rid in ids[2:])
+    c, d = (llm._book.by_id[rid].seqs[0].seq_id for rid in ids[2:])
     alloc = llm.alloc
     reserve, append_slots = alloc.reserve, alloc.append_slots
     fired = []

@@ -354,14 +354,14 @@ def test_finished_requests_are_kept_only_up_to_keep_finished():
         llm.abort("1")
     while llm.has_unfinished_requests():
         llm.step()
-    assert len(llm._requests) <= 2 + 1  # the cap, plus those finished in the last step
+    assert len(llm._book.by_id) <= 2 + 1  # the cap, plus those finished in the last step
     assert llm.get_output(slow).outputs[0].token_ids == dense_greedy(
         llm.get_output(slow).prompt_token_ids, 56
     )
     # Arrival order survives the drops (FCFS admission uses it): ids are fresh and in order.
     a = llm.add_request([1, 2, 3], greedy)
     b = llm.add_request([1, 2, 3], greedy)
-    assert llm._requests[a].arrival < llm._requests[b].arrival
+    assert llm._book.by_id[a].arrival < llm._book.by_id[b].arrival
     with pytest.raises(ValueError, match="keep_finished=-1 must be an int >= 0"):
         make_llm(keep_finished=-1)
 

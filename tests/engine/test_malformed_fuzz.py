@@ -150,10 +150,10 @@ def _run(actions):
             prompt, kw = RAISING[arg]
             kw = dict(kw)
             params = kw.pop("params", GREEDY)
-            before = set(llm._requests)
+            before = set(llm._book.by_id)
             with pytest.raises(ValueError):
                 llm.add_request(prompt, params, **kw)
-            assert set(llm._requests) == before
+            assert set(llm._book.by_id) == before
         elif kind == "unservable":
             unservable.add(llm.add_request(UNSERVABLE[arg], GREEDY))
         elif kind == "duplicate_id" and valid:

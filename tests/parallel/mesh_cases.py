@@ -428,7 +428,7 @@ def test_data_parallel_routes_requests_to_replicas():
     assert (
         again.num_cached_tokens == 16 and again.outputs[0].token_ids == ref[2].outputs[0].token_ids
     )
-    assert again.request_id in owner._requests
+    assert again.request_id in owner._book
     rid = llm.add_request(g["prompt_ids"], GREEDY)
     llm.step()
     llm.abort(rid)
