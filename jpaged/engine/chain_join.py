@@ -50,6 +50,7 @@ __all__ = [
     "ChainJoin",
     "JoinRows",
     "StepBesideLoop",
+    "empty_carry",
     "grow_carry",
     "join_rows",
     "lower_join_programs",
@@ -158,6 +159,7 @@ class StepBesideLoop:
       tables, live: the next loop's table fields (`jpaged.engine.batches.loop_tables`) and
         live rows (host).
       result: the future of the step's ``(tokens, logprobs)`` (device arrays).
+      starts_chain: the step starts the chain (an empty carry; `ChainJoin.round_of`).
     """
 
     plan: StepPlan
@@ -170,6 +172,7 @@ class StepBesideLoop:
     tables: dict[str, np.ndarray] | None = None
     live: np.ndarray | None = None
     result: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    starts_chain: bool = False
 
     @property
     def request_ids(self) -> list[str]:
@@ -227,10 +230,19 @@ class ChainJoin:
         page operations still run."""
         chained = {it.request.request_id for it in items}
         plan = schedule_beside(self.scheduler, chained, rule)
-        Bp = self.grid.rows(len(items))  # the chain's row bucket
         if plan.blocked:
             return StepBesideLoop(plan=plan, batch=None, rows=[], items=list(items),
-                                  num_rows=Bp, grown=False, join=None)  # fmt: skip
+                                  num_rows=self.grid.rows(len(items)), grown=False,
+                                  join=None)  # fmt: skip
+        return self.round_of(plan, items, rule)
+
+    def round_of(self, plan: StepPlan, items, rule: JoinRule) -> StepBesideLoop:
+        """The round of ``plan`` (a step that is not blocked) beside a chain of rows ``items``
+        (empty: a chain starts from the step, `DecodeChain.start_from_step`): each of its
+        sampling rows that may generate more than its first token joins the next loop, in a
+        finished row's slot or a new one, once the slots of its first loop are reserved
+        (their copies are appended to ``plan.page_ops``)."""
+        Bp = self.grid.rows(len(items))  # the chain's row bucket
         scheduled = plan.scheduled
         rows = [b for b, it in enumerate(scheduled) if it.samples]
         new_items = list(items)
@@ -326,6 +338,10 @@ class ChainJoin:
         c = self.counters
         if beside.batch is not None:
             c.device_calls += 1
+        if beside.starts_chain:
+            c.chains_from_steps += 1
+            return
+        if beside.batch is not None:
             c.steps_beside_chain += 1
         if beside.join is not None:
             c.chain_joins += int(beside.join.mask.sum())
@@ -365,7 +381,7 @@ def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops
     out = []
     for key in keys:
         if key.kind == "grow":
-            carry = _empty_carry(runner, key.tokens, width, num_stops, grouped)
+            carry = empty_carry(runner, key.tokens, width, num_stops, grouped)
             fn, args, kw = grow_carry, (carry,), {"rows": key.rows}
         else:
             B = key.rows
@@ -375,7 +391,7 @@ def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops
                             stop_ids=np.full((B, num_stops), -1, np.int32),
                             sampling=sampling_arrays(np.zeros((B, 5)), B))  # fmt: skip
             tok_R = runner.on_device(np.zeros(key.tokens, np.int32))
-            args = (_empty_carry(runner, B, width, num_stops, grouped), runner.on_device(rows),
+            args = (empty_carry(runner, B, width, num_stops, grouped), runner.on_device(rows),
                     tok_R)  # fmt: skip
             fn, kw = join_rows, {}
         lowered = fn.trace(*args, **kw).lower()
@@ -383,7 +399,7 @@ def lower_join_programs(runner, keys: list[ProgramKey], *, width: int, num_stops
     return out
 
 
-def _empty_carry(runner, B: int, width: int, num_stops: int, grouped: bool) -> LoopBatch:
+def empty_carry(runner, B: int, width: int, num_stops: int, grouped: bool) -> LoopBatch:
     """A decode loop's carry of B padding rows, on the device as a loop's output is."""
     zeros = np.zeros(B, np.int32)
     table = np.zeros((B, width), np.int32)

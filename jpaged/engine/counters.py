@@ -20,7 +20,10 @@ class Counters:
         ``loop_steps``).
       tokens_generated: tokens appended to sequences.
       loop_steps: decode steps run inside decode loops (they stop early).
-      chain_starts: chains of decode loops started.
+      chain_starts: chains of decode loops started (from a decode-only plan, or from a
+        step with prefill: ``chains_from_steps``).
+      chains_from_steps: chains started from a step with prefill, the step and the first
+        loop in one dispatch (`jpaged.engine.decode_chain.DecodeChain.start_from_step`).
       steps_beside_chain: steps run between two loops of a chain (prefill chunks of
         admitted requests, decode tokens of requests outside it; `jpaged.engine.chain_join`).
       chain_joins: rows that joined a running chain.
@@ -37,6 +40,7 @@ class Counters:
     tokens_generated: int = 0
     loop_steps: int = 0
     chain_starts: int = 0
+    chains_from_steps: int = 0
     steps_beside_chain: int = 0
     chain_joins: int = 0
     chain_grows: int = 0

@@ -26,14 +26,16 @@ import numpy as np
 from jpaged._errors import OutOfPagesError
 from jpaged.engine.appender import TokenAppender
 from jpaged.engine.batches import LoopBatch, loop_tables, pad_to, sampling_arrays, sampling_row
+from jpaged.engine.beside_plan import JoinRule, joinable
 from jpaged.engine.buckets import stop_bucket
-from jpaged.engine.chain_join import ChainJoin, StepBesideLoop
+from jpaged.engine.chain_join import ChainJoin, StepBesideLoop, empty_carry
 from jpaged.engine.counters import Counters
 from jpaged.engine.kv_manager import KVManager
 from jpaged.engine.logits_process import logits_inputs, num_top_for
 from jpaged.engine.runner import Runner
 from jpaged.engine.sampling import sampling_mode
 from jpaged.engine.scheduler import Scheduled, Scheduler, StepPlan
+from jpaged.kv.page_groups import PageGroups
 
 __all__ = ["DecodeChain", "NextRound"]
 
@@ -206,6 +208,53 @@ class DecodeChain:
             self.end(items)
             raise
         return True
+
+    def step_rule(self, plan: StepPlan) -> JoinRule | None:
+        """The `JoinRule` of a chain that ``plan``, a step that is not decode-only, can start
+        (`start_from_step`), or None: chains or joins are off, nothing samples, or a request
+        it schedules could not be in a decode loop (beam search, ``n > 1``, logits
+        processing, log-probabilities; `jpaged.engine.beside_plan.joinable`)."""
+        if not (self.enabled and self.joins is not None) or plan.decode_only:
+            return None
+        sampled = [it for it in plan.scheduled if it.samples]
+        if not sampled:
+            return None
+        samp = np.asarray([sampling_row(it.request, it.seq, it.seq.seed) for it in sampled])
+        mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
+        num_stops = stop_bucket(max(len(it.request.stop_ids) for it in sampled))
+        rule = self.joins.rule(mode, num_stops)
+        return rule if all(joinable(it.request, rule) for it in plan.scheduled) else None
+
+    def start_from_step(self, plan: StepPlan, rule: JoinRule) -> set[str] | None:
+        """Starts a chain from a step with prefill (``plan``, its page operations applied;
+        ``rule`` from `step_rule`): one dispatch runs the step, writes the rows that sample
+        into an empty carry (`jpaged.engine.chain_join`) and runs the first decode loop, so
+        the loop is on the device before the host reads the step's tokens. Returns the ids
+        of the requests the step touched (their first tokens are appended when the step is
+        done, while the loop runs), or None when no row would join (every one finishes
+        with its first token, or the pool cannot reserve its loop): run the plan as a
+        single step instead (nothing changed)."""
+        done = len(plan.page_ops)
+        beside = self.joins.round_of(plan, [], rule)
+        if beside.join is None:
+            return None
+        self.kv.apply(plan.page_ops[done:])  # the joined rows' copies-on-write
+        Bp = beside.num_rows
+        beside.grown, beside.starts_chain = False, True  # the carry starts at their bucket
+        beside.tables = self._tables(beside.items, Bp)
+        beside.live = pad_to(np.ones(len(beside.items), bool), Bp, False)
+        carry = empty_carry(self.runner, Bp, self.width, rule.num_stops,
+                            grouped=isinstance(self.kv.alloc, PageGroups))  # fmt: skip
+        program = (rule.mode, 0, ())  # as `start` makes it: no top-k, no processors
+        self._joinable, self._num_stops = True, rule.num_stops
+        self.counters.chain_starts += 1
+        try:
+            fut = self._dispatch(carry, program, beside)
+        except Exception:
+            self.end(beside.items)
+            raise
+        self.state = (beside.items, program, fut)
+        return self.joins.finish(beside)  # waits for the step, not the loop
 
     def _dispatch(self, batch: LoopBatch, program: tuple,
                   beside: StepBesideLoop | None = None) -> concurrent.futures.Future:  # fmt: skip

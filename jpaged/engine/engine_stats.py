@@ -47,6 +47,7 @@ def engine_stats(
         # Chains of decode loops started; steps run between two of a chain's loops, rows
         # that joined a running chain, carries grown for them (`jpaged.engine.chain_join`).
         "chain_starts": counters.chain_starts,
+        "chains_from_steps": counters.chains_from_steps,
         "steps_beside_chain": counters.steps_beside_chain,
         "chain_joins": counters.chain_joins,
         "chain_grows": counters.chain_grows,

@@ -3,7 +3,9 @@
 `EngineStep.run` is the body of ``jpaged.LLM.step``: while a chain of decode loops is in
 flight it advances the chain; otherwise the `Scheduler` plans (`StepPlan`), the
 `KVManager` runs the plan's page operations, and the plan runs as one device call
-(`StepExecutor`) or starts a chain (`DecodeChain`).
+(`StepExecutor`) or starts a chain (`DecodeChain`): a decode-only plan as the chain's first
+loop, a plan with prefill as the step before it, in the same dispatch, when its rows can
+join a decode loop.
 
 A step that raises (a page operation, the device call, the token appender) fails only the
 requests of that step (`EngineStep.fail`): each gets finish reason ``"error"`` with the
@@ -104,12 +106,18 @@ class EngineStep:
                 if self.chain.can_loop(plan) and self.chain.start(plan):
                     # Its rows progress when the next step processes the loop.
                     touched -= {s.request.request_id for s in plan.scheduled}
-                else:
+                elif not self._start_chain_from_step(plan):
                     self.executor.run(plan)
             except Exception as e:
                 self.fail([s.request for s in plan.scheduled], e)
         timing["step_s"] += time.perf_counter() - t1
         return touched
+
+    def _start_chain_from_step(self, plan) -> bool:
+        """Whether ``plan`` (a step with prefill) started a chain whose first decode loop
+        runs right after it, in the same dispatch (`DecodeChain.start_from_step`)."""
+        rule = self.chain.step_rule(plan)
+        return rule is not None and self.chain.start_from_step(plan, rule) is not None
 
     def fail(self, requests: list, error: Exception) -> None:
         """Fails ``requests`` (None entries and finished requests are skipped) with ``error``."""

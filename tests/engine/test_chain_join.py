@@ -81,8 +81,8 @@ def test_an_admission_does_not_end_the_chain():
     llm = make_llm()
     prompts = random_prompts(8, (6, 9, 4))
     ids = [llm.add_request(p, _params(i)) for i, p in enumerate(prompts[:2])]
-    llm.step()  # the prefill (a single step)
-    llm.step()  # starts the chain
+    llm.step()  # the prefill and the chain's first loop, in one dispatch
+    llm.step()  # the next loop
     assert llm.chain.state is not None
     starts, singles = llm.stats()["chain_starts"], llm.stats()["single_steps"]
     ids.append(llm.add_request(prompts[2], _params(2)))
