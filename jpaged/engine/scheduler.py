@@ -31,6 +31,7 @@ import dataclasses
 from jpaged._errors import OutOfPagesError
 from jpaged.engine.requests import Request, Sequence, Status
 from jpaged.kv.allocator import BlockAllocator
+from jpaged.kv.page_groups import swap_out_pages
 
 __all__ = ["PageOp", "PreemptionEvent", "Scheduled", "Scheduler", "StepPlan"]
 
@@ -549,11 +550,7 @@ class Scheduler:
         ids = [s.seq_id for s in req.live_seqs()]
         if not ids or self.alloc.num_host_pages == 0 or not self.alloc.can_swap_out(ids):
             return 1 << 62, float("inf")
-        C = self.alloc.page_size
-        pages = {
-            p for i in ids for p in self.alloc.block_table(i)[: -(-self.alloc.num_tokens(i) // C)]
-        }
-        nbytes = len(pages) * self.alloc.bytes_per_page
+        nbytes = swap_out_pages(self.alloc, ids) * self.alloc.bytes_per_page
         return nbytes, 2 * nbytes / self._swap_bps
 
     def _recompute_cost(self, req: Request) -> tuple[int, float]:

@@ -46,7 +46,7 @@ from jpaged._errors import OutOfPagesError
 from jpaged.kv.allocator import AllocatorInvariantError, AllocatorStats, BlockAllocator
 from jpaged.kv.copy_on_write import CopyPairs
 
-__all__ = ["PageGroups", "default_local_pages"]
+__all__ = ["PageGroups", "default_local_pages", "swap_out_pages"]
 
 
 def default_local_pages(
@@ -384,3 +384,25 @@ class PageGroups:
 
     def _local_pages(self, pairs: CopyPairs) -> CopyPairs:
         return [(a + self.local_offset, b + self.local_offset) for a, b in pairs]
+
+
+def swap_out_pages(alloc: BlockAllocator | PageGroups, seq_ids: Iterable[Hashable]) -> int:
+    """Device pages a swap-out of ``seq_ids`` moves (pages they share counted once): their
+    block tables' pages up to their lengths, and with two page groups also the local pages
+    they still hold (those inside the window).
+
+    >>> g = PageGroups(8, 4, 4, watermark=0.0, num_host_pages=8, num_local_host_pages=4)
+    >>> g.allocate("a", 10)
+    >>> g.release_outside_window("a", 10, 4)
+    1
+    >>> swap_out_pages(g, ["a"]), len(g.swap_out(["a"]))
+    (5, 5)
+    """
+    C = alloc.page_size
+    ids = list(seq_ids)
+    held = {i: -(-alloc.num_tokens(i) // C) for i in ids}
+    pages = {p for i in ids for p in alloc.block_table(i)[: held[i]]}
+    if isinstance(alloc, PageGroups):
+        pages |= {p for i in ids
+                  for p in alloc.local_block_table(i)[alloc.num_released_pages(i) : held[i]]}  # fmt: skip
+    return len(pages)

@@ -170,6 +170,18 @@ def test_swap_moves_both_groups_as_pool_ids_and_host_slots():
     g.check_invariants()
 
 
+def test_swap_out_pages_counts_what_a_swap_out_moves_in_both_groups():
+    g = _groups(num_host_pages=16, num_local_host_pages=8)
+    g.allocate("a", 19)
+    g.fork("a", "b")  # shares every page with "a": counted once
+    g.release_outside_window("a", 19, 8)  # "a" holds 2 local pages, "b" all 5
+    assert page_groups.swap_out_pages(g, ["a"]) == 5 + 2
+    assert page_groups.swap_out_pages(g, ["a", "b"]) == 5 + 5
+    assert page_groups.swap_out_pages(g, ["a", "b"]) == len(g.swap_out(["a", "b"]))
+    plain = g.global_group
+    assert page_groups.swap_out_pages(plain, []) == 0
+
+
 def test_swap_is_all_or_nothing_when_a_group_lacks_host_slots():
     g = _groups(num_host_pages=8, num_local_host_pages=1)
     g.allocate("a", 9)  # 3 pages each; the local group has 1 host slot
