@@ -1,8 +1,9 @@
 """Multi-step decode: chains of on-device decode loops (up to k steps each) over pages
 reserved ahead, the next loop dispatched from the previous one's device carry.
 
-`DecodeChain` starts a chain when every scheduled sequence is decoding (`can_loop`), and
-each later engine step advances it (`advance`): it reserves the next loop's pages, waits for
+`DecodeChain` starts a chain when every scheduled sequence is decoding (`can_loop`), or
+from a step with prefill whose requests can all be in a loop (`start_from_step`: the step
+and the first loop in one dispatch), and each later engine step advances it (`advance`): it reserves the next loop's pages, waits for
 the loop in flight, dispatches the next loop from its carry, and only then hands the tokens
 to the `TokenAppender`, so the host work overlaps the device. With ``joins`` (a
 `ChainJoin`), a request admitted while the chain runs has its prefill run between two loops
