@@ -97,10 +97,11 @@ class JpagedSystem:
         return self.llm.has_unfinished_requests()
 
     def counts(self) -> dict[str, int]:
-        """Model forwards (single steps and decode-loop steps), preemptions and swap bytes so
-        far (`RUN_COUNTS`)."""
+        """Model forwards (single steps, decode-loop steps, and the steps run beside a chain
+        or starting one), preemptions and swap bytes so far (`RUN_COUNTS`)."""
         s = self.llm.stats()
-        return {"forwards": s["single_steps"] + s["loop_decode_steps"],
+        steps = s["single_steps"] + s["steps_beside_chain"] + s["chains_from_steps"]
+        return {"forwards": steps + s["loop_decode_steps"],
                 "preemptions_recompute": s["preemptions_recompute"],
                 "preemptions_swap": s["preemptions_swap"],
                 "swapped_out_bytes": s["swapped_out_bytes"]}  # fmt: skip
