@@ -33,11 +33,13 @@ def _reference(prompts, params):
     return _run(make_llm(join_running=False), prompts, params)
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
 @pytest.mark.parametrize("kw", [{}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
-def test_the_first_step_starts_the_chain_with_single_step_tokens(kw):
+def test_the_first_step_starts_the_chain_with_single_step_tokens(kw, threaded):
     prompts = random_prompts(21, (7, 3, 11))
     params = [_params(i, **kw) for i in range(3)]
     llm = make_llm()
+    llm.chain.threaded_dispatch = threaded  # True: the GPU's dispatch from a worker thread
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outs = {o.request_id: o for o in llm.step()}
     # One engine step: the prefill's first tokens are out, and the chain's loop is dispatched.
@@ -130,10 +132,13 @@ def test_a_pool_too_short_for_the_first_loop_runs_the_step_alone(monkeypatch):
     assert llm.stats()["pages_used"] == 0
 
 
-def test_a_failed_dispatch_fails_the_steps_requests_and_the_engine_serves_on(monkeypatch):
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_a_failed_dispatch_fails_the_steps_requests_and_the_engine_serves_on(monkeypatch,
+                                                                            threaded):  # fmt: skip
     prompts = random_prompts(26, (6, 4, 5))
     params = [_params(i) for i in range(3)]
     llm = make_llm()
+    llm.chain.threaded_dispatch = threaded
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2], strict=True)]
     loop = llm.runner.decode_loop
 
