@@ -3,15 +3,15 @@ reserved ahead, the next loop dispatched from the previous one's device carry.
 
 `DecodeChain` starts a chain when every scheduled sequence is decoding (`can_loop`), or
 from a step with prefill whose requests can all be in a loop (`start_from_step`: the step
-and the first loop in one dispatch), and each later engine step advances it (`advance`): it reserves the next loop's pages, waits for
-the loop in flight, dispatches the next loop from its carry, and only then hands the tokens
-to the `TokenAppender`, so the host work overlaps the device. With ``joins`` (a
-`ChainJoin`), a request admitted while the chain runs has its prefill run between two loops
-and its row joins the next loop (`jpaged.engine.chain_join`). A chain ends when no row can
-run on (and none joins), when half its rows finished, when the pool cannot reserve ahead,
-when a request outside it needs a single step (a waiting request that would be admitted
-and cannot join; without ``joins``, any), or on a failure (`end`: every row keeps exactly
-its computed tokens).
+and the first loop in one dispatch), and each later engine step advances it (`advance`): it
+reserves the next loop's pages, waits for the loop in flight, dispatches the next loop from
+its carry, and only then hands the tokens to the `TokenAppender`, so the host work overlaps
+the device. With ``joins`` (a `ChainJoin`), a request admitted while the chain runs has its
+prefill run between two loops and its row joins the next loop (`jpaged.engine.chain_join`).
+A chain ends when no row can run on (and none joins), when half its rows finished, when the
+pool cannot reserve ahead, when a request outside it needs a single step (a waiting request
+that would be admitted and cannot join; without ``joins``, any), or on a failure (`end`:
+every row keeps exactly its computed tokens).
 """
 
 from __future__ import annotations
@@ -212,9 +212,12 @@ class DecodeChain:
 
     def step_rule(self, plan: StepPlan) -> JoinRule | None:
         """The `JoinRule` of a chain that ``plan``, a step that is not decode-only, can start
-        (`start_from_step`), or None: chains or joins are off, nothing samples, or a request
+        (`start_from_step`), or None: chains or joins are off, nothing samples, a request
         it schedules could not be in a decode loop (beam search, ``n > 1``, logits
-        processing, log-probabilities; `jpaged.engine.beside_plan.joinable`)."""
+        processing, log-probabilities; `jpaged.engine.beside_plan.joinable`), or the chain
+        would end after its first loop for a request outside it (`ChainJoin.must_end`: a
+        running one that cannot join, or a waiting one that would be admitted and cannot),
+        which would wait that loop for its step."""
         if not (self.enabled and self.joins is not None) or plan.decode_only:
             return None
         sampled = [it for it in plan.scheduled if it.samples]
@@ -224,7 +227,11 @@ class DecodeChain:
         mode = sampling_mode(samp[:, 0], samp[:, 1], samp[:, 2], self.runner.vocab_size)
         num_stops = stop_bucket(max(len(it.request.stop_ids) for it in sampled))
         rule = self.joins.rule(mode, num_stops)
-        return rule if all(joinable(it.request, rule) for it in plan.scheduled) else None
+        if not all(joinable(it.request, rule) for it in plan.scheduled):
+            return None
+        if self.joins.must_end(plan.scheduled, rule, self.num_decode_steps + 1):
+            return None
+        return rule
 
     def start_from_step(self, plan: StepPlan, rule: JoinRule) -> set[str] | None:
         """Starts a chain from a step with prefill (``plan``, its page operations applied;
@@ -255,7 +262,11 @@ class DecodeChain:
             self.end(beside.items)
             raise
         self.state = (beside.items, program, fut)
-        return self.joins.finish(beside)  # waits for the step, not the loop
+        try:
+            return self.joins.finish(beside)  # waits for the step, not the loop
+        except Exception:  # the step failed (in the dispatch thread), or appending its
+            self.end(beside.items)  # tokens did: the chain ends with it
+            raise
 
     def _dispatch(self, batch: LoopBatch, program: tuple,
                   beside: StepBesideLoop | None = None) -> concurrent.futures.Future:  # fmt: skip

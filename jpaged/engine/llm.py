@@ -205,7 +205,6 @@ class LLM:
         self.enable_prefix_caching = opts.enable_prefix_caching
         self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
         self.chain_decode = opts.chain_decode
-        self.keep_finished = opts.keep_finished
         self.alloc, self.kv, self.scheduler = parts.alloc, parts.kv, parts.scheduler
         self.runner, self.counters, self.appender = parts.runner, parts.counters, parts.appender
         self.executor, self.chain = parts.executor, parts.chain
@@ -234,9 +233,18 @@ class LLM:
         self.enable_prefix_caching = opts.enable_prefix_caching
         self.num_decode_steps, self.debug = opts.num_decode_steps, opts.debug
         self.chain_decode = opts.chain_decode
-        self.keep_finished, self.intake = opts.keep_finished, replica.intake
+        self.intake = replica.intake
         self.alloc = self.kv = self.scheduler = self.runner = self.counters = None
         self.appender = self.executor = self.chain = self.engine_step = None
+
+    @property
+    def keep_finished(self) -> int:
+        """Finished requests kept for ``get_output`` (settable)."""
+        return self._book.keep_finished
+
+    @keep_finished.setter
+    def keep_finished(self, value: int) -> None:
+        self._book.keep_finished = value
 
     @property
     def cache(self) -> PagedKVCache:
@@ -449,7 +457,7 @@ class LLM:
         """Stops a request and frees everything it holds (finish reason "abort")."""
         req = self._book.lookup(request_id)
         if not req.finished and self.replicas:
-            self._replica_set.owner(request_id).abort(request_id)
+            self._replica_set.owner(req.request_id).abort(req.request_id)
         elif not req.finished:
             self.scheduler.abort(req)
 

@@ -3,10 +3,13 @@
 
 With no chain running, a plan with prefill whose requests can all be in a decode loop runs as
 the step before the chain's first loop, in one dispatch: the loop is on the device before the
-host reads the step's tokens. The tokens are those of single steps (``join_running=False``
-never takes this path); rows that finish with their first token do not join, and a plan in
-which no row joins, or a request cannot be in a loop, runs as a single step.
+host reads the step's tokens. The tokens are those of single steps (``chain_decode=False``);
+rows that finish with their first token do not join, and a plan in which no row joins, a
+request cannot be in a loop, or a request outside the plan would end the chain at once runs
+as a single step.
 """
+
+import threading
 
 import pytest
 
@@ -30,7 +33,7 @@ def _run(llm, prompts, params):
 
 
 def _reference(prompts, params):
-    return _run(make_llm(join_running=False), prompts, params)
+    return _run(make_llm(chain_decode=False), prompts, params)  # one synchronous step a call
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
@@ -87,10 +90,36 @@ def test_rows_done_after_their_first_token_do_not_join():
     assert alone.stats()["single_steps"] == 1 and not alone.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": 2}, {"presence_penalty": 0.5}])
+def test_a_partial_prompt_chunk_beside_sampled_rows_decodes_beside_the_chain():
+    prompts = random_prompts(28, (6, 40))  # 6 + the first 26 of 40 fill the 32-token budget
+    params = [_params(0), _params(1)]
+    llm = make_llm()
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    llm.step()
+    assert [it.request.request_id for it in llm.chain.state[0]] == [ids[0]]
+    assert llm.get_output(ids[1]).outputs[0].token_ids == []  # its rest runs beside the chain
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.stats()["steps_beside_chain"] > 0 and llm.stats()["chains_from_steps"] == 1
+    assert [llm.get_output(r).outputs[0].token_ids for r in ids] == _reference(prompts, params)
+
+
+_NOT_IN_A_LOOP = {
+    "n=2": {"n": 2, "temperature": 1.0},
+    "logprobs": {"logprobs": 2},
+    "prompt_logprobs": {"prompt_logprobs": 1},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "logit_bias": {"logit_bias": {7: 2.0}},
+    "min_p": {"min_p": 0.2, "temperature": 1.0},
+    "random_beside_top_p": {"temperature": 1.0},  # the other row truncates: modes differ
+}
+
+
+@pytest.mark.parametrize("extra", list(_NOT_IN_A_LOOP.values()), ids=list(_NOT_IN_A_LOOP))
 def test_a_request_that_cannot_be_in_a_loop_runs_the_step_alone(extra):
     prompts = random_prompts(24, (5, 9))
-    params = [_params(0), _params(1, **extra)]
+    first = {"temperature": 0.7, "top_p": 0.9} if "temperature" in extra else {}
+    params = [_params(0, **first), _params(1, **extra)]
     llm = make_llm()
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     llm.step()
@@ -98,13 +127,52 @@ def test_a_request_that_cannot_be_in_a_loop_runs_the_step_alone(extra):
     assert llm.chain.state is None and s["chains_from_steps"] == 0 and s["single_steps"] == 1
     while llm.has_unfinished_requests():
         llm.step()
-    ref = make_llm(join_running=False)
+    ref = make_llm(chain_decode=False)
     ref_ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     while ref.has_unfinished_requests():
         ref.step()
     for r, q in zip(ids, ref_ids, strict=True):
         got, want = llm.get_output(r).outputs, ref.get_output(q).outputs
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_beam_search_runs_its_prefill_as_a_single_step():
+    prompts = random_prompts(29, (5, 7))
+    llm = make_llm()
+    llm.add_request(prompts[0], _params(0))
+    beam = llm.add_request(prompts[1], jpaged.BeamSearchParams(beam_width=2, max_tokens=4))
+    llm.step()
+    assert llm.chain.state is None and llm.stats()["chains_from_steps"] == 0
+    while llm.has_unfinished_requests():
+        llm.step()
+    ref = make_llm(chain_decode=False)
+    ref_beam = ref.add_request(prompts[1], jpaged.BeamSearchParams(beam_width=2, max_tokens=4))
+    while ref.has_unfinished_requests():
+        ref.step()
+    got, want = llm.get_output(beam).outputs, ref.get_output(ref_beam).outputs
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_request_outside_the_step_that_would_end_the_chain_keeps_it_a_single_step():
+    """A running request the step leaves out (the budget) that cannot join: a chain started
+    here would end after its first loop, and that request would wait the loop."""
+    prompts = random_prompts(30, (32, 6))
+    params = [_params(0), _params(1, logprobs=1)]
+    llm = make_llm(num_decode_steps=8)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    llm.step()  # the 32-token prompt takes the whole budget; the other waits
+    assert llm.chain.state is None and llm.stats()["chains_from_steps"] == 0
+    llm.step()
+    assert len(llm.get_output(ids[1]).outputs[0].token_ids) == 1  # no loop before its step
+    while llm.has_unfinished_requests():
+        llm.step()
+    ref = make_llm(chain_decode=False)
+    ref_ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while ref.has_unfinished_requests():
+        ref.step()
+    assert [llm.get_output(r).outputs[0].token_ids for r in ids] == [
+        ref.get_output(r).outputs[0].token_ids for r in ref_ids
+    ]
 
 
 def test_a_pool_too_short_for_the_first_loop_runs_the_step_alone(monkeypatch):
@@ -126,6 +194,16 @@ def test_a_pool_too_short_for_the_first_loop_runs_the_step_alone(monkeypatch):
     s = llm.stats()
     assert llm.chain.state is None and s["chains_from_steps"] == 0 and s["single_steps"] == 1
     assert len(calls) == 2  # both rows tried to join
+    # The allocator is as one single step leaves it: nothing reserved, no copies.
+    ref = make_llm(chain_decode=False)
+    ref_ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    ref.step()
+    for key in ("pages_used", "pages_free", "cow_copies"):
+        assert s[key] == ref.stats()[key], key
+    for r, q in zip(ids, ref_ids, strict=True):
+        seq, ref_seq = llm._book[r].seqs[0].seq_id, ref._book[q].seqs[0].seq_id
+        assert llm.alloc.num_tokens(seq) == ref.alloc.num_tokens(ref_seq)
+        assert len(llm.alloc.block_table(seq)) == len(ref.alloc.block_table(ref_seq))
     while llm.has_unfinished_requests():
         llm.step()
     assert [llm.get_output(r).outputs[0].token_ids for r in ids] == _reference(prompts, params)
@@ -156,3 +234,30 @@ def test_a_failed_dispatch_fails_the_steps_requests_and_the_engine_serves_on(mon
         assert "device call failed (test)" in out.error
     assert llm.chain.state is None and llm.stats()["pages_used"] == 0
     assert _run(llm, prompts[2:], params[2:]) == _reference(prompts[2:], params[2:])
+
+
+def test_a_step_that_fails_in_the_dispatch_thread_ends_the_chain_at_once(monkeypatch):
+    prompts = random_prompts(31, (6, 4, 5))
+    params = [_params(i) for i in range(3)]
+    llm = make_llm()
+    llm.chain.threaded_dispatch = True
+    step = llm.runner.step
+
+    def broken(*a, **k):
+        if threading.current_thread().name.startswith("jpaged-dispatch"):
+            raise RuntimeError("step failed in the dispatch thread (test)")
+        return step(*a, **k)
+
+    monkeypatch.setattr(llm.runner, "step", broken)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2], strict=True)]
+    llm.step()
+    for r in ids:
+        out = llm.get_output(r)
+        assert out.outputs[0].finish_reason == "error" and "dispatch thread" in out.error
+    assert llm.chain.state is None and llm.stats()["pages_used"] == 0
+    monkeypatch.setattr(llm.runner, "step", step)
+    new = llm.add_request(prompts[2], params[2])
+    assert llm.step() and len(llm.get_output(new).outputs[0].token_ids) == 1  # served at once
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert [llm.get_output(new).outputs[0].token_ids] == _reference(prompts[2:], params[2:])

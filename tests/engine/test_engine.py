@@ -362,6 +362,11 @@ def test_finished_requests_are_kept_only_up_to_keep_finished():
     a = llm.add_request([1, 2, 3], greedy)
     b = llm.add_request([1, 2, 3], greedy)
     assert llm._book.by_id[a].arrival < llm._book.by_id[b].arrival
+    llm.keep_finished = 0  # settable: the next steps drop every finished request
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.step()
+    assert llm._book.by_id == {}
     with pytest.raises(ValueError, match="keep_finished=-1 must be an int >= 0"):
         make_llm(keep_finished=-1)
 

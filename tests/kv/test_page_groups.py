@@ -14,6 +14,7 @@ import pytest
 
 from jpaged import AllocatorError, AllocatorInvariantError, OutOfPagesError
 from jpaged.kv import layer_groups, page_groups, prefix_plan
+from jpaged.kv.allocator import BlockAllocator
 from jpaged.kv.layer_groups import group_layer_indices, local_window, pool_layers
 from jpaged.kv.page_groups import PageGroups, default_local_pages
 
@@ -178,8 +179,11 @@ def test_swap_out_pages_counts_what_a_swap_out_moves_in_both_groups():
     assert page_groups.swap_out_pages(g, ["a"]) == 5 + 2
     assert page_groups.swap_out_pages(g, ["a", "b"]) == 5 + 5
     assert page_groups.swap_out_pages(g, ["a", "b"]) == len(g.swap_out(["a", "b"]))
-    plain = g.global_group
-    assert page_groups.swap_out_pages(plain, []) == 0
+    plain = BlockAllocator(8, C, num_host_pages=8)  # one group: its block tables
+    plain.allocate("x", 9)
+    plain.fork("x", "y")
+    plain.append_slots("y", 4)  # "y" copies its last page: 3 shared + 1 + "y"'s new one
+    assert page_groups.swap_out_pages(plain, ["x", "y"]) == len(plain.swap_out(["x", "y"])) == 5
 
 
 def test_swap_is_all_or_nothing_when_a_group_lacks_host_slots():
