@@ -23,6 +23,21 @@ import numpy as np
 _original = None
 
 
+_AVALS: dict = {}  # (shape, dtype, x64) -> the aval device_put gives a NumPy array of them
+
+
+def _aval(x: np.ndarray):
+    """``core.shaped_abstractify(x)``, remembered by shape, dtype and the x64 setting (what
+    it depends on for a NumPy array)."""
+    from jax._src import config, core
+
+    key = (x.shape, x.dtype, config.enable_x64.value)
+    aval = _AVALS.get(key)
+    if aval is None:
+        aval = _AVALS[key] = core.shaped_abstractify(x)
+    return aval
+
+
 def put_on_cpu(args, cpu_device):
     """``jax.device_put(args, cpu_device)`` for a tuple of operands, NumPy arrays put one by
     one as ``device_put`` puts a JAX array on one device."""
@@ -37,7 +52,7 @@ def put_on_cpu(args, cpu_device):
     for x in args:
         if type(x) is not np.ndarray or x.dtype == dtypes.float0:
             return api.device_put(args, cpu_device)
-        aval = core.shaped_abstractify(x)
+        aval = _aval(x)
         if aval.dtype != x.dtype:  # canonicalized (64-bit types without x64): device_put's
             return api.device_put(args, cpu_device)
         out.append(pxla.batched_device_put(aval, sharding, [x], [cpu_device]))
