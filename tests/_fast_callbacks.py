@@ -5,13 +5,13 @@ program that calls back into Python for its memory accesses, barriers and copies
 case makes some 15,000 calls of about 11 operands each. Before each call
 ``callback.io_callback_impl`` puts the NumPy operands on the CPU device with
 ``jax.device_put``, whose general path (tree flattening, checks, a batched dispatch, a result
-handler per array) cost about a third of an interpreted case's time.
+handler per array) costs up to a third of an interpreted case's time.
 
 ``install`` replaces ``io_callback_impl`` with a copy whose transfer puts each NumPy operand
 with ``pxla.batched_device_put`` (what ``device_put`` runs for a JAX array on one device):
 the same committed single-device arrays (aval, sharding, values, and the same aliasing of an
 aligned host buffer). Operands of any other kind, or of a dtype JAX would canonicalize, go
-through ``jax.device_put`` as before. ``tests/test_fast_callbacks.py`` checks the arrays
+through ``jax.device_put``, as in the original. ``tests/test_fast_callbacks.py`` checks the arrays
 against ``device_put``'s and interpreted kernels' outputs against the original's. Nothing in
 the library uses this: it only makes CPU CI's interpreted kernel cases cheaper.
 """
