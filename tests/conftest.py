@@ -17,6 +17,7 @@ os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
 
 import gc
 
+import _fast_callbacks
 import _fast_lowering
 import jax
 import pytest
@@ -27,6 +28,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Cross-lowering for CUDA spends half its time naming layout-inference variables: an
 # output-identical shortcut (tests/_fast_lowering.py; checked in tests/test_lowered_ir.py).
 _fast_lowering.install()
+# The Pallas interpreters' callbacks take their operands faster, the same arrays
+# (tests/_fast_callbacks.py; checked in tests/test_fast_callbacks.py).
+_fast_callbacks.install()
 
 
 _MAX_MAPPINGS = 30_000  # clear well below Linux's default vm.max_map_count (65530)

@@ -4,8 +4,9 @@ that what one process stored is loaded by another, as in use).
 ``python tests/engine/store_process.py DIR run``: an engine warmed up with its cache in DIR,
 then greedy tokens, then those of an engine rebuilt over the same model without a warm-up;
 prints a JSON line: programs loaded, step-program traces, tokens.
-``... DIR keys``: after a warm-up from DIR, warm-ups under another jpaged source, JAX flag
-and compiler options; prints how many programs each loaded.
+``... DIR keys``: after a warm-up from DIR, warm-ups of the decode and ragged steps under
+another jpaged source, JAX flag and compiler options, then without them, then the whole
+warm-up again; prints how many programs each loaded.
 ``... DIR badrun``: as ``run``, but the first decode loop loaded fails when run.
 ``... DIR mesh``: as ``run``, on a 2 x 2 ("data", "model") mesh of 4 CPU devices.
 """
@@ -33,7 +34,8 @@ def warm(directory, mesh: bool = False, **kw):
                          num_pages=64, max_num_seqs=8, max_model_len=64,
                          max_num_batched_tokens=32, compilation_cache=directory)  # fmt: skip
     else:
-        llm = make_llm(num_decode_steps=2, max_num_seqs=6, compilation_cache=directory, **kw)
+        kw = {"num_decode_steps": 2, "max_num_seqs": 6, "compilation_cache": directory, **kw}
+        llm = make_llm(**kw)
     before = runner._TRACES[0]
     report = llm.warmup(threads=2)
     return llm, report, runner._TRACES[0] - before
@@ -84,14 +86,19 @@ def main(directory: str, mode: str) -> dict:
                 rebuilt.generate(PROMPTS, GREEDY)
                 out["rebuilt_highest_traces"] = runner._TRACES[0] - before
         return out
+    # Each variant warms up the engine without decode loops: its two step programs (the
+    # decode step and the ragged step) have the stored programs' shapes, so only the varied
+    # part of the key keeps them from loading ("steps_again": both load without it).
+    steps = dict(chain_decode=False, num_decode_steps=1)
     real = executable_store._packages_fingerprint
     executable_store._packages_fingerprint = lambda: "edited"
-    out["edited_source"] = warm(directory)[1].num_loaded
+    out["edited_source"] = warm(directory, **steps)[1].num_loaded
     executable_store._packages_fingerprint = real
     with jax.default_matmul_precision("highest"):
-        out["other_jax_flag"] = warm(directory)[1].num_loaded
+        out["other_jax_flag"] = warm(directory, **steps)[1].num_loaded
     options = {"xla_cpu_enable_fast_math": False}
-    out["other_options"] = warm(directory, compiler_options=options)[1].num_loaded
+    out["other_options"] = warm(directory, compiler_options=options, **steps)[1].num_loaded
+    out["steps_again"] = warm(directory, **steps)[1].num_loaded
     out["again"] = warm(directory)[1].num_loaded
     return out
 

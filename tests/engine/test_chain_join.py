@@ -168,7 +168,7 @@ def test_preemption_while_rows_join(mode):
         assert s[f"preemptions_{mode}"] > 0, (mode, join)
         assert (s["chain_joins"] > 0) == join
         _check_released(llm)
-    ref = make_llm(num_pages=256).generate(prompts, params)
+    ref = make_llm().generate(prompts, params)  # 64 pages hold all eight: no preemption
     expected = [o.outputs[0].token_ids for o in ref]
     assert all(r == expected for r in results.values())
 

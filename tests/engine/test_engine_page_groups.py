@@ -127,7 +127,7 @@ def test_greedy_matches_transformers_within_the_window_bound(decode):
 
 def test_one_group_keeps_every_page():
     gold = _golden()
-    llm = _engine(num_local_pages=0)
+    llm = _engine(num_local_pages=0, num_pages=96)  # the one-group references' pool
     assert not isinstance(llm.alloc, PageGroups) and llm.cache.k_pages.shape[0] == 4
     sp = jpaged.SamplingParams(max_tokens=32, **GREEDY)
     out = llm.generate([gold["prompt_ids"]], sp)[0]
@@ -194,7 +194,7 @@ def test_outputs_unchanged_with_forks_and_prefix_hits(decode):
     ("mode", "pages"),
     [("recompute", dict(num_pages=16, num_local_pages=16)),
      ("swap", dict(num_pages=16, num_local_pages=16)),
-     ("recompute", dict(num_pages=64, num_local_pages=16))],  # only the local group binds
+     ("recompute", dict(num_pages=80, num_local_pages=16))],  # only the local group binds
     ids=["recompute", "swap", "recompute-local-bound"],
 )  # fmt: skip
 def test_preemption_with_released_pages(mode, pages):
@@ -295,14 +295,14 @@ def test_quantized_pool_with_two_groups():
 def test_a_swapped_sequence_comes_back_when_each_group_has_room():
     """A 60-token prompt is swapped out beside a 1-token one in pools of 16 pages a group:
     its 15 global and 2 local pages fit back (each group checked on its own, not the two
-    groups' pages summed against one), and both requests finish with the one-group tokens."""
+    groups' pages summed against one), and both requests finish with the tokens of an
+    unconstrained one-group engine."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, size=1).tolist(), rng.integers(3, 300, size=60).tolist()]
     params = [jpaged.SamplingParams(max_tokens=n, **GREEDY) for n in (20, 4)]
-    kw = dict(num_pages=16, watermark=0.0, preemption_mode="swap", chain_decode=False,
-              enable_prefix_caching=False)  # fmt: skip
-    ref, _ = _run(_engine(**kw, num_local_pages=0), prompts, params)
-    llm = _engine(**kw, num_local_pages=16)
+    ref, _ = _run(_engine(num_local_pages=0, num_pages=96), prompts, params)
+    llm = _engine(num_pages=16, watermark=0.0, preemption_mode="swap", chain_decode=False,
+                  enable_prefix_caching=False, num_local_pages=16)  # fmt: skip
     outs, _ = _run(llm, prompts, params)
     assert _tokens(outs) == _tokens(ref)
     assert llm.stats()["preemptions_swap"] >= 1
