@@ -36,6 +36,20 @@ def _reference(prompts, params):
     return _run(make_llm(chain_decode=False), prompts, params)  # one synchronous step a call
 
 
+def _completions(llm, ids):
+    """Every completion's (or beam's) tokens of each request ``ids``."""
+    return [[o.token_ids for o in llm.get_output(r).outputs] for r in ids]
+
+
+def _reference_completions(prompts, params):
+    """`_completions` of the requests run by single steps alone."""
+    ref = make_llm(chain_decode=False)
+    ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while ref.has_unfinished_requests():
+        ref.step()
+    return _completions(ref, ids)
+
+
 @pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
 @pytest.mark.parametrize("kw", [{}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
 def test_the_first_step_starts_the_chain_with_single_step_tokens(kw, threaded):
@@ -127,13 +141,7 @@ def test_a_request_that_cannot_be_in_a_loop_runs_the_step_alone(extra):
     assert llm.chain.state is None and s["chains_from_steps"] == 0 and s["single_steps"] == 1
     while llm.has_unfinished_requests():
         llm.step()
-    ref = make_llm(chain_decode=False)
-    ref_ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    while ref.has_unfinished_requests():
-        ref.step()
-    for r, q in zip(ids, ref_ids, strict=True):
-        got, want = llm.get_output(r).outputs, ref.get_output(q).outputs
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert _completions(llm, ids) == _reference_completions(prompts, params)
 
 
 def test_beam_search_runs_its_prefill_as_a_single_step():
@@ -145,12 +153,8 @@ def test_beam_search_runs_its_prefill_as_a_single_step():
     assert llm.chain.state is None and llm.stats()["chains_from_steps"] == 0
     while llm.has_unfinished_requests():
         llm.step()
-    ref = make_llm(chain_decode=False)
-    ref_beam = ref.add_request(prompts[1], jpaged.BeamSearchParams(beam_width=2, max_tokens=4))
-    while ref.has_unfinished_requests():
-        ref.step()
-    got, want = llm.get_output(beam).outputs, ref.get_output(ref_beam).outputs
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    beam_params = jpaged.BeamSearchParams(beam_width=2, max_tokens=4)
+    assert _completions(llm, [beam]) == _reference_completions(prompts[1:], [beam_params])
 
 
 def test_a_request_outside_the_step_that_would_end_the_chain_keeps_it_a_single_step():
@@ -166,13 +170,7 @@ def test_a_request_outside_the_step_that_would_end_the_chain_keeps_it_a_single_s
     assert len(llm.get_output(ids[1]).outputs[0].token_ids) == 1  # no loop before its step
     while llm.has_unfinished_requests():
         llm.step()
-    ref = make_llm(chain_decode=False)
-    ref_ids = [ref.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    while ref.has_unfinished_requests():
-        ref.step()
-    assert [llm.get_output(r).outputs[0].token_ids for r in ids] == [
-        ref.get_output(r).outputs[0].token_ids for r in ref_ids
-    ]
+    assert _completions(llm, ids) == _reference_completions(prompts, params)
 
 
 def test_a_pool_too_short_for_the_first_loop_runs_the_step_alone(monkeypatch):
